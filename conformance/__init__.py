@@ -1,0 +1,1 @@
+"""Conformance suite: the backend adapter protocol, backend selection and the scenarios."""

@@ -1,0 +1,64 @@
+"""Helpers shared by the torch adapters (names through wrappers, event recording)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch.nn as nn
+
+from conformance.protocol import ShardEvent, submodule
+
+# Path components wrappers insert between a module and its children.
+_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def clean_fqn(fqn: str) -> str:
+    """The original model's FQN for a name seen through FSDP1 wrappers."""
+    return ".".join(part for part in fqn.split(".") if part and part not in _WRAPPER_COMPONENTS)
+
+
+def parent_and_name(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module holding the child at ``fqn`` and the child's attribute name."""
+    parent_fqn, _, name = fqn.rpartition(".")
+    return submodule(model, parent_fqn), name
+
+
+@contextlib.contextmanager
+def record_transitions(
+    watched: Iterable[tuple[str, Any, tuple[str, ...], Callable[[], bool]]],
+) -> Iterator[list[ShardEvent]]:
+    """Record unshard/reshard state changes of backend objects, by unit FQN.
+
+    ``watched`` holds (unit FQN, object, names of its methods that may change the state,
+    probe returning True while unsharded). Each method is shadowed on the instance for the
+    duration; a call that flips the probe appends one event. Calls that change nothing (the
+    backend's no-op re-entries) are not events, so backends that guard differently compare
+    equal.
+    """
+    events: list[ShardEvent] = []
+    patched: list[tuple[Any, str]] = []
+
+    def tracking(unit: str, method: Callable[..., Any], probe: Callable[[], bool]):
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = probe()
+            result = method(*args, **kwargs)
+            after = probe()
+            if after != before:
+                events.append(ShardEvent("unshard" if after else "reshard", unit))
+            return result
+
+        return call
+
+    try:
+        for unit, obj, method_names, probe in watched:
+            for method_name in method_names:
+                setattr(obj, method_name, tracking(unit, getattr(obj, method_name), probe))
+                patched.append((obj, method_name))
+        yield events
+    finally:
+        for obj, method_name in patched:
+            delattr(obj, method_name)  # uncover the class attribute again

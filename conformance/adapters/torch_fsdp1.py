@@ -1,0 +1,211 @@
+"""Adapter for torch FSDP1: ``torch.distributed.fsdp.FullyShardedDataParallel`` (wrapper form).
+
+Its composable form (``torch.distributed._composable.fully_shard``) no longer ships with
+torch, so only the wrapper form is declared. Introspection reads FSDP1 internals
+(``FlatParamHandle``); those capabilities are optional by design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffload,
+    FullStateDictConfig,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    StateDictType,
+)
+from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from conformance.adapters._common import (
+    clean_fqn,
+    parent_and_name,
+    record_transitions,
+)
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    Capability,
+    ShardEvent,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    innermost_first,
+    require,
+    require_all,
+    submodule,
+)
+
+_STRATEGIES = {
+    ShardingStrategy.FULL_SHARD: TorchStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP: TorchStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD: TorchStrategy.NO_SHARD,
+    ShardingStrategy.HYBRID_SHARD: TorchStrategy.HYBRID_SHARD,
+}
+
+_STATE_DICT_TYPES = {
+    StateDictKind.FULL: (StateDictType.FULL_STATE_DICT, FullStateDictConfig()),
+    StateDictKind.SHARDED: (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()),
+}
+
+
+class TorchFSDP1Adapter(BackendAdapter):
+    name = "torch-fsdp1"
+    CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE}
+    UNSUPPORTED_REASONS = {
+        Capability.COMPOSABLE: (
+            "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
+            "from torch; use the torch-fsdp2 backend for fully_shard"
+        ),
+    }
+
+    # -- applying sharding ----------------------------------------------------------------
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        require_all(self, spec.needed_capabilities(form))
+        if spec.check_exec_order:
+            # FSDP1 decides at construction whether to validate the forward order.
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
+        ignored = [submodule(model, fqn) for fqn in spec.ignored_modules]
+        for fqn in innermost_first(spec.manual_units):
+            parent, attr = parent_and_name(model, fqn)
+            setattr(parent, attr, FSDP(submodule(model, fqn), **self._kwargs(spec, fqn, ignored)))
+        if not spec.shard_root:
+            return model
+        kwargs = self._kwargs(spec, "", ignored)
+        if spec.auto_wrap_classes:
+            kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(spec.auto_wrap_classes))
+        return FSDP(model, **kwargs)
+
+    def _kwargs(
+        self, spec: ShardingSpec, unit: str, ignored: list[nn.Module]
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "sharding_strategy": _STRATEGIES[spec.strategy_for(unit)],
+            "use_orig_params": spec.use_orig_params,
+            "cpu_offload": CPUOffload(offload_params=spec.offload_params),
+            # On CPU FSDP1 must be told explicitly; on CUDA this pins the unit to our GPU.
+            "device_id": self.env.device,
+        }
+        if spec.mesh is not None:
+            kwargs["device_mesh"] = spec.mesh
+        if spec.param_dtype is not None:
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=spec.param_dtype)
+        if ignored:
+            kwargs["ignored_modules"] = ignored
+        return kwargs
+
+    # -- unshard ------------------------------------------------------------------------
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        return FSDP.summon_full_params(
+            _wrapped_submodule(model, fqn),
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        )
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        state_dict_type, config = _STATE_DICT_TYPES[kind]
+        with FSDP.state_dict_type(model, state_dict_type, config):
+            return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        state_dict_type, config = _STATE_DICT_TYPES[kind]
+        with FSDP.state_dict_type(model, state_dict_type, config):
+            model.load_state_dict(state_dict)
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
+    ) -> dict[str, Any]:
+        require(self, Capability.OPTIM_STATE_DICT)
+        return get_optimizer_state_dict(model, optim, options=_dcp_options(kind))
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        set_optimizer_state_dict(model, optim, dict(state_dict), options=_dcp_options(kind))
+
+    # -- introspection --------------------------------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        return _holds_unsharded(_handle(_wrapped_submodule(model, unit)))
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        units = {}
+        for fqn, module in model.named_modules():
+            if isinstance(module, FSDP) and module._handle is not None:
+                prefix = clean_fqn(fqn)
+                units[prefix] = [
+                    f"{prefix}.{name}" if prefix else name
+                    for name in module._handle.flat_param._fqns
+                ]
+        return units
+
+    def record_events(
+        self, model: nn.Module
+    ) -> contextlib.AbstractContextManager[list[ShardEvent]]:
+        handles = {
+            clean_fqn(fqn): module._handle
+            for fqn, module in model.named_modules()
+            if isinstance(module, FSDP) and module._handle is not None
+        }
+        return record_transitions(
+            (unit, handle, ("unshard", "reshard"), functools.partial(_holds_unsharded, handle))
+            for unit, handle in handles.items()
+        )
+
+
+def _dcp_options(kind: StateDictKind) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
+
+
+def _wrapped_submodule(model: nn.Module, fqn: str) -> nn.Module:
+    """The module at original FQN ``fqn``, looked up through FSDP wrappers."""
+    for name, module in model.named_modules():
+        if clean_fqn(name) == fqn:
+            return module
+    return submodule(model, fqn)  # raises with the list of names
+
+
+def _holds_unsharded(handle: Any) -> bool:
+    if not handle.uses_sharded_strategy:
+        return True  # NO_SHARD keeps the full parameter at all times
+    return handle.flat_param._full_param_padded.untyped_storage().size() > 0
+
+
+def _handle(module: nn.Module) -> Any:
+    if not isinstance(module, FSDP) or module._handle is None:
+        raise ValueError(f"{type(module).__name__} is not an FSDP1 unit with parameters")
+    return module._handle
+

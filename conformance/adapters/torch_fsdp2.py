@@ -1,0 +1,242 @@
+"""Adapter for torch FSDP2: ``torch.distributed.fsdp.fully_shard`` (composable form).
+
+Strategy mapping: FULL_SHARD / SHARD_GRAD_OP are ``reshard_after_forward`` True / False on a
+1-D mesh; HYBRID_SHARD is the caller's 2-D (replicate, shard) mesh; NO_SHARD is a 2-D mesh
+with every rank its own replica group (shard size 1), which is FSDP2's replicate-only mode.
+Features FSDP2 does not have are declared missing, never emulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from conformance.adapters._common import record_transitions
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    Capability,
+    ShardEvent,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    innermost_first,
+    require,
+    require_all,
+    submodule,
+)
+
+_NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
+
+
+class TorchFSDP2Adapter(BackendAdapter):
+    name = "torch-fsdp2"
+    CAPABILITIES = frozenset(Capability) - {
+        Capability.WRAPPER,
+        Capability.FLAT_PARAMETERS,
+        Capability.EXEC_ORDER_CHECK,
+        Capability.UNSHARD_WRITEBACK,
+        Capability.UNSHARD_RANK0_ONLY,
+        Capability.UNSHARD_OFFLOAD_TO_CPU,
+        Capability.UNSHARD_WITH_GRADS,
+    }
+    UNSUPPORTED_REASONS = {
+        Capability.WRAPPER: "fully_shard has no wrapper form; it changes the module in place",
+        Capability.FLAT_PARAMETERS: "fully_shard always exposes the original parameters (DTensor)",
+        Capability.EXEC_ORDER_CHECK: "fully_shard performs no execution-order validation",
+        Capability.UNSHARD_WRITEBACK: (
+            "changes to parameters unsharded by FSDPModule.unshard() are dropped at reshard"
+        ),
+        Capability.UNSHARD_RANK0_ONLY: _NO_UNSHARD_OPTION,
+        Capability.UNSHARD_OFFLOAD_TO_CPU: _NO_UNSHARD_OPTION,
+        Capability.UNSHARD_WITH_GRADS: _NO_UNSHARD_OPTION,
+    }
+
+    def __init__(self, env: BackendEnv) -> None:
+        super().__init__(env)
+        self._replicate_mesh: DeviceMesh | None = None
+
+    # -- applying sharding ----------------------------------------------------------------
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        require_all(self, spec.needed_capabilities(form))
+        ignored_params = {
+            p for fqn in spec.ignored_modules for p in submodule(model, fqn).parameters()
+        }
+        for fqn in self._unit_fqns(model, spec):
+            fully_shard(submodule(model, fqn), **self._kwargs(spec, fqn, ignored_params))
+        return model
+
+    def _unit_fqns(self, model: nn.Module, spec: ShardingSpec) -> list[str]:
+        if spec.auto_wrap_classes:
+            ignored = tuple(f"{fqn}." for fqn in spec.ignored_modules)
+            units = [
+                fqn
+                for fqn, module in model.named_modules()
+                if fqn
+                and isinstance(module, spec.auto_wrap_classes)
+                and fqn not in spec.ignored_modules
+                and not fqn.startswith(ignored)
+            ]
+        else:
+            units = list(spec.manual_units)
+        ordered = innermost_first(tuple(units))
+        return ordered + [""] if spec.shard_root else ordered
+
+    def _kwargs(
+        self, spec: ShardingSpec, unit: str, ignored_params: set[nn.Parameter]
+    ) -> dict[str, Any]:
+        strategy = spec.strategy_for(unit)
+        kwargs: dict[str, Any] = {
+            "mesh": self._mesh(spec, strategy),
+            "reshard_after_forward": strategy is not ShardingStrategy.SHARD_GRAD_OP,
+            "offload_policy": CPUOffloadPolicy() if spec.offload_params else OffloadPolicy(),
+        }
+        if spec.param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype)
+        if ignored_params:
+            kwargs["ignored_params"] = ignored_params
+        return kwargs
+
+    def _mesh(self, spec: ShardingSpec, strategy: ShardingStrategy) -> DeviceMesh | None:
+        if strategy is not ShardingStrategy.NO_SHARD:
+            return spec.mesh
+        if self._replicate_mesh is None:  # one mesh (one set of groups) for every unit
+            self._replicate_mesh = init_device_mesh(
+                self.env.device.type,
+                (self.env.world_size, 1),
+                mesh_dim_names=("replicate", "shard"),
+            )
+        return self._replicate_mesh
+
+    # -- unshard ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        for wanted, capability in (
+            (writeback, Capability.UNSHARD_WRITEBACK),
+            (rank0_only, Capability.UNSHARD_RANK0_ONLY),
+            (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
+            (with_grads, Capability.UNSHARD_WITH_GRADS),
+        ):
+            if wanted:
+                require(self, capability)
+        target = submodule(model, fqn)
+        if recurse:
+            units = [m for m in target.modules() if isinstance(m, FSDPModule)]
+        else:
+            units = [_fsdp_module(target)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in reversed(units):
+                unit.reshard()
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        return get_model_state_dict(model, options=_dcp_options(kind))
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        set_model_state_dict(model, dict(state_dict), options=_dcp_options(kind))
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
+    ) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optim, options=_dcp_options(kind))
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        set_optimizer_state_dict(model, optim, dict(state_dict), options=_dcp_options(kind))
+
+    # -- introspection --------------------------------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        groups = _param_groups(_fsdp_module(submodule(model, unit)))
+        if not groups:
+            raise ValueError(f"unit {unit!r} manages no parameters")
+        return all(group.is_unsharded for group in groups)
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        module_names = {id(m): name for name, m in model.named_modules()}
+        units = {}
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                units[name] = [
+                    _join(module_names[id(p._module_info.module)], p._module_info.param_name)
+                    for group in _param_groups(module)
+                    for p in group.fsdp_params
+                ]
+        return units
+
+    def record_events(
+        self, model: nn.Module
+    ) -> contextlib.AbstractContextManager[list[ShardEvent]]:
+        return record_transitions(
+            (name, group, ("wait_for_unshard", "reshard"), functools.partial(_is_unsharded, group))
+            for name, module in model.named_modules()
+            if isinstance(module, FSDPModule)
+            for group in _param_groups(module)
+        )
+
+
+def _dcp_options(kind: StateDictKind) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
+
+
+def _fsdp_module(module: nn.Module) -> FSDPModule:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} was not sharded with fully_shard")
+    return module
+
+
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """The module's FSDPParamGroups (a list since torch 2.13, a single optional one before)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def _is_unsharded(group: Any) -> bool:
+    return group.is_unsharded
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

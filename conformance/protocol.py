@@ -1,0 +1,314 @@
+"""The backend adapter protocol: the only way scenarios talk to a sharding backend.
+
+A scenario never imports a backend. It describes *what* to shard with a :class:`ShardingSpec`
+and asks the adapter to apply it, to unshard, to produce or load state dicts, and (where the
+backend allows it) to report what it is doing. Everything a backend may lack is a
+:class:`Capability`; a scenario that needs one calls :func:`require`, which skips the test with
+``unsupported: <capability>: <reason>`` instead of letting it pass silently.
+
+Writing an adapter: see ``docs/writing-an-adapter.md``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class ShardingStrategy(enum.Enum):
+    """Our strategy names; adapters map them onto their backend's own knobs."""
+
+    FULL_SHARD = "FULL_SHARD"  # params, grads, optimizer state sharded; reshard after forward
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"  # like FULL_SHARD but keep params unsharded forward->backward
+    NO_SHARD = "NO_SHARD"  # replicate everything, all-reduce grads (DDP-like)
+    HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a shard group, replicate across groups
+
+
+class ApiForm(enum.Enum):
+    """How sharding is applied: a wrapper module around the model, or in place on the model."""
+
+    WRAPPER = "wrapper"
+    COMPOSABLE = "composable"
+
+
+class StateDictKind(enum.Enum):
+    FULL = "full"  # every rank gets plain, unsharded tensors keyed by the original FQNs
+    SHARDED = "sharded"  # every rank gets DTensors (its shard), keyed by the original FQNs
+
+
+class Capability(enum.Enum):
+    """Features a scenario may need. The value is the text shown in the skip reason."""
+
+    WRAPPER = "wrapper form"
+    COMPOSABLE = "composable form"
+    AUTO_WRAP = "auto-wrap by module class"
+    FULL_SHARD = "strategy FULL_SHARD"
+    SHARD_GRAD_OP = "strategy SHARD_GRAD_OP"
+    NO_SHARD = "strategy NO_SHARD"
+    HYBRID_SHARD = "strategy HYBRID_SHARD"
+    MIXED_PRECISION = "mixed precision param dtype"
+    CPU_OFFLOAD = "parameter CPU offload"
+    IGNORED_MODULES = "ignored modules"
+    FLAT_PARAMETERS = "use_orig_params=False (flat parameters)"
+    UNSHARD = "unshard context"
+    UNSHARD_WRITEBACK = "unshard writeback=True"
+    UNSHARD_RANK0_ONLY = "unshard rank0_only=True"
+    UNSHARD_OFFLOAD_TO_CPU = "unshard offload_to_cpu=True"
+    UNSHARD_NON_RECURSIVE = "unshard recurse=False"
+    UNSHARD_WITH_GRADS = "unshard with_grads=True"
+    FULL_STATE_DICT = "full state dict"
+    SHARDED_STATE_DICT = "sharded state dict"
+    OPTIM_STATE_DICT = "optimizer state dict"
+    EXEC_ORDER_CHECK = "execution order validation"
+    INTROSPECT_UNSHARDED = "introspection: is a unit's storage unsharded"
+    INTROSPECT_UNIT_FQNS = "introspection: FQNs managed by each unit"
+    INTROSPECT_EVENTS = "introspection: unshard/reshard event order"
+
+    @classmethod
+    def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
+        return cls[strategy.name]
+
+    @classmethod
+    def for_form(cls, form: ApiForm) -> Capability:
+        return cls[form.name]
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """What to shard and how, independent of any backend.
+
+    Units: with ``auto_wrap_classes`` every submodule of those classes becomes its own unit;
+    with ``manual_units`` the listed submodules (FQNs from the model root) become units. Then
+    the root is sharded too, unless ``shard_root`` is False (a plain root with sharded
+    children). Units are sharded innermost first, as nesting requires.
+
+    ``mesh``: the DeviceMesh to shard over; None means the default process group. HYBRID_SHARD
+    needs a 2-D mesh whose dims are (replicate, shard): without one a backend may fall back to
+    a topology guess that silently stops syncing gradients across replica groups.
+
+    ``strategy_overrides`` maps a unit FQN ("" is the root) to a strategy for that unit only.
+    """
+
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    auto_wrap_classes: tuple[type[nn.Module], ...] = ()
+    manual_units: tuple[str, ...] = ()
+    shard_root: bool = True
+    mesh: DeviceMesh | None = None
+    param_dtype: torch.dtype | None = None
+    offload_params: bool = False
+    ignored_modules: tuple[str, ...] = ()
+    use_orig_params: bool = True
+    check_exec_order: bool = False
+    strategy_overrides: Mapping[str, ShardingStrategy] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.auto_wrap_classes and self.manual_units:
+            raise ValueError(
+                "ShardingSpec: give auto_wrap_classes or manual_units, not both"
+            )
+        for fqn in self.manual_units:
+            if not fqn:
+                raise ValueError(
+                    "ShardingSpec.manual_units lists submodule FQNs; the root is controlled by "
+                    "shard_root, not by an empty FQN"
+                )
+        for strategy in self.strategies():
+            if strategy is ShardingStrategy.HYBRID_SHARD and (
+                self.mesh is None or self.mesh.ndim != 2
+            ):
+                raise ValueError(
+                    "HYBRID_SHARD needs an explicit 2-D mesh (replicate, shard): pass "
+                    "ShardingSpec(mesh=fixtures.hybrid_mesh(world_size, device))"
+                )
+
+    def strategy_for(self, unit_fqn: str) -> ShardingStrategy:
+        return self.strategy_overrides.get(unit_fqn, self.strategy)
+
+    def strategies(self) -> set[ShardingStrategy]:
+        return {self.strategy, *self.strategy_overrides.values()}
+
+    def needed_capabilities(self, form: ApiForm) -> set[Capability]:
+        """Every capability this spec uses, so an adapter can refuse before touching the model."""
+        needed = {Capability.for_form(form)}
+        needed |= {Capability.for_strategy(s) for s in self.strategies()}
+        if self.auto_wrap_classes:
+            needed.add(Capability.AUTO_WRAP)
+        if self.param_dtype is not None:
+            needed.add(Capability.MIXED_PRECISION)
+        if self.offload_params:
+            needed.add(Capability.CPU_OFFLOAD)
+        if self.ignored_modules:
+            needed.add(Capability.IGNORED_MODULES)
+        if not self.use_orig_params:
+            needed.add(Capability.FLAT_PARAMETERS)
+        if self.check_exec_order:
+            needed.add(Capability.EXEC_ORDER_CHECK)
+        return needed
+
+
+@dataclass(frozen=True)
+class BackendEnv:
+    """Where an adapter runs: the default process group is already initialised."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ShardEvent:
+    """One state change of a sharded unit, named by the unit's FQN from the model root."""
+
+    kind: str  # "unshard" or "reshard"
+    unit: str
+
+
+class BackendAdapter(abc.ABC):
+    """Base class of every adapter. Subclasses set ``name`` and ``CAPABILITIES``.
+
+    Module FQNs in arguments and results are always those of the *original* model (no wrapper
+    prefixes), so a scenario is written once for every backend.
+    """
+
+    name: ClassVar[str]
+    CAPABILITIES: ClassVar[frozenset[Capability]]
+    # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
+    UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
+
+    def __init__(self, env: BackendEnv) -> None:
+        self.env = env
+
+    # -- capabilities -------------------------------------------------------------------
+    def capabilities(self) -> frozenset[Capability]:
+        """Override when support depends on the environment (e.g. the device)."""
+        return self.CAPABILITIES
+
+    def supports(self, capability: Capability) -> bool:
+        return capability in self.capabilities()
+
+    def unsupported_reason(self, capability: Capability) -> str:
+        return self.UNSUPPORTED_REASONS.get(
+            capability, f"the {self.name} adapter does not provide it"
+        )
+
+    def forms(self) -> list[ApiForm]:
+        return [f for f in ApiForm if self.supports(Capability.for_form(f))]
+
+    # -- applying sharding ----------------------------------------------------------------
+    @abc.abstractmethod
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        """Shard ``model`` (already on ``env.device``) and return the module to run.
+
+        The wrapper form returns the root wrapper; the composable form returns ``model``
+        itself (sharded in place). The result's ``parameters()`` are what the optimizer gets.
+        Call ``require_all(self, spec.needed_capabilities(form))`` first.
+        """
+
+    # -- unshard ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> AbstractContextManager[None]:
+        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters.
+
+        Inside, ``named_parameters()`` of the original modules show full tensors under their
+        original names. ``writeback``: changes made inside persist after exit. ``rank0_only``:
+        only rank 0 materialises full parameters. ``offload_to_cpu``: the full parameters live
+        on CPU. ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
+        ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
+        own error (scenarios check those messages).
+        """
+
+    # -- state dicts ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+
+    @abc.abstractmethod
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+
+    @abc.abstractmethod
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
+    ) -> dict[str, Any]:
+        """Optimizer state dict keyed by parameter FQNs."""
+
+    @abc.abstractmethod
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+
+    # -- introspection (optional capabilities) ------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        """Whether the unit rooted at FQN ``unit`` currently holds unsharded parameter storage."""
+        require(self, Capability.INTROSPECT_UNSHARDED)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_UNSHARDED but lacks it")
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        """Unit FQN -> FQNs (from the model root) of the parameters that unit manages."""
+        require(self, Capability.INTROSPECT_UNIT_FQNS)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_UNIT_FQNS but lacks it")
+
+    def record_events(self, model: nn.Module) -> AbstractContextManager[list[ShardEvent]]:
+        """Context yielding a list that fills with every unshard/reshard state change."""
+        require(self, Capability.INTROSPECT_EVENTS)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_EVENTS but lacks it")
+
+
+def require(backend: BackendAdapter, capability: Capability) -> None:
+    """Skip the running test as ``unsupported: <capability>: <reason>`` unless supported.
+
+    Every rank evaluates the same condition, so every rank skips together.
+    """
+    if not backend.supports(capability):
+        pytest.skip(
+            f"unsupported: {capability.value}: {backend.unsupported_reason(capability)}"
+        )
+
+
+def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:
+    for capability in sorted(capabilities, key=lambda c: list(Capability).index(c)):
+        require(backend, capability)
+
+
+def submodule(model: nn.Module, fqn: str) -> nn.Module:
+    """The submodule at ``fqn`` ("" = the model), with an error that lists what exists."""
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        raise ValueError(f"no submodule {fqn!r}; the model has {names}") from None
+
+
+def innermost_first(fqns: tuple[str, ...]) -> list[str]:
+    """Order unit FQNs so a nested unit is sharded before the unit containing it.
+
+    Stable and free of set ordering, so every rank shards (and issues collectives) in the
+    same order.
+    """
+    return sorted(dict.fromkeys(fqns), key=lambda fqn: -(fqn.count(".") + 1) if fqn else 0)

@@ -1,0 +1,114 @@
+"""Backend names -> adapter classes: built-ins, entry points, and ``package.module:attr``.
+
+A *selection* is the string a user passes to ``--backend``; it is also the parametrize value
+and test id, and it is what the rank side turns back into an adapter class with :func:`load`.
+Built-in names win over entry points of the same name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from conformance.protocol import BackendAdapter
+
+ENTRY_POINT_GROUP = "fsdp_conformance.backends"
+ALL = "all"
+DEFAULT = "reference"
+
+BUILTIN: dict[str, str] = {
+    "reference": "conformance.adapters.reference:ReferenceAdapter",
+    "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
+    "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+}
+
+
+class BackendSelectionError(ValueError):
+    """A --backend value that names nothing loadable; the message says what would work."""
+
+
+def _entry_point_targets() -> dict[str, str]:
+    return {
+        ep.name: ep.value
+        for ep in entry_points(group=ENTRY_POINT_GROUP)
+        if ep.name not in BUILTIN
+    }
+
+
+def known_names() -> list[str]:
+    """Every name ``--backend`` accepts besides ``all`` and ``module:attr``."""
+    return [*BUILTIN, *sorted(_entry_point_targets())]
+
+
+def _is_target(selection: str) -> bool:
+    return ":" in selection
+
+
+def select(requested: list[str]) -> list[str]:
+    """Expand ``all``, drop duplicates (keeping order) and check every name exists.
+
+    ``module:attr`` selections are imported right away: the user named code explicitly, so a
+    typo should stop the run before any test starts.
+    """
+    names = known_names()
+    selected: list[str] = []
+    for item in requested:
+        expanded = names if item == ALL else [item]
+        for selection in expanded:
+            if _is_target(selection):
+                load(selection)
+            elif selection not in names:
+                raise BackendSelectionError(
+                    f"unknown backend {selection!r}; known backends: {', '.join(names)} "
+                    f"(or '{ALL}', or an adapter class as 'package.module:attr', or register one "
+                    f"under the entry-point group '{ENTRY_POINT_GROUP}')"
+                )
+            if selection not in selected:
+                selected.append(selection)
+    return selected
+
+
+def target_of(selection: str) -> str:
+    """The ``module:attr`` an accepted selection points to."""
+    if _is_target(selection):
+        return selection
+    target = BUILTIN.get(selection) or _entry_point_targets().get(selection)
+    if target is None:
+        raise BackendSelectionError(
+            f"unknown backend {selection!r}; known backends: {', '.join(known_names())}"
+        )
+    return target
+
+
+def load(selection: str) -> type[BackendAdapter]:
+    """Import the adapter class behind ``selection``, with an error that names the fix."""
+    target = target_of(selection)
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise BackendSelectionError(
+            f"backend {selection!r}: expected 'package.module:attr', got {target!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise BackendSelectionError(
+            f"backend {selection!r} is not available: importing {module_name!r} failed "
+            f"({error}); install the package that provides it or choose another --backend"
+        ) from error
+    try:
+        adapter = getattr(module, attr)
+    except AttributeError:
+        raise BackendSelectionError(
+            f"backend {selection!r}: module {module_name!r} has no attribute {attr!r}"
+        ) from None
+    if not (isinstance(adapter, type) and issubclass(adapter, BackendAdapter)):
+        raise BackendSelectionError(
+            f"backend {selection!r}: {target} is {adapter!r}, not a subclass of "
+            "conformance.protocol.BackendAdapter"
+        )
+    return adapter
+
+
+def expectations_name(selection: str) -> str:
+    """The name whose expectations file applies: the adapter's ``name`` for ``module:attr``."""
+    return load(selection).name if _is_target(selection) else selection

@@ -1,0 +1,110 @@
+"""Flat-parameter layout: where each original parameter lives in the padded flat buffer.
+
+The flat buffer concatenates the unit's original parameters (flattened, in registration order)
+and is padded at the end to a multiple of the shard group size, so each rank owns one equal,
+contiguous chunk.  Everything here is pure index arithmetic: no communication.
+
+2-D extension point: a parameter that is already a tensor-parallel DTensor contributes its
+*local* tensor (`ParamInfo.local_shape`) to the flat buffer; `ParamInfo.tp_spec` keeps the
+(mesh, placements) needed to rebuild the DTensor.  Only the layout sees local shapes, so the
+collective core and the unit stay unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class ParamRef:
+    """One (module, attribute) slot that holds an original parameter."""
+
+    module: nn.Module
+    name: str
+    fqn: str  # relative to the module the engine was applied to (fixed up for the outer root)
+
+
+@dataclass
+class ParamInfo:
+    """An original parameter inside a flat buffer."""
+
+    refs: list[ParamRef]  # the first is the canonical one; more when the parameter is shared
+    shape: torch.Size
+    offset: int
+    numel: int
+    requires_grad: bool
+    tp_spec: Optional[Any] = None  # (DeviceMesh, placements) of a DTensor parameter
+
+    @property
+    def fqn(self) -> str:
+        return self.refs[0].fqn
+
+
+@dataclass
+class FlatLayout:
+    """Layout of one unit's flat buffer for a given shard group size and rank."""
+
+    params: list[ParamInfo]
+    shard_size: int  # ranks the buffer is sharded over
+    shard_rank: int
+    numel: int = field(init=False)  # real elements
+    padded_numel: int = field(init=False)
+    chunk: int = field(init=False)  # elements per rank
+
+    def __post_init__(self) -> None:
+        self.numel = sum(p.numel for p in self.params)
+        self.chunk = -(-self.numel // self.shard_size)
+        self.padded_numel = self.chunk * self.shard_size
+
+    @property
+    def chunk_start(self) -> int:
+        return self.shard_rank * self.chunk
+
+    @property
+    def valid_in_chunk(self) -> int:
+        """How many of this rank's chunk elements are real (the rest is padding)."""
+        return max(0, min(self.chunk, self.numel - self.chunk_start))
+
+    def local_range(self, info: ParamInfo) -> tuple[int, int]:
+        """[start, end) of `info` inside this rank's chunk (empty range when it lies elsewhere)."""
+        start = max(info.offset, self.chunk_start)
+        end = min(info.offset + info.numel, self.chunk_start + self.chunk)
+        if end <= start:
+            return 0, 0
+        return start - self.chunk_start, end - self.chunk_start
+
+    def full_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """`info`'s original-shaped view into an unsharded flat buffer."""
+        return flat[info.offset : info.offset + info.numel].view(info.shape)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(p.fqn for p in self.params)
+
+
+def collect_params(
+    modules: list[tuple[str, nn.Module]],
+) -> list[ParamInfo]:
+    """Turn (prefix, module) pairs into ParamInfos, merging shared parameters into one entry."""
+    by_identity: dict[int, ParamInfo] = {}
+    infos: list[ParamInfo] = []
+    offset = 0
+    for prefix, module in modules:
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            ref = ParamRef(module, name, f"{prefix}{name}")
+            existing = by_identity.get(id(param))
+            if existing is not None:
+                existing.refs.append(ref)
+                continue
+            local = param.to_local() if hasattr(param, "to_local") else param
+            tp_spec = (param.device_mesh, param.placements) if hasattr(param, "to_local") else None
+            info = ParamInfo([ref], local.shape, offset, local.numel(), param.requires_grad, tp_spec)
+            by_identity[id(param)] = info
+            infos.append(info)
+            offset += info.numel
+    return infos

@@ -1,0 +1,100 @@
+"""Which ranks a unit shards over and which it replicates over."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import ShardingStrategy
+
+
+@dataclass
+class Topology:
+    """Process groups of one sharding application.
+
+    `shard_group` is None when each rank holds everything (NO_SHARD, or a shard group of one);
+    `replicate_group` is None when there is nothing to all-reduce across.
+    """
+
+    shard_group: Optional[dist.ProcessGroup]
+    replicate_group: Optional[dist.ProcessGroup]
+    shard_size: int
+    shard_rank: int
+    dp_world_size: int
+    check_group: Optional[dist.ProcessGroup]  # every data-parallel rank; for exec-order checks
+    mesh: Optional[DeviceMesh]  # (shard,) or (replicate, shard); built on demand for DTensors
+
+    def shard_mesh(self, device: torch.device) -> DeviceMesh:
+        """The mesh sharded state dicts are placed on."""
+        if self.mesh is None:
+            group = self.shard_group if self.shard_group is not None else self.check_group
+            self.mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+        return self.mesh
+
+
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group)
+
+
+def build_topology(
+    strategy: ShardingStrategy,
+    device: torch.device,
+    mesh: Optional[DeviceMesh],
+    process_group: Optional[dist.ProcessGroup],
+    shard_group_size: Optional[int],
+) -> Topology:
+    """Resolve the user's mesh / group arguments into shard and replicate groups."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call dist.init_process_group() before sharding"
+        )
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        return _hybrid(device, mesh, shard_group_size)
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{strategy.name} takes a 1-D mesh, got {mesh.ndim}-D; use HYBRID_SHARD for a "
+                "(replicate, shard) mesh"
+            )
+        process_group = mesh.get_group()
+    group = process_group or dist.group.WORLD
+    world = _size(group)
+    if strategy is ShardingStrategy.NO_SHARD or world == 1:
+        return Topology(None, group if world > 1 else None, 1, 0, world, group, mesh)
+    return Topology(group, None, world, dist.get_rank(group), world, group, mesh)
+
+
+def _hybrid(
+    device: torch.device, mesh: Optional[DeviceMesh], shard_group_size: Optional[int]
+) -> Topology:
+    if mesh is None:
+        world = dist.get_world_size()
+        size = shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if size <= 0 or world % size:
+            raise ValueError(
+                f"HYBRID_SHARD cannot split world size {world} into shard groups of {size}: "
+                "pass shard_group_size that divides the world size, or a 2-D DeviceMesh"
+            )
+        mesh = init_device_mesh(
+            device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
+        )
+    elif mesh.ndim != 2:
+        raise ValueError(
+            f"HYBRID_SHARD needs a 2-D (replicate, shard) DeviceMesh, got {mesh.ndim}-D; "
+            "build one with init_device_mesh(device_type, (replicas, shard_size))"
+        )
+    replicate_group, shard_group = mesh.get_group(0), mesh.get_group(1)
+    shard_size, replicas = _size(shard_group), _size(replicate_group)
+    return Topology(
+        shard_group if shard_size > 1 else None,
+        replicate_group if replicas > 1 else None,
+        shard_size,
+        dist.get_rank(shard_group),
+        shard_size * replicas,
+        None,
+        mesh,
+    )

@@ -1,0 +1,17 @@
+"""Warm multi-process pytest harness for distributed (SPMD) tests.
+
+Public API for test authors: the `world_size` and `fresh_world` markers, the rank-side fixtures
+`rank`, `world_size`, `device`, and `rank_fixture` / `RankContext` to add more.
+"""
+from harness.fixtures import RankContext, rank_fixture
+from harness.isolation import current_seed, seed_everything
+
+
+def rank_seed(offset: int = 0) -> int:
+    """A seed that differs per rank, derived from the test's seed, for tests that want it."""
+    import torch.distributed as dist
+
+    return current_seed() + 1000 * dist.get_rank() + offset
+
+
+__all__ = ["RankContext", "current_seed", "rank_fixture", "rank_seed", "seed_everything"]

@@ -1,0 +1,84 @@
+"""Rank-side fixtures: values a distributed test receives by argument name inside each rank.
+
+The parent only knows the names (it registers placeholders so pytest's fixture resolution is
+satisfied); the values are built in the rank, where the device and process group live.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank fixture may look at: who this rank is and what the test was called with."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    params: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+RankFixture = Callable[[RankContext], Any]
+_REGISTRY: dict[str, RankFixture] = {}
+
+
+def rank_fixture(fn: RankFixture | None = None, *, name: str | None = None) -> Any:
+    """Register `fn(ctx)` as the rank-side fixture `name` (default: the function's name).
+
+    A generator function gets teardown after the test, like a pytest yield fixture.
+    """
+
+    def register(func: RankFixture) -> RankFixture:
+        key = name or func.__name__
+        existing = _REGISTRY.get(key)
+        if existing is not None and existing.__qualname__ != func.__qualname__:
+            raise ValueError(f"rank fixture {key!r} is already registered by {existing.__module__}")
+        _REGISTRY[key] = func
+        return func
+
+    return register(fn) if fn is not None else register
+
+
+def registered_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def resolve(names: tuple[str, ...], ctx: RankContext, stack: ExitStack) -> dict[str, Any]:
+    """Build the requested rank fixtures; generator fixtures are finalised when `stack` closes."""
+    values: dict[str, Any] = {}
+    for key in names:
+        try:
+            factory = _REGISTRY[key]
+        except KeyError:
+            raise LookupError(
+                f"rank fixture {key!r} is not registered in this rank: list its module in "
+                "the 'rank_fixture_modules' ini option"
+            ) from None
+        if inspect.isgeneratorfunction(factory):
+            values[key] = stack.enter_context(contextmanager(factory)(ctx))
+        else:
+            values[key] = factory(ctx)
+    return values
+
+
+@rank_fixture
+def rank(ctx: RankContext) -> int:
+    return ctx.rank
+
+
+@rank_fixture
+def world_size(ctx: RankContext) -> int:
+    return ctx.world_size
+
+
+@rank_fixture
+def device(ctx: RankContext) -> torch.device:
+    return ctx.device

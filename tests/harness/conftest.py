@@ -1,0 +1,71 @@
+"""Helpers for the harness self-tests: run an inner pytest session and inspect what it left."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import xmlschema
+
+
+SCHEMA = xmlschema.XMLSchema(str(Path(__file__).with_name("junit.xsd")))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """PIDs whose environment carries `marker`: ranks an inner session failed to clean up."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if marker.encode() in handle.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+class InnerSession:
+    """Runs pytest in a subprocess on a scratch directory, tagged so its ranks can be found."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.marker = f"HARNESS_SELFTEST_{uuid.uuid4().hex}"
+
+    def write(self, name: str, source: str) -> Path:
+        path = self.directory / name
+        path.write_text(source)
+        return path
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "no:cacheprovider",
+                "--rootdir", str(self.directory), "-o", "rank_fixture_modules=", *args]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        env[self.marker] = "1"
+        return env
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.command(*args), cwd=self.directory, env=self.env(), text=True,
+                              capture_output=True, timeout=timeout)
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(self.command(*args), cwd=self.directory, env=self.env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def junit(self, rank: int) -> Path:
+        return self.directory / "reports" / "junit" / f"rank-{rank}.xml"
+
+
+@pytest.fixture
+def inner(tmp_path: Path) -> InnerSession:
+    session = InnerSession(tmp_path)
+    yield session
+    assert leftover_processes(session.marker) == []
