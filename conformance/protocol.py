@@ -184,6 +184,15 @@ class BackendAdapter(abc.ABC):
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = getattr(cls, "CAPABILITIES", None)
+        if declared is not None and not declared & {Capability.WRAPPER, Capability.COMPOSABLE}:
+            raise TypeError(
+                f"{cls.__name__}.CAPABILITIES must include Capability.WRAPPER and/or "
+                "Capability.COMPOSABLE: scenarios need at least one way to apply sharding"
+            )
+
     def __init__(self, env: BackendEnv) -> None:
         self.env = env
 

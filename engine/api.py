@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import state_dict as _state_dict
-from .config import MixedPrecision, ShardingStrategy
+from .config import ShardingStrategy
+from .mixed_precision import MixedPrecision
 from .flat_param import collect_params
 from .state import WRAPPED_ATTR, _managed_by, clean_fqn, make_root, register_hooks, unit_of
 from .topology import Topology, build_topology

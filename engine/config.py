@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
 
 
 class ShardingStrategy(enum.Enum):
@@ -22,10 +18,3 @@ class StateDictKind(enum.Enum):
 
     FULL = "full"
     SHARDED = "sharded"
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute in `param_dtype`; master shards and reduced gradients stay in full precision."""
-
-    param_dtype: Optional[torch.dtype] = None

@@ -8,9 +8,10 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .exec_order import ExecOrderValidator
+from .mixed_precision import cast_floating
 from .unit import ShardedUnit
 
 WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class; hidden in FQNs
@@ -82,7 +83,7 @@ class RootState:
             raise
         unit.install_compute_views()
         if unit.compute_dtype != unit.master_dtype:
-            args, kwargs = _cast_floating((args, kwargs), unit.compute_dtype)
+            args, kwargs = cast_floating((args, kwargs), unit.compute_dtype)
         return args, kwargs
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
@@ -126,12 +127,6 @@ class RootState:
     @property
     def in_compute(self) -> bool:
         return self.phase is not Phase.IDLE
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
-    )
 
 
 def register_hooks(unit: ShardedUnit) -> None:

@@ -1,0 +1,183 @@
+"""Diff per-rank collective traces and name the first collective where ranks disagree.
+
+Collectives are compared per group (same global ranks): the k-th collective each member issued on
+that group must agree on op, label, dtypes and (unless the op allows uneven sizes) shapes, and every
+member must have issued it. Point-to-point ops are matched per direction instead: the k-th send from
+a to b against the k-th receive on b from a (element count and dtype). Calls a fault skipped were
+never issued and are left out. Of all disagreements, the one reached first is reported: the one no
+other precedes, where A precedes B when a rank involved in both reached A earlier in its own trace
+(a rank-local order is all there is; later disagreements are usually consequences of the first).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from harness.trace import CollectiveRecord
+
+__all__ = ["Divergence", "first_divergence", "format_trace_table"]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first disagreement between ranks.
+
+    where: "collective #k on group [..]" or "p2p #k from rank a to rank b"; number: that k.
+    issued: rank -> what it issued at that point; ranks absent from `issued` stopped before it.
+    last: for ranks that stopped, their last call on that group/stream (None: never issued one).
+    """
+
+    where: str
+    number: int
+    issued: dict[int, CollectiveRecord]
+    last: dict[int, CollectiveRecord | None]
+
+    @property
+    def reached_at(self) -> dict[int, int]:
+        """Per involved rank, its trace position at this disagreement (stopped ranks: one past their last)."""
+        positions = {rank: record.index for rank, record in self.issued.items()}
+        positions.update({rank: (record.index + 1 if record is not None else 0)
+                          for rank, record in self.last.items()})
+        return positions
+
+    def precedes(self, other: Divergence) -> bool:
+        """Some rank involved in both reached this one first (it happened earlier on that rank)."""
+        mine, theirs = self.reached_at, other.reached_at
+        return any(mine[rank] < theirs[rank] for rank in mine.keys() & theirs.keys())
+
+    def describe(self) -> str:
+        show_shapes = len({r.shapes for r in self.issued.values()}) > 1 and not any(
+            r.uneven for r in self.issued.values())
+        if self.last:
+            stopped = "; ".join(_describe_stop(rank, last, self.number - 1) for rank, last in sorted(self.last.items()))
+            issued = ", ".join(f"{_ranks([rank])} issued {_describe(record, show_shapes)}"
+                               for rank, record in sorted(self.issued.items()))
+            return f"{self.where}: {stopped} ({issued})"
+        classes: dict[str, list[int]] = {}
+        for rank, record in sorted(self.issued.items()):
+            classes.setdefault(_describe(record, show_shapes), []).append(rank)
+        return f"{self.where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
+
+
+def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> Divergence | None:
+    """The earliest disagreement between the ranks in `world_ranks`, or None when all agree.
+
+    A rank of `world_ranks` missing from `traces` counts as having issued nothing.
+    """
+    members = set(world_ranks)
+    issued = {rank: [r for r in traces.get(rank, []) if not r.skipped] for rank in world_ranks}
+    candidates = [
+        *_group_divergences(issued, members),
+        *_p2p_divergences(issued, members),
+    ]
+    return min(candidates, default=None, key=lambda d: (
+        sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where))
+
+
+def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
+    """A human-readable dump of every rank's trace, one section per rank."""
+    header = ("index", "group", "seq", "op", "label", "numel", "dtypes", "shapes", "status")
+    sections = []
+    for rank in sorted(traces):
+        rows = [header]
+        for record in traces[rank]:
+            where = f"->{record.peer}" if record.is_send else (
+                f"<-{record.peer}" if record.is_p2p else _ranks_list(record.group))
+            status = "done" if record.completed else "NOT RETURNED"
+            if record.skipped:
+                status = "skipped"
+            if record.fault:
+                status += f" (fault: {record.fault})"
+            rows.append((str(record.index), where, str(record.seq), record.op, record.label or "-",
+                         str(record.numel), ",".join(record.dtypes) or "-",
+                         " ".join(_shape(s) for s in record.shapes) or "-", status))
+        widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+        lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+                 for row in rows]
+        sections.append(f"rank {rank}: {len(traces[rank])} collectives\n" + "\n".join(line.rstrip() for line in lines))
+    return "\n\n".join(sections) + "\n"
+
+
+def _group_divergences(issued: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
+    per_group: dict[tuple[int, ...], dict[int, list[CollectiveRecord]]] = {}
+    for rank, records in issued.items():
+        for record in records:
+            if not record.is_p2p:
+                per_group.setdefault(record.group, {}).setdefault(rank, []).append(record)
+    for group, by_rank in per_group.items():
+        ranks = [rank for rank in group if rank in members]
+        sequences = {rank: by_rank.get(rank, []) for rank in ranks}
+        where = f"collective #{{}} on group {_ranks_list(group)}"
+        divergence = _first_difference(sequences, where, _collective_key)
+        if divergence is not None:
+            yield divergence
+
+
+def _p2p_divergences(issued: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
+    streams: dict[tuple[int, int], dict[int, list[CollectiveRecord]]] = {}
+    for rank, records in issued.items():
+        for record in records:
+            if record.is_p2p and record.peer is not None:
+                source, target = (rank, record.peer) if record.is_send else (record.peer, rank)
+                if source != target and source in members and target in members:
+                    streams.setdefault((source, target), {source: [], target: []})[rank].append(record)
+    for (source, target), sequences in streams.items():
+        where = f"p2p #{{}} from rank {source} to rank {target}"
+        divergence = _first_difference(sequences, where, _p2p_key)
+        if divergence is not None:
+            yield divergence
+
+
+def _first_difference(sequences: dict[int, list[CollectiveRecord]], where: str, key) -> Divergence | None:
+    longest = max((len(records) for records in sequences.values()), default=0)
+    for position in range(longest):
+        present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
+        if len(present) < len(sequences):
+            last = {rank: (records[-1] if records else None)
+                    for rank, records in sequences.items() if position >= len(records)}
+            return Divergence(where.format(position), position, present, last)
+        if len({key(record) for record in present.values()}) > 1:
+            return Divergence(where.format(position), position, present, {})
+    return None
+
+
+def _collective_key(record: CollectiveRecord) -> tuple:
+    return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes)
+
+
+def _p2p_key(record: CollectiveRecord) -> tuple:
+    return (record.numel, record.dtypes)
+
+
+def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
+    text = record.op
+    if record.label:
+        text += f" [{record.label}]"
+    if record.dtypes:
+        text += f" {record.numel} {','.join(sorted(set(record.dtypes)))}"
+    if show_shapes:
+        text += " shapes " + " ".join(_shape(s) for s in record.shapes)
+    if record.fault:
+        text += f" (injected fault: {record.fault})"
+    return text
+
+
+def _describe_stop(rank: int, last: CollectiveRecord | None, last_number: int) -> str:
+    if last is None:
+        return f"rank {rank} issued none"
+    text = f"rank {rank} stopped early after #{last_number} {_describe(last, False)}"
+    if not last.completed:
+        text += ", which never returned"
+    return text
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _ranks_list(ranks: Iterable[int]) -> str:
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"

@@ -1,0 +1,81 @@
+"""The conformance plugin end to end, in inner pytest sessions (pytester)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+SCENARIO = """
+import pytest
+
+@pytest.mark.parametrize("mode", ["a"])
+def test_case(backend, mode):
+    assert backend != "torch-fsdp2", "planned failure of fsdp2"
+"""
+
+
+def expect_fsdp2_failure(pytester: pytest.Pytester, backend: str, text: str) -> None:
+    pytester.mkdir("expectations")
+    (pytester.path / "expectations" / f"{backend}.toml").write_text(
+        f'[[expected_failure]]\nscenario = "test_scenario.py::test_case[a]"\n'
+        f'failure = "{text}"\nreason = "tracked upstream"\n'
+    )
+
+
+def run(pytester: pytest.Pytester, *backends: str) -> pytest.RunResult:
+    pytester.makepyfile(test_scenario=SCENARIO)
+    args = ["-p", "conformance.plugin", "-p", "no:cacheprovider", "-rxXf", "-v"]
+    args += ["--expectations-dir", str(pytester.path / "expectations")]
+    for backend in backends:
+        args += ["--backend", backend]
+    return pytester.runpytest(*args)
+
+
+def test_backend_leads_the_test_id(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "torch-fsdp1", "reference")
+    result.stdout.fnmatch_lines(["*test_case[[]torch-fsdp1-a[]] PASSED*", "*test_case[[]reference-a[]] PASSED*"])
+    result.stdout.fnmatch_lines(["conformance backends: torch-fsdp1, reference"])
+
+
+def test_default_backend_is_reference(pytester: pytest.Pytester) -> None:
+    run(pytester).stdout.fnmatch_lines(["*test_case[[]reference-a[]] PASSED*"])
+
+
+def test_all_selects_every_builtin(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "all")
+    result.assert_outcomes(passed=2, failed=1)
+
+
+def test_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = run(pytester, "torch-fsdp9")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown backend 'torch-fsdp9'; known backends: reference, torch-fsdp1, torch-fsdp2*"])
+
+
+def test_expected_failure_xfails(pytester: pytest.Pytester) -> None:
+    expect_fsdp2_failure(pytester, "torch-fsdp2", "planned failure")
+    result = run(pytester, "torch-fsdp1", "torch-fsdp2")
+    result.assert_outcomes(passed=1, xfailed=1)
+    result.stdout.fnmatch_lines(["*XFAIL*test_case[[]torch-fsdp2-a[]]*expected-fail: tracked upstream*"])
+
+
+def test_unexpected_pass_fails(pytester: pytest.Pytester) -> None:
+    expect_fsdp2_failure(pytester, "torch-fsdp1", "planned failure")
+    result = run(pytester, "torch-fsdp1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*unexpected pass: test_scenario.py::test_case[[]a[]]*"])
+
+
+def test_unexpected_failure_text_stays_a_failure(pytester: pytest.Pytester) -> None:
+    expect_fsdp2_failure(pytester, "torch-fsdp2", "some other error")
+    result = run(pytester, "torch-fsdp2")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*failed differently*", "*planned failure of fsdp2*"])
+
+
+def test_reference_expectations_are_refused(pytester: pytest.Pytester) -> None:
+    expect_fsdp2_failure(pytester, "reference", "anything")
+    result = run(pytester, "reference")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*reference backend may not have expected failures*"])

@@ -1,0 +1,87 @@
+"""Warm ranks are reused, yet each test starts from the state a fresh process would give it."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("isolation")
+
+
+@pytest.mark.world_size(2)
+def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
+    (shared_dir / f"pid-{rank}").write_text(str(os.getpid()))
+    (shared_dir / f"seeded-{rank}").write_text(repr(torch.rand(3).tolist()))
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    warnings.simplefilter("error")
+    os.environ["HARNESS_ISOLATION_PROBE"] = "1"
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=group)
+    torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    os.chdir(shared_dir)
+
+
+@pytest.mark.world_size(2)
+def test_2_state_is_back_to_fresh(rank: int, shared_dir: Path) -> None:
+    assert (shared_dir / f"pid-{rank}").read_text() == str(os.getpid()), "the warm rank was not reused"
+    assert repr(torch.rand(3).tolist()) == (shared_dir / f"seeded-{rank}").read_text()
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.is_grad_enabled()
+    assert dist.get_debug_level() == dist.DebugLevel.OFF
+    warnings.warn("must not raise", UserWarning)
+    assert "HARNESS_ISOLATION_PROBE" not in os.environ
+    assert os.getcwd() != str(shared_dir)
+    assert len(torch.distributed.distributed_c10d._world.pg_map) == 1  # only the default group is left
+    group = dist.new_group([0, 1])  # group creation still works after the cleanup
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor, group=group)
+    assert tensor.item() == 2
+
+
+@pytest.mark.world_size(2)
+def test_3_same_seed_on_every_rank_unless_asked(rank: int, world_size: int) -> None:
+    gathered = [torch.empty(4) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.rand(4))
+    assert torch.equal(gathered[0], gathered[1])
+    assert harness.rank_seed() != harness.rank_seed() - 1000 * rank or rank == 0
+    torch.manual_seed(harness.rank_seed())
+    dist.all_gather(gathered, torch.rand(4))
+    assert not torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.fresh_world
+def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
+    assert (shared_dir / f"pid-{rank}").read_text() != str(os.getpid())
+
+
+@pytest.mark.world_size([1, 2])
+@pytest.mark.parametrize("label", ["a", "b"])
+def test_parametrize_and_world_size_lists_combine(rank: int, world_size: int, device: torch.device,
+                                                  label: str) -> None:
+    assert label in ("a", "b")
+    assert dist.get_world_size() == world_size and dist.get_rank() == rank
+    assert device.type in ("cpu", "cuda")
+
+
+class TestClassesWork:
+    @pytest.mark.world_size(2)
+    def test_method(self, rank: int) -> None:
+        assert isinstance(self, TestClassesWork)
+        assert rank in (0, 1)
+
+
+@pytest.mark.world_size(2)
+def test_skip_on_every_rank_is_a_skip(rank: int) -> None:
+    pytest.skip("unsupported: demo capability")

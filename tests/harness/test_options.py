@@ -1,0 +1,73 @@
+"""Bad input fails at once with an error that names the fix; devices are chosen as documented."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import InnerSession
+from harness.devices import plan_devices
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("world_size(0)", "world_size must be >= 1, got 0"),
+    ("world_size('two')", "world_size must be an int or a list of ints, got 'two'"),
+    ("world_size([])", "world_size list is empty"),
+    ("world_size(2, 4)", "use @pytest.mark.world_size(N)"),
+])
+def test_bad_world_size_marker(inner: InnerSession, marker: str, message: str) -> None:
+    inner.write("test_bad.py", f"import pytest\n@pytest.mark.{marker}\ndef test_x(rank):\n    pass\n")
+    result = inner.run("-q")
+    assert result.returncode != 0
+    assert message in result.stdout, result.stdout
+
+
+def test_unknown_device(inner: InnerSession) -> None:
+    result = inner.run("--device", "tpu")
+    assert result.returncode == 4
+    assert "invalid choice: 'tpu'" in result.stderr and "'cpu'" in result.stderr
+
+
+def test_unwritable_reports_dir(inner: InnerSession) -> None:
+    blocker = inner.write("a_file", "")
+    result = inner.run("--reports-dir", str(blocker / "sub"))
+    assert result.returncode == 4
+    assert "is not writable" in result.stderr and "--reports-dir" in result.stderr
+
+
+def test_non_positive_timeout(inner: InnerSession) -> None:
+    result = inner.run("--collective-timeout", "0")
+    assert result.returncode == 4
+    assert "--collective-timeout must be a positive number" in result.stderr
+
+
+def test_unpicklable_argument_is_explained(inner: InnerSession) -> None:
+    inner.write("test_lock.py", "import threading, pytest\n"
+                "@pytest.mark.world_size(1)\n@pytest.mark.parametrize('lock', [threading.Lock()])\n"
+                "def test_x(rank, lock):\n    pass\n")
+    result = inner.run("-q")
+    assert "argument 'lock' of test_lock.py::test_x" in result.stdout and "cannot be sent to the ranks" in result.stdout
+
+
+def test_cuda_demanded_without_gpus_is_a_skip_with_reason(inner: InnerSession) -> None:
+    inner.write("test_gpu.py", "import pytest\n@pytest.mark.world_size(4)\ndef test_x(rank):\n    pass\n")
+    result = inner.run("--device", "cuda", "-rs")
+    if plan_devices("cuda", 4).kind is not None:
+        pytest.skip("this machine has 4 GPUs: the skip path cannot be observed here")
+    assert "1 skipped" in result.stdout
+    assert "needs 4 GPUs, found" in result.stdout
+
+
+def test_device_plan() -> None:
+    assert plan_devices("cpu", 8).kind == "cpu"
+    assert plan_devices("cpu", 8).comm_backend == "gloo"
+    auto = plan_devices("auto", 1)
+    assert auto.kind in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="use one of auto, cpu, cuda"):
+        plan_devices("gpu", 2)
+
+
+def test_non_distributed_tests_and_junitxml_are_untouched(inner: InnerSession) -> None:
+    inner.write("test_plain.py", "def test_plain():\n    assert True\n")
+    result = inner.run("-q", "--junitxml", "parent.xml")
+    assert "1 passed" in result.stdout
+    assert (inner.directory / "parent.xml").exists()
+    assert not inner.junit(0).exists()

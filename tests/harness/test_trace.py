@@ -1,0 +1,213 @@
+"""harness.trace: trace file format, labels, and real collectives traced in 2 spawned gloo ranks.
+
+`spawn_ranks` / `read_traces` are also used by test_divergence.py and test_faults.py.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness import trace
+from harness.divergence import first_divergence
+from harness.trace import CollectiveRecord
+
+
+def spawn_ranks(body: Callable[..., None], tmp_path: Path, *args, world_size: int = 2,
+                timeout_s: float = 10.0) -> dict[int, list[CollectiveRecord]]:
+    """Run `body(rank, world_size, out_dir, *args)` on `world_size` gloo ranks with tracing on;
+    return every rank's trace. Rank failures propagate as torch.multiprocessing exceptions."""
+    mp.spawn(_rank_main, args=(world_size, body, str(tmp_path), timeout_s, args), nprocs=world_size)
+    return read_traces(tmp_path, world_size)
+
+
+def read_traces(directory: Path, world_size: int) -> dict[int, list[CollectiveRecord]]:
+    return {rank: trace.read_trace(str(directory / f"trace-{rank}.jsonl")) for rank in range(world_size)}
+
+
+def _rank_main(rank: int, world_size: int, body: Callable[..., None], out_dir: str, timeout_s: float,
+               args: tuple) -> None:
+    store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    trace.install()
+    trace.begin_test(os.path.join(out_dir, f"trace-{rank}.jsonl"))
+    try:
+        body(rank, world_size, out_dir, *args)
+    finally:
+        trace.end_test()
+    dist.destroy_process_group()
+
+
+def record(index: int, op: str = "all_reduce") -> CollectiveRecord:
+    return CollectiveRecord(rank=0, index=index, seq=index, op=op, group=(0, 1), shapes=((2, 3),),
+                            dtypes=("float32",), numel=6, label="block.0")
+
+
+# ----------------------------------------------------------------------------- file format
+
+def test_read_trace_keeps_whole_lines_marks_completion_and_ignores_a_cut_last_line(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    first, second = record(0), record(1, op="broadcast")
+    path.write_text(first.to_json() + "\n" + '{"done":0}\n' + second.to_json() + "\n" + '{"rank":0,"ind')
+    records = trace.read_trace(str(path))
+    assert [r.op for r in records] == ["all_reduce", "broadcast"]
+    assert records[0].completed and not records[1].completed
+    assert records[0].shapes == ((2, 3),) and records[0].group == (0, 1) and records[0].label == "block.0"
+
+
+def test_read_trace_rejects_a_corrupt_line_before_the_end(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("garbage\n" + record(0).to_json() + "\n")
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: corrupt trace line"):
+        trace.read_trace(str(path))
+
+
+def test_record_json_round_trips_optional_fields():
+    original = CollectiveRecord(rank=1, index=4, seq=0, op="isend", group=(0, 1), shapes=((3,),),
+                                dtypes=("int64",), numel=3, label="", peer=0, uneven=True,
+                                fault="rank 1: skip collective #0", skipped=True)
+    assert CollectiveRecord.from_json(json.loads(original.to_json())) == original
+
+
+# ---------------------------------------------------------------------------------- labels
+
+class Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+
+
+class Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Inner(), Inner()])
+        self._fsdp_wrapped_module = Inner()
+
+
+def test_module_label_is_the_innermost_fqn_relative_to_the_outermost_module():
+    outer = Outer()
+    assert trace._module_label([outer, outer.blocks[1], outer.blocks[1].proj]) == "blocks.1.proj"
+    assert trace._module_label([outer]) == ""
+    assert trace._module_label([]) == ""
+
+
+def test_module_label_drops_wrapper_segments_and_names_foreign_modules_by_type():
+    outer = Outer()
+    assert trace._module_label([outer, outer._fsdp_wrapped_module.proj]) == "proj"
+    stranger = Inner()
+    assert trace._module_label([outer, stranger, stranger.proj]) == "Inner.proj"
+
+
+def test_known_ops_fold_aliases_into_canonical_names():
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "funcol.all_gather", "broadcast"} <= trace.KNOWN_OPS
+    assert not {"all_gather_single", "_all_gather_base", "reduce_scatter_single"} & trace.KNOWN_OPS
+
+
+# ------------------------------------------------------------------------ real collectives
+
+class AllReduceLayer(torch.nn.Module):
+    """A layer whose forward issues a collective, to check module labels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+
+def _assorted_collectives(rank: int, world_size: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    import torch.distributed._functional_collectives as funcol
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), AllReduceLayer())
+    model(torch.ones(1, 3))                                               # 0 all_reduce [1]
+    gathered = torch.empty(2 * 4)
+    dist.all_gather_into_tensor(gathered, torch.ones(4))                 # 1 one record, not two
+    dist.all_gather_object([None] * world_size, {"rank": rank})         # 2 one record
+    singletons = [dist.new_group([r]) for r in range(world_size)]
+    dist.all_reduce(torch.ones(2), group=singletons[rank])               # 3 group (rank,), seq 0
+    remove = trace.register_label_provider(lambda: "from provider")
+    dist.broadcast(torch.ones(5), src=0)                                 # 4 label from provider
+    remove()
+    mesh = init_device_mesh("cpu", (world_size,))
+    funcol.all_reduce(torch.ones(3), "sum", mesh).wait()                 # 5 funcol.all_reduce
+    distribute_tensor(torch.ones(6), mesh, [Replicate()])                # 6 broadcast (early-bound)
+    peer = 1 - rank
+    works = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]   # 7, 8
+    for work in works:
+        work.wait()
+    dist.all_reduce(torch.ones(1), async_op=True).wait()                 # 9
+
+
+def test_real_collectives_are_recorded_once_each_with_groups_seqs_and_labels(tmp_path):
+    traces = spawn_ranks(_assorted_collectives, tmp_path)
+    for rank in (0, 1):
+        records = traces[rank]
+        assert [r.op for r in records] == [
+            "all_reduce", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
+            "funcol.all_reduce", "broadcast", "isend", "irecv", "all_reduce"]
+        assert [r.index for r in records] == list(range(10))
+        assert all(r.completed and r.rank == rank for r in records)
+        world = [r for r in records if r.group == (0, 1) and not r.is_p2p]
+        assert [r.seq for r in world] == list(range(len(world)))
+        assert records[0].label == "1" and records[0].shapes == ((1, 3),)
+        assert records[1].shapes == ((4,),) and records[1].numel == 4
+        assert records[3].group == (rank,) and records[3].seq == 0
+        assert records[4].label == "from provider" and records[5].label == ""
+        assert records[7].peer == 1 - rank and records[8].peer == 1 - rank
+        assert (records[7].seq, records[8].seq) == (0, 0)
+    assert first_divergence(traces, [0, 1]) is None
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = torch.nn.Linear(4, 4)
+        self.layer2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(x))
+
+
+def _fsdp2_step(rank: int, world_size: int, out_dir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    fully_shard(model.layer1)
+    fully_shard(model.layer2)
+    fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_module_labels(tmp_path):
+    traces = spawn_ranks(_fsdp2_step, tmp_path)
+    ops = [(r.op, r.label) for r in traces[0]]
+    assert ops[:2] == [("all_gather_into_tensor", "layer1"), ("all_gather_into_tensor", "layer2")]
+    assert [op for op, _ in ops].count("reduce_scatter_tensor") == 2
+    assert first_divergence(traces, [0, 1]) is None
+
+
+def _fsdp1_step(rank: int, world_size: int, out_dir: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(TinyNet(), device_id=torch.device("cpu"),
+                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def test_fsdp1_flat_parameter_collectives_are_traced_with_unwrapped_labels(tmp_path):
+    traces = spawn_ranks(_fsdp1_step, tmp_path)
+    forward_gathers = [r.label for r in traces[0] if r.op.startswith("all_gather")][:3]
+    assert forward_gathers == ["layer1", "layer2.0", "layer2.2"]
+    assert any(r.op == "reduce_scatter_tensor" for r in traces[0])
+    assert first_divergence(traces, [0, 1]) is None
