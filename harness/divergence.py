@@ -46,8 +46,9 @@ class Divergence:
         return any(mine[rank] < theirs[rank] for rank in mine.keys() & theirs.keys())
 
     def describe(self) -> str:
-        show_shapes = len({r.shapes for r in self.issued.values()}) > 1 and not any(
-            r.uneven for r in self.issued.values())
+        records = self.issued.values()
+        # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
+        show_shapes = (len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1)
         if self.last:
             stopped = "; ".join(_describe_stop(rank, last, self.number - 1) for rank, last in sorted(self.last.items()))
             issued = ", ".join(f"{_ranks([rank])} issued {_describe(record, show_shapes)}"

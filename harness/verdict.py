@@ -15,6 +15,7 @@ class Verdict:
     outcome: Outcome
     message: str
     pool_reusable: bool
+    divergence: str = ""
 
 
 def rank_status(result: RankResult) -> str:
@@ -27,8 +28,13 @@ def rank_summary(result: RankResult) -> str:
     return result.summary
 
 
-def decide(results: dict[int, RankResult]) -> Verdict:
+def decide(results: dict[int, RankResult], divergence: str | None = None,
+           divergence_expected: bool = False) -> Verdict:
     """All ranks must agree: one failing rank fails the test; ranks disagreeing on a skip fail it too.
+
+    A divergence between the ranks' collective traces fails a test that would otherwise pass
+    (silent corruption is the bug) unless the test declared it expected; it is added to the
+    text of a test that failed anyway, expected or not, since it usually explains the failure.
 
     The pool may be reused only when every rank answered and all report the same sync state
     (collectives issued on the default group, groups created): then nothing is left half-done.
@@ -37,6 +43,11 @@ def decide(results: dict[int, RankResult]) -> Verdict:
     answered = [r for r in results.values() if isinstance(r, RankOutcome)]
     reusable = len(answered) == len(results) and len({r.sync_state for r in answered}) == 1
     distinct = set(statuses.values())
+    if divergence and not (divergence_expected and "failed" not in distinct):
+        heading = f"ranks issued divergent collectives: {divergence}"
+        if distinct == {"passed"}:
+            return Verdict("failed", heading, reusable, heading)
+        return Verdict("failed", f"{failure_text(results)}\n\n{heading}", reusable, heading)
     if distinct == {"passed"}:
         return Verdict("passed", "", reusable)
     if distinct in ({"skipped"}, {"xfailed"}):

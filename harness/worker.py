@@ -6,32 +6,22 @@ after each test, so output survives even a rank that dies.
 """
 from __future__ import annotations
 
-import ast
 import ctypes
 import faulthandler
-import importlib
-import importlib.util
 import os
 import signal
 import sys
-import time
-import traceback
-from contextlib import ExitStack
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from harness import fixtures
 from harness.devices import rank_device
-from harness.isolation import TestIsolation
 from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
+from harness.runner import TestRunner
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,54 +56,6 @@ class _OutputCapture:
         os.ftruncate(2, 0)
 
 
-def _import_test_module(name: str, file: str) -> ModuleType:
-    """Import a test module with pytest's assertion rewriting, as the parent did."""
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == file:
-        return module
-    package = name.rpartition(".")[0]
-    if package:
-        importlib.import_module(package)
-    source = Path(file).read_bytes()
-    tree = ast.parse(source, filename=file)
-    try:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        rewrite_asserts(tree, source, file)
-    except ImportError:
-        pass  # plain asserts still fail, only with less detail
-    code = compile(tree, file, "exec", dont_inherit=True)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None, f"cannot build an import spec for {file}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        exec(code, module.__dict__)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def _resolve_callable(task: TestTask) -> Callable[..., Any]:
-    obj: Any = _import_test_module(task.module_name, task.module_file)
-    for part in task.qualname.split("."):
-        obj = getattr(obj, part)
-        if isinstance(obj, type):
-            obj = obj()  # a test class: methods run on a fresh instance, as in pytest
-    return obj
-
-
-def _format_failure(error: BaseException) -> str:
-    """Traceback without the worker's own frames: the user's code is what matters."""
-    frames = traceback.extract_tb(error.__traceback__)
-    keep = [i for i, frame in enumerate(frames) if frame.filename != __file__]
-    tb = error.__traceback__
-    for _ in range(keep[0] if keep else 0):
-        tb = tb.tb_next if tb is not None else None
-    return "".join(traceback.format_exception(type(error), error, tb))
-
-
 class RankWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -124,7 +66,8 @@ class RankWorker:
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         self.device = rank_device(config.device_kind, config.local_rank)
         self._join_world()
-        self.isolation = TestIsolation()
+        self.runner = TestRunner(config.rank, config.world_size, config.local_rank, self.device,
+                                 config.rank_fixture_modules, config.label_providers, self.files.trace)
 
     def _join_world(self) -> None:
         cfg = self.config
@@ -146,44 +89,9 @@ class RankWorker:
         if sys.path != task.sys_path:
             sys.path[:] = task.sys_path
         self.capture.reset()
-        started = time.perf_counter()
-        status, summary, failure = "passed", "", ""
-        self.isolation.enter(task.seed)
-        try:
-            with ExitStack() as teardown:
-                for module in self.config.rank_fixture_modules:
-                    importlib.import_module(module)
-                test = _resolve_callable(task)
-                ctx = fixtures.RankContext(
-                    rank=self.config.rank,
-                    world_size=self.config.world_size,
-                    local_rank=self.config.local_rank,
-                    device=self.device,
-                    params=task.params,
-                    options=task.options,
-                )
-                kwargs = dict(task.call_kwargs)
-                kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
-                test(**kwargs)
-        except pytest.skip.Exception as skip:
-            status, summary = "skipped", skip.msg
-        except pytest.xfail.Exception as xfail:
-            status, summary = "xfailed", xfail.msg
-        except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
-            status = "failed"
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            summary = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-            failure = _format_failure(error)
-        sync_state = self.isolation.exit()
+        outcome = self.runner.run(task)
         self.capture.flush()
-        return RankOutcome(
-            rank=self.config.rank,
-            status=status,  # type: ignore[arg-type]
-            duration_s=time.perf_counter() - started,
-            summary=summary,
-            traceback=failure,
-            sync_state=sync_state,
-        )
+        return outcome
 
 
 def main() -> None:

@@ -1,0 +1,100 @@
+"""torchrun / multi-node mode: this pytest process is one rank, and every rank runs the same
+selection in lockstep.
+
+torchrun (or SLURM + torchrun) launches the world; we do not build a launcher. Each rank's
+pytest collects the same tests, runs each distributed body itself, then all ranks exchange
+their outcomes and traces over a separate gloo group, so every rank reaches the same verdict:
+a failure on one rank fails that test everywhere instead of leaving the others hanging.
+Each rank writes its own `rank-<r>.xml`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.devices import DevicePlan, plan_devices, rank_device
+from harness.messages import TestTask
+from harness.pool import RankLoss, RankResult
+from harness.runner import TestRunner
+from harness.session import Execution, HarnessSession, _read_trace
+from harness.trace import CollectiveRecord
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class LockstepSession(HarnessSession):
+    def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
+        super().__init__(config, rank_fixture_modules, reports_dir)
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.device_plan = plan_devices(self.options.device, local_world)
+        if self.device_plan.kind is None:
+            raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
+        device = rank_device(self.device_plan.kind, local_rank)
+        timeout = timedelta(seconds=self.options.collective_timeout)
+        kwargs = {}
+        if self.device_plan.kind == "cuda":
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        if not dist.is_initialized():
+            dist.init_process_group(self.device_plan.comm_backend, init_method="env://", timeout=timeout, **kwargs)
+        # Outcomes travel on their own gloo group: the default one may be wedged by the test.
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.trace_path = os.path.join(tempfile.mkdtemp(prefix="fsdp-harness-lockstep-"), "trace")
+        self.runner = TestRunner(self.rank, self.world_size, local_rank, device, rank_fixture_modules,
+                                 self.label_providers, self.trace_path)
+        self.unusable_since: str | None = None
+
+    def ranks_reported(self, world_size: int) -> range:
+        return range(self.rank, self.rank + 1)
+
+    def plan(self, world_size: int) -> DevicePlan:
+        if world_size != self.world_size:
+            return DevicePlan(None, f"needs world size {world_size}; this torchrun world has {self.world_size} ranks")
+        return self.device_plan
+
+    def summary(self) -> str:
+        return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
+
+    def check_same_selection(self, nodeids: list[str]) -> None:
+        """Ranks that collected different tests would pair the wrong bodies: refuse to start."""
+        digest = hashlib.sha256("\n".join(nodeids).encode()).hexdigest()
+        digests: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(digests, digest, group=self.control)
+        if len(set(digests)) != 1:
+            raise pytest.UsageError(
+                "ranks collected different tests (" + ", ".join(f"rank {r}: {d[:8]}" for r, d in
+                                                                enumerate(digests) if d) +
+                "); run the same pytest command and the same checkout on every node")
+
+    def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
+        if self.unusable_since is not None:
+            pytest.fail(f"the torchrun world is unusable since {self.unusable_since} left a collective "
+                        "unfinished; relaunch to run the remaining tests", pytrace=False)
+        outcome = self.runner.run(task)
+        records = _read_trace(self.trace_path)
+        gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, (outcome, records), group=self.control)
+        except RuntimeError as error:
+            self.unusable_since = item.nodeid
+            lost = f"did not reach the end of the test within --collective-timeout ({error})"
+            results: dict[int, RankResult] = {r: RankLoss(r, lost) for r in range(self.world_size)}
+            results[self.rank] = outcome
+            return Execution(results, {}, {self.rank: records})
+        results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}
+        traces = {rank: entry[1] for rank, entry in enumerate(gathered) if entry is not None}
+        if any(not record.completed for trace in traces.values() for record in trace):
+            self.unusable_since = item.nodeid
+        return Execution(results, {}, traces)

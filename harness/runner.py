@@ -1,0 +1,133 @@
+"""Runs one test body inside a rank: the part shared by warm workers and torchrun lockstep mode.
+
+It imports the test module (with pytest's assertion rewriting), resolves rank fixtures, wraps the
+body in per-test isolation and the collective trace, and turns whatever happened into a
+`RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+import time
+import traceback
+from contextlib import ExitStack
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from harness import faults, fixtures, trace
+from harness.isolation import TestIsolation
+from harness.messages import RankOutcome, TestTask
+
+
+def import_test_module(name: str, file: str) -> ModuleType:
+    """Import a test module with pytest's assertion rewriting, as the parent did."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == file:
+        return module
+    package = name.rpartition(".")[0]
+    if package:
+        importlib.import_module(package)
+    source = Path(file).read_bytes()
+    tree = ast.parse(source, filename=file)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, file)
+    except ImportError:
+        pass  # plain asserts still fail, only with less detail
+    code = compile(tree, file, "exec", dont_inherit=True)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None, f"cannot build an import spec for {file}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve_callable(task: TestTask) -> Callable[..., Any]:
+    obj: Any = import_test_module(task.module_name, task.module_file)
+    for part in task.qualname.split("."):
+        obj = getattr(obj, part)
+        if isinstance(obj, type):
+            obj = obj()  # a test class: methods run on a fresh instance, as in pytest
+    return obj
+
+
+def format_failure(error: BaseException) -> str:
+    """Traceback without the runner's own frames: the user's code is what matters."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def load_label_providers(specs: tuple[str, ...]) -> None:
+    """Register `module:attr` callables that name the unit behind each collective."""
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        try:
+            provider = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise RuntimeError(f"collective label provider {spec!r} cannot be loaded ({error}); "
+                               "fix the 'collective_label_providers' ini option") from error
+        trace.register_label_provider(provider)
+
+
+class TestRunner:
+    """Executes tasks for one rank; holds what must persist across tests (isolation baseline)."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device,
+                 rank_fixture_modules: tuple[str, ...], label_providers: tuple[str, ...],
+                 trace_path: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.rank_fixture_modules = rank_fixture_modules
+        self.trace_path = trace_path
+        trace.install()
+        load_label_providers(label_providers)
+        self.isolation = TestIsolation()
+
+    def run(self, task: TestTask) -> RankOutcome:
+        started = time.perf_counter()
+        status, summary, failure = "passed", "", ""
+        self.isolation.enter(task.seed)
+        trace.begin_test(self.trace_path)
+        try:
+            with ExitStack() as teardown:
+                for module in self.rank_fixture_modules:
+                    importlib.import_module(module)
+                test = resolve_callable(task)
+                ctx = fixtures.RankContext(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                                           device=self.device, params=task.params, options=task.options)
+                kwargs = dict(task.call_kwargs)
+                kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
+                test(**kwargs)
+        except pytest.skip.Exception as skip:
+            status, summary = "skipped", skip.msg
+        except pytest.xfail.Exception as xfail:
+            status, summary = "xfailed", xfail.msg
+        except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
+            status = "failed"
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            summary = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+            failure = format_failure(error)
+        finally:
+            trace.end_test()
+            injected = faults.active_faults()
+            faults.clear()
+        sync_state = self.isolation.exit()
+        return RankOutcome(rank=self.rank, status=status,  # type: ignore[arg-type]
+                           duration_s=time.perf_counter() - started, summary=summary, traceback=failure,
+                           sync_state=sync_state, injected_faults=injected)
