@@ -77,7 +77,7 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
 
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     """A human-readable dump of every rank's trace, one section per rank."""
-    header = ("index", "group", "seq", "op", "label", "numel", "dtypes", "shapes", "status")
+    header = ("index", "group/peer", "seq", "op", "label", "numel", "dtypes", "shapes", "status")
     sections = []
     for rank in sorted(traces):
         rows = [header]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import sys
 import tempfile
 import types
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 
 from harness import fixtures, hookspecs, lockstep
 from harness.devices import DEVICE_CHOICES
-from harness.session import HarnessSession, PoolSession
+from harness.session import REPRO_CACHE_KEY, HarnessSession, PoolSession
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 
@@ -38,6 +39,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed")
     group.addoption("--straggler-grace", type=float, default=5.0,
                     help="seconds the other ranks get to finish once one rank has failed")
+    group.addoption("--repro", metavar="NODEID", default=None,
+                    help="re-run a distributed test that failed earlier with the same seed, world size, device, "
+                         "timeouts and backend, and print its collective traces")
+    group.addoption("--show-traces", action="store_true",
+                    help="print every rank's collective trace after each distributed test")
     group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
     parser.addini("rank_fixture_modules", type="linelist", default=[],
                   help="modules that register rank-side fixtures with harness.rank_fixture")
@@ -46,6 +52,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.option.repro:
+        _reexec_repro(config, config.option.repro)
     config.addinivalue_line("markers", "world_size(n): run the test body on n ranks (an int, or a list to "
                                        "parametrize over world sizes)")
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
@@ -72,6 +80,32 @@ def pytest_configure(config: pytest.Config) -> None:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
     atexit.register(session.kill_all)
+
+
+def _reexec_repro(config: pytest.Config, nodeid: str) -> None:
+    """Replace this process with the recorded command of an earlier failure of `nodeid`."""
+    cache = getattr(config, "cache", None)
+    recorded = cache.get(REPRO_CACHE_KEY, {}) if cache is not None else {}
+    if nodeid not in recorded:
+        known = "\n  ".join(sorted(recorded)) or "(none: run the suite first; needs the cacheprovider plugin)"
+        raise pytest.UsageError(f"--repro: no recorded failure of {nodeid!r}; failures recorded:\n  {known}")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    os.chdir(config.rootpath)
+    os.execv(sys.executable, [sys.executable, "-m", "pytest", *_session_args(config.invocation_params.args),
+                              *recorded[nodeid], "--show-traces", "-rA"])
+
+
+def _session_args(args: tuple[str, ...]) -> list[str]:
+    """The invocation's plugin and ini arguments (-p, -c, -o, --rootdir), which a re-run needs too."""
+    kept: list[str] = []
+    for index, arg in enumerate(args):
+        if arg in ("-p", "-c", "-o", "--rootdir") and index + 1 < len(args):
+            kept += [arg, args[index + 1]]
+        elif arg.startswith(("--rootdir=", "-p", "-o", "-c")) and arg not in ("-p", "-o", "-c"):
+            kept.append(arg)
+    return kept
 
 
 def _register_placeholders(config: pytest.Config) -> None:

@@ -28,6 +28,7 @@ from harness.trace import CollectiveRecord, read_trace
 from harness.verdict import Verdict, decide
 
 _PICKLABLE_OPTION_TYPES = (str, int, float, bool, type(None))
+REPRO_CACHE_KEY = "harness/repro"
 _CAPTURE_LIMIT = 1 << 20
 
 
@@ -109,6 +110,10 @@ class HarnessSession:
         self.after_test(item, execution, verdict)
         if divergence is not None or verdict.outcome == "failed":
             self._write_trace(item, execution.traces, divergence)
+        if self.options.show_traces:
+            sys.stdout.write(f"--- collective traces ---\n{format_trace_table(execution.traces)}\n")
+        if verdict.outcome == "failed":
+            self._remember_repro(item)
         self._report(item, suite, execution, verdict)
 
     def _task(self, item: pytest.Function, params: dict[str, Any]) -> TestTask:
@@ -183,13 +188,26 @@ class HarnessSession:
             classname += "." + rest.rsplit("::", 1)[0].replace("::", ".")
         return CaseRecord(classname, item.name, duration, status, message, text, stdout, stderr)
 
-    def repro_line(self, item: pytest.Function) -> str:
+    def repro_args(self, item: pytest.Function) -> list[str]:
+        """The pytest arguments that re-run exactly this test: node id, device, seed, timeouts, backend."""
         opts = self.options
-        args = [sys.executable, "-m", "pytest", item.nodeid, f"--device={opts.device}", f"--seed={opts.seed}",
+        args = [item.nodeid, f"--device={opts.device}", f"--seed={opts.seed}",
                 f"--collective-timeout={opts.collective_timeout:g}", f"--test-timeout={opts.test_timeout:g}"]
         for extra in item.config.hook.pytest_harness_repro_args(item=item):
             args.extend(extra)
-        return f"REPRO: cd {shlex.quote(str(item.config.rootpath))} && {shlex.join(args)}"
+        return args
+
+    def repro_line(self, item: pytest.Function) -> str:
+        command = [sys.executable, "-m", "pytest", *self.repro_args(item)]
+        return (f"REPRO: cd {shlex.quote(str(item.config.rootpath))} && {shlex.join(command)}"
+                f"  (or: pytest --repro {shlex.quote(item.nodeid)})")
+
+    def _remember_repro(self, item: pytest.Function) -> None:
+        cache = getattr(self.config, "cache", None)
+        if cache is not None:
+            recorded = cache.get(REPRO_CACHE_KEY, {})
+            recorded[item.nodeid] = self.repro_args(item)
+            cache.set(REPRO_CACHE_KEY, recorded)
 
 
 class PoolSession(HarnessSession):

@@ -260,7 +260,8 @@ class CollectiveCall:
     def output_tensors(self, result: Any) -> list[torch.Tensor]:
         """The tensors this collective wrote, given `issue()`'s result; waits for async work first."""
         if self._spec.functional:
-            return _flatten_tensors(result)
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+            return [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in _flatten_tensors(result)]
         if self.async_op and result is not None:
             result.wait()
         return _flatten_tensors(*(self._params.get(name) for name in self._spec.outputs))
@@ -544,14 +545,14 @@ def _c10d_group_ranks(group: Any) -> tuple[int, ...] | None:
 
 def _funcol_group_ranks(group: Any) -> tuple[int, ...] | None:
     """Global ranks of a functional-collective group argument, without creating any group."""
-    if isinstance(group, list):
-        if group and isinstance(group[0], list):  # MPMD: the row holding this rank
+    if isinstance(group, tuple) and len(group) == 2 and not isinstance(group[0], int):  # (DeviceMesh, dim)
+        mesh, dim = group
+        return _c10d_group_ranks(mesh.get_group(dim))
+    if isinstance(group, (list, tuple)):
+        if group and isinstance(group[0], (list, tuple)):  # MPMD: the row holding this rank
             me = dist.get_rank()
             return next((tuple(row) for row in group if me in row), None)
         return tuple(group)
-    if isinstance(group, tuple) and len(group) == 2:  # (DeviceMesh, mesh dim)
-        mesh, dim = group
-        return _c10d_group_ranks(mesh.get_group(dim))
     if isinstance(group, str):
         ranks = _group_ranks_cache.get(group)
         if ranks is None:

@@ -42,8 +42,9 @@ class InnerSession:
         path.write_text(source)
         return path
 
-    def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "no:cacheprovider",
+    def command(self, *args: str, cache: bool = False) -> list[str]:
+        no_cache = [] if cache else ["-p", "no:cacheprovider"]
+        return [sys.executable, "-m", "pytest", "-p", "harness.plugin", *no_cache,
                 "--rootdir", str(self.directory), "-o", "rank_fixture_modules=", *args]
 
     def env(self) -> dict[str, str]:
@@ -52,8 +53,8 @@ class InnerSession:
         env[self.marker] = "1"
         return env
 
-    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(*args), cwd=self.directory, env=self.env(), text=True,
+    def run(self, *args: str, timeout: float = 600, cache: bool = False) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.command(*args, cache=cache), cwd=self.directory, env=self.env(), text=True,
                               capture_output=True, timeout=timeout)
 
     def popen(self, *args: str) -> subprocess.Popen[str]:

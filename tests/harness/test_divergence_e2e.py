@@ -125,3 +125,15 @@ def test_every_divergence_names_its_first_collective(inner: InnerSession) -> Non
     assert "rank 0 all_reduce [layer1] 36 float32 vs rank 1 all_reduce [layer2]" in junit
     # Each divergence costs at most one collective timeout plus the grace; a pool restart follows.
     assert elapsed < 6 * (COLLECTIVE_TIMEOUT + 15) + 60, elapsed
+
+
+def test_repro_reruns_a_failure_and_prints_traces(inner: InnerSession) -> None:
+    inner.write("test_divergent.py", DIVERGENT)
+    first = inner.run("-q", "--seed=77", "-k", "same_shape_swap", cache=True)
+    assert "1 failed" in first.stdout, first.stdout
+    assert "pytest --repro test_divergent.py::test_same_shape_swap" in first.stdout
+    again = inner.run("--repro", "test_divergent.py::test_same_shape_swap", cache=True)
+    assert "1 failed" in again.stdout, again.stdout + again.stderr
+    assert "--seed=77" in again.stdout  # the recorded seed came back
+    assert "--- collective traces ---" in again.stdout and "rank 1: 2 collectives" in again.stdout
+    assert re.search(EXPECTED["test_same_shape_swap"], again.stdout)

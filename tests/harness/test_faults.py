@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 from harness import faults
@@ -39,28 +40,31 @@ def test_active_faults_lists_injected_faults_until_clear():
 
 
 def _skip_then_corrupt(rank: int, world_size: int, out_dir: str) -> None:
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    with faults.inject(rank=0, at=0, action="skip"), faults.inject(rank=1, at=0, action="skip"):
+        skipped = torch.ones(3)
+        work = dist.all_reduce(skipped, async_op=True)   # neither rank issues it: nobody waits
+    assert work.is_completed() and work.wait()
+    torch.testing.assert_close(skipped, torch.ones(3))
     faults.inject(rank=1, at=1, action="corrupt", op="all_reduce", delta=10.0)
-    if rank == 0:
-        with faults.inject(rank=0, at=0, action="skip"):
-            work = dist.all_reduce(torch.ones(3), group=solo, async_op=True)
-        assert work.is_completed()
     first, second = torch.ones(2), torch.ones(2)
     dist.all_reduce(first)
     dist.all_reduce(second)
-    assert faults.active_faults() == (
-        ["rank 1: corrupt all_reduce collective #1 (output += 10)", "rank 0: skip collective #0"][: 1 + (rank == 0)])
+    assert faults.active_faults() == ["rank 0: skip collective #0", "rank 1: skip collective #0",
+                                      "rank 1: corrupt all_reduce collective #1 (output += 10)"]
     torch.testing.assert_close(first, torch.full((2,), 2.0))
     torch.testing.assert_close(second, torch.full((2,), 12.0 if rank == 1 else 2.0))
+    faults.inject(rank=0, at=0, action="corrupt", op="funcol.all_reduce")
+    reduced = funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD)
+    torch.testing.assert_close(funcol.wait_tensor(reduced), torch.full((2,), 3.0 if rank == 0 else 2.0))
 
 
 def test_skip_is_recorded_and_corrupt_changes_only_the_faulty_rank(tmp_path):
     traces = spawn_ranks(_skip_then_corrupt, tmp_path)
-    skipped = traces[0][0]
-    assert skipped.group == (0,) and skipped.skipped and skipped.fault == "rank 0: skip collective #0"
-    corrupted = traces[1][-1]
-    assert corrupted.op == "all_reduce" and corrupted.fault.startswith("rank 1: corrupt")
-    assert [r.fault for r in traces[1][:-1]] == [""]
+    for rank in (0, 1):
+        skipped = traces[rank][0]
+        assert skipped.skipped and skipped.fault == f"rank {rank}: skip collective #0"
+    assert [r.fault for r in traces[1][1:]] == ["", "rank 1: corrupt all_reduce collective #1 (output += 10)", ""]
+    assert traces[0][-1].op == "funcol.all_reduce" and traces[0][-1].fault.startswith("rank 0: corrupt")
     assert first_divergence(traces, [0, 1]) is None   # same calls on the wire; only data differs
 
 

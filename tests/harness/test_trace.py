@@ -106,6 +106,21 @@ def test_module_label_drops_wrapper_segments_and_names_foreign_modules_by_type()
     assert trace._module_label([outer, stranger, stranger.proj]) == "Inner.proj"
 
 
+def test_install_is_idempotent_and_reaches_early_imported_references():
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.tensor._collective_utils as dtensor_collectives
+
+    trace.install()
+    wrapped = dist.all_reduce
+    trace.install()
+    assert trace.is_installed() and dist.all_reduce is wrapped and wrapped.__trace_original__ is not None
+    assert dist.distributed_c10d.all_reduce is wrapped
+    assert dtensor_collectives.broadcast is dist.broadcast and hasattr(dist.broadcast, "__trace_original__")
+    assert hasattr(funcol.all_gather_tensor, "__trace_original__")
+    dynamo_remap_key = getattr(funcol, "legacy_allgather", None)  # must stay the original for Dynamo
+    assert dynamo_remap_key is None or not hasattr(dynamo_remap_key, "__trace_original__")
+
+
 def test_known_ops_fold_aliases_into_canonical_names():
     assert {"all_gather_into_tensor", "reduce_scatter_tensor", "funcol.all_gather", "broadcast"} <= trace.KNOWN_OPS
     assert not {"all_gather_single", "_all_gather_base", "reduce_scatter_single"} & trace.KNOWN_OPS
@@ -122,9 +137,8 @@ class AllReduceLayer(torch.nn.Module):
 
 
 def _assorted_collectives(rank: int, world_size: int, out_dir: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
     import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor._collective_utils import mesh_broadcast  # bound broadcast early
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), AllReduceLayer())
     model(torch.ones(1, 3))                                               # 0 all_reduce [1]
@@ -136,9 +150,9 @@ def _assorted_collectives(rank: int, world_size: int, out_dir: str) -> None:
     remove = trace.register_label_provider(lambda: "from provider")
     dist.broadcast(torch.ones(5), src=0)                                 # 4 label from provider
     remove()
-    mesh = init_device_mesh("cpu", (world_size,))
-    funcol.all_reduce(torch.ones(3), "sum", mesh).wait()                 # 5 funcol.all_reduce
-    distribute_tensor(torch.ones(6), mesh, [Replicate()])                # 6 broadcast (early-bound)
+    funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()    # 5 funcol.all_reduce
+    assert mesh_broadcast.__globals__["broadcast"].__trace_original__     # 6 broadcast (early-bound)
+    mesh_broadcast.__globals__["broadcast"](torch.ones(6), src=0)
     peer = 1 - rank
     works = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]   # 7, 8
     for work in works:
