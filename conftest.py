@@ -1,2 +1,2 @@
 """Root conftest: load the harness and the conformance plugins when pytest runs from the repo."""
-pytest_plugins = ["harness.plugin"]
+pytest_plugins = ["harness.plugin", "conformance.plugin"]

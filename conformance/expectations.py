@@ -3,14 +3,14 @@
 ``conformance/expectations/<backend>.toml`` lists the scenarios a backend is known to fail::
 
     [[expected_failure]]
-    scenario = "conformance/test_runtime.py::test_training[manual-HYBRID_SHARD-ws2]"
+    scenario = "conformance/test_runtime.py::test_training[ws2-manual-HYBRID_SHARD]"
     failure = "diverge from the single-process oracle"   # must appear in the failure text
     reason = "HYBRID_SHARD with 1-rank shard groups stops syncing gradients"
     link = "https://github.com/pytorch/pytorch/issues/..."   # optional
 
 A *scenario id* is the pytest node id with the backend's part removed from the parameter id:
-``conformance/test_runtime.py::test_training[torch-fsdp2-auto-FULL_SHARD-ws2]`` is scenario
-``conformance/test_runtime.py::test_training[auto-FULL_SHARD-ws2]`` of backend ``torch-fsdp2``;
+``conformance/test_runtime.py::test_training[torch-fsdp2-ws2-auto-FULL_SHARD]`` is scenario
+``conformance/test_runtime.py::test_training[ws2-auto-FULL_SHARD]`` of backend ``torch-fsdp2``;
 a test parametrized by the backend alone has the bare function id.
 
 Outcomes: a listed scenario that fails with the recorded text becomes xfail
@@ -20,14 +20,9 @@ it); one that fails differently stays a failure. The reference backend may list 
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, packaged separately
-    import tomli as tomllib
 
 EXPECTATIONS_DIR = Path(__file__).parent / "expectations"
 NO_EXPECTATIONS_ALLOWED = frozenset({"reference"})

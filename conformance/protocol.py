@@ -42,7 +42,9 @@ class ApiForm(enum.Enum):
 
 class StateDictKind(enum.Enum):
     FULL = "full"  # every rank gets plain, unsharded tensors keyed by the original FQNs
-    SHARDED = "sharded"  # every rank gets DTensors (its shard), keyed by the original FQNs
+    # Every rank gets its shard of each tensor, keyed by the original FQNs, in the backend's
+    # sharded tensor type: DTensor (FSDP2; FSDP1 given a mesh) or ShardedTensor (FSDP1).
+    SHARDED = "sharded"
 
 
 class Capability(enum.Enum):
@@ -69,6 +71,7 @@ class Capability(enum.Enum):
     SHARDED_STATE_DICT = "sharded state dict"
     OPTIM_STATE_DICT = "optimizer state dict"
     EXEC_ORDER_CHECK = "execution order validation"
+    TENSOR_PARALLEL = "2-D: sharding a model whose parameters are tensor-parallel DTensors"
     INTROSPECT_UNSHARDED = "introspection: is a unit's storage unsharded"
     INTROSPECT_UNIT_FQNS = "introspection: FQNs managed by each unit"
     INTROSPECT_EVENTS = "introspection: unshard/reshard event order"
@@ -95,7 +98,8 @@ class ShardingSpec:
     needs a 2-D mesh whose dims are (replicate, shard): without one a backend may fall back to
     a topology guess that silently stops syncing gradients across replica groups.
 
-    ``strategy_overrides`` maps a unit FQN ("" is the root) to a strategy for that unit only.
+    ``strategy_overrides`` maps the root ("") or a manual unit's FQN to a strategy for that
+    unit only (auto-wrapped units all share ``strategy``).
     """
 
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -121,6 +125,12 @@ class ShardingSpec:
                     "ShardingSpec.manual_units lists submodule FQNs; the root is controlled by "
                     "shard_root, not by an empty FQN"
                 )
+        stray = set(self.strategy_overrides) - {"", *self.manual_units}
+        if stray:
+            raise ValueError(
+                f"ShardingSpec.strategy_overrides names {sorted(stray)}, which are not units: "
+                "override the root ('') or FQNs listed in manual_units"
+            )
         for strategy in self.strategies():
             if strategy is ShardingStrategy.HYBRID_SHARD and (
                 self.mesh is None or self.mesh.ndim != 2
@@ -175,8 +185,9 @@ class ShardEvent:
 class BackendAdapter(abc.ABC):
     """Base class of every adapter. Subclasses set ``name`` and ``CAPABILITIES``.
 
-    Module FQNs in arguments and results are always those of the *original* model (no wrapper
-    prefixes), so a scenario is written once for every backend.
+    Every ``model`` argument is the module :meth:`shard` returned. Module FQNs in arguments
+    and results are always those of the *original* model (no wrapper prefixes), so a scenario
+    is written once for every backend.
     """
 
     name: ClassVar[str]
@@ -237,13 +248,18 @@ class BackendAdapter(abc.ABC):
     ) -> AbstractContextManager[None]:
         """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters.
 
-        Inside, ``named_parameters()`` of the original modules show full tensors under their
-        original names. ``writeback``: changes made inside persist after exit. ``rank0_only``:
-        only rank 0 materialises full parameters. ``offload_to_cpu``: the full parameters live
-        on CPU. ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
+        Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
+        tensors (names through :meth:`original_fqn`). ``writeback``: changes made inside
+        persist after exit. ``rank0_only``: only rank 0 materialises full parameters.
+        ``offload_to_cpu``: the full parameters live on CPU. ``recurse=False``: only the unit
+        at ``fqn`` is unsharded, not units nested in it.
         ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
         own error (scenarios check those messages).
         """
+
+    def original_fqn(self, name: str) -> str:
+        """The original model's FQN for a name seen on a sharded model (wrappers add parts)."""
+        return name
 
     # -- state dicts ----------------------------------------------------------------------
     @abc.abstractmethod

@@ -139,7 +139,7 @@ def register_hooks(unit: ShardedUnit) -> None:
         unit.root.post_forward(unit, output)
 
     unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    unit.module.register_forward_hook(post_hook)
+    unit.module.register_forward_hook(post_hook, always_call=True)  # also when forward raises
     _unit_of_module[unit.module] = unit
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import collectives
-from .config import StateDictKind
+from .config import ShardingStrategy, StateDictKind
 from .flat_param import ParamInfo
 from .state import WRAPPED_ATTR, RootState, root_of, unit_of
 from .unit import ShardedUnit
@@ -28,11 +28,14 @@ def set_state_dict_type(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
 ) -> None:
-    """Choose what `module.state_dict()` returns for the sharded root `module`."""
-    root = _root(module)
-    root.state_dict_kind = kind
-    root.state_dict_rank0_only = rank0_only
-    root.state_dict_offload_to_cpu = offload_to_cpu
+    """Choose what `module.state_dict()` returns for every sharded root in `module`."""
+    roots = {id(r): r for r in (root_of(m) for m in module.modules()) if r is not None}
+    if not roots:
+        roots = {0: _root(module)}
+    for root in roots.values():
+        root.state_dict_kind = kind
+        root.state_dict_rank0_only = rank0_only
+        root.state_dict_offload_to_cpu = offload_to_cpu
 
 
 def _root(module: nn.Module) -> RootState:
@@ -61,7 +64,7 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor) -> DTensor:
     topology = unit.topology
     mesh = topology.shard_mesh(unit.device)
     full = full.to(unit.device)
-    if topology.shard_size == 1 or full.dim() == 0:
+    if unit.strategy is ShardingStrategy.NO_SHARD or full.dim() == 0:
         placements: list[Any] = [Replicate()] * mesh.ndim
         local = full.clone()
     else:

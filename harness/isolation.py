@@ -37,6 +37,14 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
 
 
+def _clear_dtensor_caches() -> None:
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: no such cache to clear
+        return
+    _clear_sharding_prop_cache()
+
+
 class TestIsolation:
     """Snapshot taken once per worker; `enter` before and `exit` after every test."""
 
@@ -64,6 +72,7 @@ class TestIsolation:
         self._stack.close()
         for group in [g for g in c10d._world.pg_map if g not in self._groups_before]:
             dist.destroy_process_group(group)
+        _clear_dtensor_caches()  # a new mesh equal to a destroyed one must not resolve to its dead groups
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
             mesh_resources.mesh_stack.clear()

@@ -9,10 +9,25 @@ from typing import Any
 
 import torch.nn as nn
 
-from conformance.protocol import ShardEvent, submodule
+from conformance.protocol import BackendAdapter, Capability, ShardEvent, submodule
 
 # Path components wrappers insert between a module and its children.
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+CPU_OFFLOAD_NEEDS_ACCELERATOR = (
+    "torch offloads parameters only from an accelerator; on a CPU device it raises "
+    "'Cannot access accelerator device when none is available'"
+)
+
+
+class TorchAdapter(BackendAdapter):
+    """Capabilities common to the torch adapters: parameter offload needs an accelerator."""
+
+    def capabilities(self) -> frozenset[Capability]:
+        if self.env.device.type == "cpu":
+            return self.CAPABILITIES - {Capability.CPU_OFFLOAD}
+        return self.CAPABILITIES
 
 
 def clean_fqn(fqn: str) -> str:

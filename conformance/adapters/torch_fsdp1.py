@@ -32,13 +32,14 @@ from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from conformance.adapters._common import (
+    CPU_OFFLOAD_NEEDS_ACCELERATOR,
+    TorchAdapter,
     clean_fqn,
     parent_and_name,
     record_transitions,
 )
 from conformance.protocol import (
     ApiForm,
-    BackendAdapter,
     Capability,
     ShardEvent,
     ShardingSpec,
@@ -63,10 +64,12 @@ _STATE_DICT_TYPES = {
 }
 
 
-class TorchFSDP1Adapter(BackendAdapter):
+class TorchFSDP1Adapter(TorchAdapter):
     name = "torch-fsdp1"
+    # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE}
     UNSUPPORTED_REASONS = {
+        Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
         Capability.COMPOSABLE: (
             "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
             "from torch; use the torch-fsdp2 backend for fully_shard"
@@ -128,6 +131,9 @@ class TorchFSDP1Adapter(BackendAdapter):
             offload_to_cpu=offload_to_cpu,
             with_grads=with_grads,
         )
+
+    def original_fqn(self, name: str) -> str:
+        return clean_fqn(name)
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
@@ -201,7 +207,9 @@ def _wrapped_submodule(model: nn.Module, fqn: str) -> nn.Module:
 def _holds_unsharded(handle: Any) -> bool:
     if not handle.uses_sharded_strategy:
         return True  # NO_SHARD keeps the full parameter at all times
-    return handle.flat_param._full_param_padded.untyped_storage().size() > 0
+    # Allocated lazily at the first forward: absent means never unsharded.
+    padded = getattr(handle.flat_param, "_full_param_padded", None)
+    return padded is not None and padded.untyped_storage().size() > 0
 
 
 def _handle(module: nn.Module) -> Any:

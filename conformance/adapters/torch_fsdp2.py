@@ -31,10 +31,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from conformance.adapters._common import record_transitions
+from conformance.adapters._common import (
+    CPU_OFFLOAD_NEEDS_ACCELERATOR,
+    TorchAdapter,
+    record_transitions,
+)
 from conformance.protocol import (
     ApiForm,
-    BackendAdapter,
     BackendEnv,
     Capability,
     ShardEvent,
@@ -50,8 +53,9 @@ from conformance.protocol import (
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
 
 
-class TorchFSDP2Adapter(BackendAdapter):
+class TorchFSDP2Adapter(TorchAdapter):
     name = "torch-fsdp2"
+    # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
         Capability.WRAPPER,
         Capability.FLAT_PARAMETERS,
@@ -62,6 +66,7 @@ class TorchFSDP2Adapter(BackendAdapter):
         Capability.UNSHARD_WITH_GRADS,
     }
     UNSUPPORTED_REASONS = {
+        Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
         Capability.WRAPPER: "fully_shard has no wrapper form; it changes the module in place",
         Capability.FLAT_PARAMETERS: "fully_shard always exposes the original parameters (DTensor)",
         Capability.EXEC_ORDER_CHECK: "fully_shard performs no execution-order validation",
@@ -121,6 +126,11 @@ class TorchFSDP2Adapter(BackendAdapter):
     def _mesh(self, spec: ShardingSpec, strategy: ShardingStrategy) -> DeviceMesh | None:
         if strategy is not ShardingStrategy.NO_SHARD:
             return spec.mesh
+        if spec.mesh is not None:
+            raise ValueError(
+                "torch-fsdp2 adapter: NO_SHARD replicates over the whole world on a mesh of "
+                "its own; leave ShardingSpec.mesh unset for NO_SHARD units"
+            )
         if self._replicate_mesh is None:  # one mesh (one set of groups) for every unit
             self._replicate_mesh = init_device_mesh(
                 self.env.device.type,

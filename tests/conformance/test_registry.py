@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def third_party(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
-def adapter_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def adapter_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An importable module holding an adapter class and a non-adapter attribute."""
     (tmp_path / "my_backend.py").write_text(textwrap.dedent("""
         from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter

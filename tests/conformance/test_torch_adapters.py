@@ -6,7 +6,6 @@ be the backend's and not the adapter's.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -15,13 +14,14 @@ import fixtures
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.protocol import (
+    ApiForm,
     BackendAdapter,
     BackendEnv,
-    Capability,
     ShardEvent,
     ShardingSpec,
     StateDictKind,
 )
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 ADAPTERS = [TorchFSDP1Adapter, TorchFSDP2Adapter]
@@ -71,7 +71,7 @@ def test_unshard_exposes_full_parameters(adapter_cls, rank, world_size, device) 
     adapter, model, sharded = make(adapter_cls, rank, world_size, device)
     reference = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
     with adapter.unshard(sharded, writeback=False):
-        seen = dict(model.named_parameters())
+        seen = {adapter.original_fqn(n): p for n, p in sharded.named_parameters()}
         for name, expected in reference.named_parameters():
             torch.testing.assert_close(seen[name].detach(), expected.detach(), msg=name)
 
@@ -87,7 +87,7 @@ def test_state_dicts_round_trip(adapter_cls, rank, world_size, device) -> None:
         torch.testing.assert_close(full[name], value, msg=name)
     sharded_sd = adapter.state_dict(sharded, StateDictKind.SHARDED)
     assert sharded_sd.keys() == expected.keys()
-    assert isinstance(sharded_sd["unit2.inp.weight"], DTensor)
+    assert isinstance(sharded_sd["unit2.inp.weight"], (DTensor, ShardedTensor))
 
     other_model = fixtures.build(fixtures.CompositeModel, 1, device, dim=8)
     other = adapter.shard(other_model, MANUAL, adapter.forms()[0])
@@ -111,12 +111,17 @@ def test_optimizer_state_dict_keys_are_fqns(adapter_cls, rank, world_size, devic
 
 
 @pytest.mark.world_size(2)
-def test_fsdp2_declares_what_it_lacks(rank, world_size, device) -> None:
-    adapter = TorchFSDP2Adapter(BackendEnv(rank, world_size, device))
+def test_missing_features_skip_with_reason(rank, world_size, device) -> None:
+    fsdp2 = TorchFSDP2Adapter(BackendEnv(rank, world_size, device))
     model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
-    for capability in (Capability.WRAPPER, Capability.EXEC_ORDER_CHECK, Capability.UNSHARD_RANK0_ONLY):
-        assert not adapter.supports(capability)
-        assert adapter.unsupported_reason(capability) != ""
     with pytest.raises(pytest.skip.Exception, match="unsupported: wrapper form: fully_shard has no wrapper"):
-        adapter.shard(model, MANUAL, adapter_form := list(TorchFSDP1Adapter(adapter.env).forms())[0])
-    assert adapter_form.value == "wrapper"
+        fsdp2.shard(model, MANUAL, ApiForm.WRAPPER)
+    with pytest.raises(pytest.skip.Exception, match="unsupported: unshard rank0_only=True"):
+        with fsdp2.unshard(model, writeback=False, rank0_only=True):
+            pass
+    fsdp1 = TorchFSDP1Adapter(BackendEnv(rank, world_size, device))
+    assert fsdp1.forms() == [ApiForm.WRAPPER] and fsdp2.forms() == [ApiForm.COMPOSABLE]
+    offload = ShardingSpec(offload_params=True)
+    if device.type == "cpu":
+        with pytest.raises(pytest.skip.Exception, match="unsupported: parameter CPU offload"):
+            fsdp1.shard(model, offload, ApiForm.WRAPPER)

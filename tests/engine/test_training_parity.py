@@ -1,0 +1,120 @@
+"""Training parity: the engine on per-rank batches vs one plain model on the global batch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+from engine import MixedPrecision, ShardingStrategy
+
+STRATEGIES = list(ShardingStrategy)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(100, 100)
+        self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(100, 100), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.proj(x))
+
+
+class Net(nn.Module):
+    """Root-level parameters plus two blocks: units at two nesting levels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(100, 100)
+        self.b1 = Block()
+        self.b2 = Block()
+        self.head = nn.Parameter(torch.randn(100, 7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.b2(self.b1(self.embed(x))) @ self.head).relu()
+
+
+def shard(model: nn.Module, api: str, auto: bool, world_size: int, **options) -> nn.Module:
+    if options.get("strategy") is ShardingStrategy.HYBRID_SHARD:
+        options["shard_group_size"] = max(1, world_size // 2)
+    if api == "wrapper":
+        if auto:
+            return engine.ShardedModule(model, auto_wrap_classes={Block}, **options)
+        model.b2 = engine.ShardedModule(model.b2, **options)
+        return engine.ShardedModule(model, **options)
+    if auto:
+        return engine.fully_shard(model, auto_wrap_classes={Block}, **options)
+    engine.fully_shard(model.b2, **options)
+    return engine.fully_shard(model, **options)
+
+
+def train_both(local, model, rank, world_size, device, iters=5):
+    local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1234)
+    for step in range(iters):
+        batch = torch.randn(world_size, 2, 100, generator=generator).to(device)
+        local_optim.zero_grad()
+        (local(batch.view(-1, 100)).sum() / world_size).backward()
+        local_optim.step()
+        optim.zero_grad(set_to_none=step % 2 == 0)
+        model(batch[rank]).sum().backward()
+        optim.step()
+        assert not any(unit.is_unsharded for unit in engine.units(model))
+
+
+def assert_same_params(local, model, atol=2e-4):
+    with engine.unshard_params(model):
+        pairs = list(zip(local.named_parameters(), model.named_parameters()))
+        assert len(pairs) == len(list(local.parameters()))
+        for (name, expected), (got_name, got) in pairs:
+            assert name == got_name and expected.shape == got.shape
+            torch.testing.assert_close(got, expected, atol=atol, rtol=1e-3, msg=name)
+
+
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "manual"])
+@pytest.mark.parametrize("api", ["wrapper", "composable"])
+def test_training_matches_single_process(rank, world_size, device, api, auto, strategy):
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = shard(copy.deepcopy(local), api, auto, world_size, strategy=strategy)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in local.named_parameters()]
+    train_both(local, model, rank, world_size, device)
+    assert_same_params(local, model)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
+def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, strategy):
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = shard(copy.deepcopy(local), "composable", True, world_size, strategy=strategy, offload_params=True)
+    train_both(local, model, rank, world_size, device)
+    for param in model.parameters():
+        assert param.device.type == "cpu" and param.grad.device.type == "cpu"
+    assert_same_params(local, model)
+
+
+@pytest.mark.world_size(2)
+def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device):
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = shard(
+        copy.deepcopy(local), "composable", True, world_size,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
+    seen: list[torch.dtype] = []
+    model.b1.proj.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
+    x = torch.randn(2, 100, device=device)
+    loss = model(x).float().sum()
+    loss.backward()
+    assert seen == [torch.bfloat16]
+    for param in model.parameters():
+        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
+    expected = local(x).sum()
+    torch.testing.assert_close(loss, expected, rtol=5e-2, atol=5e-1)
