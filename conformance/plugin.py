@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from conformance import expectations, registry
+from conformance.matrix import Matrix, classify, render_html, render_markdown
+from harness.plugin import reports_dir
 
 _STATE = pytest.StashKey["BackendSelection"]()
+_MATRIX = pytest.StashKey[Matrix]()
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_STATE] = BackendSelection(backends, expected)
+    config.stash[_MATRIX] = Matrix()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -75,17 +79,51 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     callspec = getattr(item, "callspec", None)
-    if report.when != "call" or callspec is None or "backend" not in callspec.params:
+    if callspec is None or "backend" not in callspec.params:
         return report
     selection = callspec.params["backend"]
-    entries = item.config.stash[_STATE].expected.get(selection, {})
-    entry = entries.get(expectations.scenario_id(item.nodeid, selection))
-    judgement = expectations.judge(entry, report.outcome, report.longreprtext)
-    if judgement is not None:
-        report.outcome = judgement.outcome  # type: ignore[assignment]
-        if judgement.xfail_reason is not None:
-            report.wasxfail = judgement.xfail_reason
-        if judgement.message is not None:
-            original = report.longreprtext
-            report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
+    if report.when == "call":
+        entries = item.config.stash[_STATE].expected.get(selection, {})
+        entry = entries.get(expectations.scenario_id(item.nodeid, selection))
+        judgement = expectations.judge(entry, report.outcome, report.longreprtext)
+        if judgement is not None:
+            report.outcome = judgement.outcome  # type: ignore[assignment]
+            if judgement.xfail_reason is not None:
+                report.wasxfail = judgement.xfail_reason
+            if judgement.message is not None:
+                original = report.longreprtext
+                report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
+    if report.when == "call" or report.failed or report.skipped:
+        _record(item, selection, report)
     return report
+
+
+def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> None:
+    """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
+    skip_reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+    skip_reason = skip_reason.removeprefix("Skipped: ")
+    outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
+    module, _, function = item.nodeid.partition("::")
+    scenario = f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
+    text = skip_reason if outcome == "unsupported" else report.longreprtext
+    item.config.stash[_MATRIX].record(scenario, selection, item.nodeid, outcome, text)
+
+
+def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "backend" not in callspec.params:
+        return []
+    args = ["--backend", callspec.params["backend"]]
+    directory = item.config.getoption("expectations_dir")
+    if Path(directory).resolve() != expectations.EXPECTATIONS_DIR.resolve():
+        args += ["--expectations-dir", directory]
+    return args
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    matrix = session.config.stash.get(_MATRIX, None)
+    if matrix is None or not matrix.cells:
+        return
+    directory = Path(reports_dir(session.config))
+    (directory / "conformance.md").write_text(render_markdown(matrix), encoding="utf-8")
+    (directory / "conformance.html").write_text(render_html(matrix), encoding="utf-8")

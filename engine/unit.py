@@ -68,6 +68,8 @@ class ShardedUnit:
             self._full.untyped_storage().resize_(0)
         self._shard_on_device: Optional[torch.Tensor] = None  # staging for offload / casting
         self.flat_leaf = self._full.data
+        padding = self.layout.padded_numel - self.layout.numel if not self.aliases_shard else 0
+        self._split_sizes = [info.numel for info in params] + ([padding] if padding else [])
         self._grad_hook_registered = False
 
     # ------------------------------------------------------------------ set-up helpers
@@ -157,19 +159,24 @@ class ShardedUnit:
             self._full.untyped_storage().resize_(0)
 
     def install_compute_views(self) -> None:
-        """Give modules original-shaped views of the unsharded buffer that autograd tracks."""
+        """Give modules original-shaped views of the unsharded buffer that autograd tracks.
+
+        One `split` (not one slice per parameter) so backward assembles the flat gradient with a
+        single concatenation instead of one zero-filled full-size tensor per parameter.
+        """
         trainable = [p.requires_grad for p in self.sharded_params]
         leaf = self.flat_leaf
         leaf.requires_grad_(any(trainable))
         if leaf.requires_grad and not self._grad_hook_registered:
             leaf.register_post_accumulate_grad_hook(self._on_grad_ready)
             self._grad_hook_registered = True
-        frozen_source = leaf.detach()
-        views = [
-            self.layout.full_view(leaf if needs_grad else frozen_source, info)
-            for info, needs_grad in zip(self.layout.params, trainable)
-        ]
-        self._install(views)
+        pieces = torch.split(leaf, self._split_sizes)
+        self._install(
+            [
+                (piece if needs_grad else piece.detach()).view(info.shape)
+                for piece, info, needs_grad in zip(pieces, self.layout.params, trainable)
+            ]
+        )
 
     def full_views(self) -> list[torch.Tensor]:
         """Original-shaped views of the unsharded buffer (for the unshard context)."""

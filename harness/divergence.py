@@ -4,7 +4,8 @@ Collectives are compared per group (same global ranks): the k-th collective each
 that group must agree on op, label, dtypes and (unless the op allows uneven sizes) shapes, and every
 member must have issued it. Point-to-point ops are matched per direction instead: the k-th send from
 a to b against the k-th receive on b from a (element count and dtype). Calls a fault skipped were
-never issued and are left out. Of all disagreements, the one reached first is reported: the one no
+never issued: they are left out of the comparison and named in the report. Collectives are numbered
+from 1 in reports (record fields `index`/`seq` are 0-based). Of all disagreements, the one reached first is reported: the one no
 other precedes, where A precedes B when a rank involved in both reached A earlier in its own trace
 (a rank-local order is all there is; later disagreements are usually consequences of the first).
 """
@@ -22,15 +23,17 @@ __all__ = ["Divergence", "first_divergence", "format_trace_table"]
 class Divergence:
     """The first disagreement between ranks.
 
-    where: "collective #k on group [..]" or "p2p #k from rank a to rank b"; number: that k.
+    where: "collective #k on group [..]" or "p2p #k from rank a to rank b"; number: that k (from 1).
     issued: rank -> what it issued at that point; ranks absent from `issued` stopped before it.
     last: for ranks that stopped, their last call on that group/stream (None: never issued one).
+    skipped: rank -> a call a fault made it skip just before this point.
     """
 
     where: str
     number: int
     issued: dict[int, CollectiveRecord]
     last: dict[int, CollectiveRecord | None]
+    skipped: dict[int, CollectiveRecord]
 
     @property
     def reached_at(self) -> dict[int, int]:
@@ -50,14 +53,32 @@ class Divergence:
         # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
         show_shapes = (len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1)
         if self.last:
-            stopped = "; ".join(_describe_stop(rank, last, self.number - 1) for rank, last in sorted(self.last.items()))
-            issued = ", ".join(f"{_ranks([rank])} issued {_describe(record, show_shapes)}"
-                               for rank, record in sorted(self.issued.items()))
+            stopped = "; ".join(self._describe_stop(rank, last) for rank, last in sorted(self.last.items()))
+            issued = ", ".join(f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}"
+                               for rank in sorted(self.issued))
             return f"{self.where}: {stopped} ({issued})"
         classes: dict[str, list[int]] = {}
-        for rank, record in sorted(self.issued.items()):
-            classes.setdefault(_describe(record, show_shapes), []).append(rank)
+        for rank in sorted(self.issued):
+            classes.setdefault(self._describe_issued(rank, show_shapes), []).append(rank)
         return f"{self.where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
+
+    def _describe_issued(self, rank: int, show_shapes: bool) -> str:
+        text = _describe(self.issued[rank], show_shapes)
+        skipped = self.skipped.get(rank)
+        if skipped is not None:
+            text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
+        return text
+
+    def _describe_stop(self, rank: int, last: CollectiveRecord | None) -> str:
+        skipped = self.skipped.get(rank)
+        if skipped is not None:
+            return f"rank {rank} did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
+        if last is None:
+            return f"rank {rank} issued none"
+        text = f"rank {rank} stopped early after #{self.number - 1} {_describe(last, False)}"
+        if not last.completed:
+            text += ", which never returned"
+        return text
 
 
 def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> Divergence | None:
@@ -66,18 +87,15 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     A rank of `world_ranks` missing from `traces` counts as having issued nothing.
     """
     members = set(world_ranks)
-    issued = {rank: [r for r in traces.get(rank, []) if not r.skipped] for rank in world_ranks}
-    candidates = [
-        *_group_divergences(issued, members),
-        *_p2p_divergences(issued, members),
-    ]
+    recorded = {rank: traces.get(rank, []) for rank in world_ranks}
+    candidates = [*_group_divergences(recorded, members), *_p2p_divergences(recorded, members)]
     return min(candidates, default=None, key=lambda d: (
         sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where))
 
 
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
-    """A human-readable dump of every rank's trace, one section per rank."""
-    header = ("index", "group/peer", "seq", "op", "label", "numel", "dtypes", "shapes", "status")
+    """A human-readable dump of every rank's trace, one section per rank (numbers from 1)."""
+    header = ("#", "group/peer", "group #", "op", "label", "numel", "dtypes", "shapes", "status")
     sections = []
     for rank in sorted(traces):
         rows = [header]
@@ -89,7 +107,7 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
                 status = "skipped"
             if record.fault:
                 status += f" (fault: {record.fault})"
-            rows.append((str(record.index), where, str(record.seq), record.op, record.label or "-",
+            rows.append((str(record.index + 1), where, str(record.seq + 1), record.op, record.label or "-",
                          str(record.numel), ",".join(record.dtypes) or "-",
                          " ".join(_shape(s) for s in record.shapes) or "-", status))
         widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
@@ -99,9 +117,9 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-def _group_divergences(issued: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
+def _group_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
     per_group: dict[tuple[int, ...], dict[int, list[CollectiveRecord]]] = {}
-    for rank, records in issued.items():
+    for rank, records in recorded.items():
         for record in records:
             if not record.is_p2p:
                 per_group.setdefault(record.group, {}).setdefault(rank, []).append(record)
@@ -114,9 +132,9 @@ def _group_divergences(issued: dict[int, list[CollectiveRecord]], members: set[i
             yield divergence
 
 
-def _p2p_divergences(issued: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
+def _p2p_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
     streams: dict[tuple[int, int], dict[int, list[CollectiveRecord]]] = {}
-    for rank, records in issued.items():
+    for rank, records in recorded.items():
         for record in records:
             if record.is_p2p and record.peer is not None:
                 source, target = (rank, record.peer) if record.is_send else (record.peer, rank)
@@ -129,17 +147,28 @@ def _p2p_divergences(issued: dict[int, list[CollectiveRecord]], members: set[int
             yield divergence
 
 
-def _first_difference(sequences: dict[int, list[CollectiveRecord]], where: str, key) -> Divergence | None:
+def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, key) -> Divergence | None:
+    """First position where the ranks' issued calls disagree; `recorded` includes skipped calls."""
+    sequences = {rank: [r for r in records if not r.skipped] for rank, records in recorded.items()}
     longest = max((len(records) for records in sequences.values()), default=0)
     for position in range(longest):
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
-        if len(present) < len(sequences):
+        stopped = len(present) < len(sequences)
+        if stopped or len({key(record) for record in present.values()}) > 1:
             last = {rank: (records[-1] if records else None)
                     for rank, records in sequences.items() if position >= len(records)}
-            return Divergence(where.format(position), position, present, last)
-        if len({key(record) for record in present.values()}) > 1:
-            return Divergence(where.format(position), position, present, {})
+            skipped = {rank: found for rank, records in sequences.items()
+                       if (found := _skipped_before(recorded[rank], records, position)) is not None}
+            return Divergence(where.format(position + 1), position + 1, present, last, skipped)
     return None
+
+
+def _skipped_before(recorded: list[CollectiveRecord], issued: list[CollectiveRecord],
+                    position: int) -> CollectiveRecord | None:
+    """A skipped call between the rank's issued calls number `position` - 1 and `position` (0-based)."""
+    after = issued[position - 1].index if 0 < position <= len(issued) else -1
+    before = issued[position].index if position < len(issued) else float("inf")
+    return next((r for r in recorded if r.skipped and after < r.index < before), None)
 
 
 def _collective_key(record: CollectiveRecord) -> tuple:
@@ -160,15 +189,6 @@ def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
         text += " shapes " + " ".join(_shape(s) for s in record.shapes)
     if record.fault:
         text += f" (injected fault: {record.fault})"
-    return text
-
-
-def _describe_stop(rank: int, last: CollectiveRecord | None, last_number: int) -> str:
-    if last is None:
-        return f"rank {rank} issued none"
-    text = f"rank {rank} stopped early after #{last_number} {_describe(last, False)}"
-    if not last.completed:
-        text += ", which never returned"
     return text
 
 

@@ -1,7 +1,9 @@
 """Fault injection for scenarios and users, built on the collective trace (works with any backend).
 
-Inject a fault at the n-th collective (0-based, counted from when the fault is armed) that one rank
-issues, optionally counting only one op (canonical names, see `harness.trace.KNOWN_OPS`):
+Inject a fault into a collective that one rank issues: `at` matching collectives pass untouched
+(counted from when the fault is armed), the next one is hit; `op` restricts the count to one op
+(canonical names, see `harness.trace.KNOWN_OPS`). Descriptions number collectives from 1, like the
+divergence report (`at=0` is "collective #1"):
 
     from harness import faults
 
@@ -66,7 +68,7 @@ class Fault:
             "delay": f" by {self.seconds:g}s", "corrupt": f" (output += {self.delta:g})",
             "exit": f" (exit code {self.exit_code})",
         }.get(self.action, "")
-        return f"rank {self.rank}: {self.action} {counted} #{self.at}{detail}"
+        return f"rank {self.rank}: {self.action} {counted} #{self.at + 1}{detail}"
 
     def __enter__(self) -> Fault:
         return self
@@ -123,7 +125,7 @@ _descriptions: list[str] = []
 
 def inject(*, rank: int, at: int, action: str, op: str | None = None, seconds: float = 0.0,
            delta: float = 1.0, exit_code: int = 1) -> Fault:
-    """Arm a fault on `rank`'s `at`-th collective (0-based; only `op` ones counted if given).
+    """Arm a fault on the collective `rank` issues after `at` matching ones (only `op` ones count if given).
 
     Call it on every rank. Returns the armed `Fault`; use it with `with` to disarm it on exit,
     otherwise it stays armed until it fires once or `clear()` is called.

@@ -82,6 +82,11 @@ def pytest_configure(config: pytest.Config) -> None:
     atexit.register(session.kill_all)
 
 
+def reports_dir(config: pytest.Config) -> str:
+    """Where this session writes its reports (other plugins put theirs beside the JUnit files)."""
+    return config.stash[_SESSION].reports_dir
+
+
 def _reexec_repro(config: pytest.Config, nodeid: str) -> None:
     """Replace this process with the recorded command of an earlier failure of `nodeid`."""
     cache = getattr(config, "cache", None)

@@ -29,7 +29,7 @@ def test_same_shape_different_label_is_reported_with_both_sides():
     divergence = first_divergence(traces, [0, 1])
     assert divergence is not None
     assert divergence.describe() == (
-        "collective #1 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
+        "collective #2 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
         "rank 1 all_gather_into_tensor [layer2.0.weight, layer2.2.weight] 36 float32")
 
 
@@ -48,13 +48,13 @@ def test_rank_that_stopped_early_is_named_with_its_last_collective():
     }
     traces[1][-1].completed = False
     text = first_divergence(traces, [0, 1]).describe()
-    assert text == ("collective #7 on group [0, 1]: rank 1 stopped early after #6 all_reduce 4 float32, "
+    assert text == ("collective #8 on group [0, 1]: rank 1 stopped early after #7 all_reduce 4 float32, "
                     "which never returned (rank 0 issued all_reduce 4 float32)")
 
 
 def test_missing_rank_trace_counts_as_issuing_nothing():
     text = first_divergence({0: [rec(0, 0, 0, op="barrier")]}, [0, 1]).describe()
-    assert text.startswith("collective #0 on group [0, 1]: rank 1 issued none")
+    assert text.startswith("collective #1 on group [0, 1]: rank 1 issued none")
 
 
 def test_earliest_divergence_across_groups_wins():
@@ -73,13 +73,13 @@ def test_earliest_divergence_across_groups_wins():
             records.append(rec(r, 1, 1, op="all_reduce", numel=1, group=world))
         traces[r] = records
     divergence = first_divergence(traces, list(range(4)))
-    assert divergence.where == "collective #1 on group [0, 1]"
+    assert divergence.where == "collective #2 on group [0, 1]"
 
 
 def test_more_than_two_ranks_are_grouped_by_what_they_issued():
     traces = {r: [rec(r, 0, 0, label="b" if r == 1 else "a", group=(0, 1, 2))] for r in range(3)}
     assert first_divergence(traces, [0, 1, 2]).describe() == (
-        "collective #0 on group [0, 1, 2]: ranks 0, 2 all_gather_into_tensor [a] 36 float32 vs "
+        "collective #1 on group [0, 1, 2]: ranks 0, 2 all_gather_into_tensor [a] 36 float32 vs "
         "rank 1 all_gather_into_tensor [b] 36 float32")
 
 
@@ -91,15 +91,28 @@ def test_uneven_all_to_all_shapes_are_not_a_divergence():
     assert first_divergence({0: [a], 1: [b]}, [0, 1]) is None
 
 
-def test_skipped_collective_is_treated_as_not_issued():
+def test_skipped_collective_is_treated_as_not_issued_and_named():
     traces = {
         0: [rec(0, 0, 0, op="all_reduce", numel=4), rec(0, 1, 1)],
-        1: [rec(1, 0, 0, op="all_reduce", numel=4, skipped=True, fault="rank 1: skip collective #0"),
+        1: [rec(1, 0, 0, op="all_reduce", numel=4, skipped=True, fault="rank 1: skip collective #1"),
             rec(1, 1, 1)],
     }
     text = first_divergence(traces, [0, 1]).describe()
-    assert text == ("collective #0 on group [0, 1]: rank 0 all_reduce 4 float32 vs "
-                    "rank 1 all_gather_into_tensor 36 float32")
+    assert text == ("collective #1 on group [0, 1]: rank 0 all_reduce 4 float32 vs "
+                    "rank 1 all_gather_into_tensor 36 float32, having skipped all_reduce "
+                    "(injected fault: rank 1: skip collective #1)")
+
+
+def test_rank_whose_last_collective_was_skipped_did_not_issue_it():
+    fault = "rank 1: skip all_reduce collective #2"
+    traces = {
+        0: [rec(0, 0, 0, op="all_reduce", numel=4), rec(0, 1, 1, op="all_reduce", numel=4)],
+        1: [rec(1, 0, 0, op="all_reduce", numel=4),
+            rec(1, 1, 1, op="all_reduce", numel=4, skipped=True, fault=fault)],
+    }
+    assert first_divergence(traces, [0, 1]).describe() == (
+        f"collective #2 on group [0, 1]: rank 1 did not issue it, all_reduce skipped (injected fault: {fault}) "
+        "(rank 0 issued all_reduce 4 float32)")
 
 
 def test_point_to_point_matches_sends_with_receives_per_direction():
@@ -112,7 +125,7 @@ def test_point_to_point_matches_sends_with_receives_per_direction():
     assert first_divergence(good, [0, 1]) is None
     bad = {0: [p2p(0, 0, "send", 1, 4)], 1: [p2p(1, 0, "recv", 0, 8)]}
     assert first_divergence(bad, [0, 1]).describe() == (
-        "p2p #0 from rank 0 to rank 1: rank 0 send 4 float32 vs rank 1 recv 8 float32")
+        "p2p #1 from rank 0 to rank 1: rank 0 send 4 float32 vs rank 1 recv 8 float32")
 
 
 def test_trace_table_lists_every_record_with_status():
@@ -143,5 +156,5 @@ def test_same_shape_divergence_between_real_ranks_is_detected(tmp_path):
     divergence = first_divergence(traces, [0, 1])
     assert divergence is not None
     assert divergence.describe() == (
-        "collective #0 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
+        "collective #1 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
         "rank 1 all_gather_into_tensor [layer2.weight] 36 float32")

@@ -32,8 +32,8 @@ def test_active_faults_lists_injected_faults_until_clear():
         pass
     faults.inject(rank=0, at=0, action="delay", seconds=0.5)
     assert faults.active_faults() == [
-        "rank 1: corrupt all_reduce collective #3 (output += 1)",
-        "rank 0: delay collective #0 by 0.5s",
+        "rank 1: corrupt all_reduce collective #4 (output += 1)",
+        "rank 0: delay collective #1 by 0.5s",
     ]
     faults.clear()
     assert faults.active_faults() == []
@@ -49,8 +49,8 @@ def _skip_then_corrupt(rank: int, world_size: int, out_dir: str) -> None:
     first, second = torch.ones(2), torch.ones(2)
     dist.all_reduce(first)
     dist.all_reduce(second)
-    assert faults.active_faults() == ["rank 0: skip collective #0", "rank 1: skip collective #0",
-                                      "rank 1: corrupt all_reduce collective #1 (output += 10)"]
+    assert faults.active_faults() == ["rank 0: skip collective #1", "rank 1: skip collective #1",
+                                      "rank 1: corrupt all_reduce collective #2 (output += 10)"]
     torch.testing.assert_close(first, torch.full((2,), 2.0))
     torch.testing.assert_close(second, torch.full((2,), 12.0 if rank == 1 else 2.0))
     faults.inject(rank=0, at=0, action="corrupt", op="funcol.all_reduce")
@@ -62,8 +62,8 @@ def test_skip_is_recorded_and_corrupt_changes_only_the_faulty_rank(tmp_path):
     traces = spawn_ranks(_skip_then_corrupt, tmp_path)
     for rank in (0, 1):
         skipped = traces[rank][0]
-        assert skipped.skipped and skipped.fault == f"rank {rank}: skip collective #0"
-    assert [r.fault for r in traces[1][1:]] == ["", "rank 1: corrupt all_reduce collective #1 (output += 10)", ""]
+        assert skipped.skipped and skipped.fault == f"rank {rank}: skip collective #1"
+    assert [r.fault for r in traces[1][1:]] == ["", "rank 1: corrupt all_reduce collective #2 (output += 10)", ""]
     assert traces[0][-1].op == "funcol.all_reduce" and traces[0][-1].fault.startswith("rank 0: corrupt")
     assert first_divergence(traces, [0, 1]) is None   # same calls on the wire; only data differs
 
@@ -79,7 +79,7 @@ def _delay(rank: int, world_size: int, out_dir: str) -> None:
 
 def test_delay_holds_back_the_collective_on_every_rank(tmp_path):
     traces = spawn_ranks(_delay, tmp_path)
-    assert traces[0][0].fault == "rank 0: delay collective #0 by 0.5s" and traces[1][0].fault == ""
+    assert traces[0][0].fault == "rank 0: delay collective #1 by 0.5s" and traces[1][0].fault == ""
 
 
 def _raise_at_second(rank: int, world_size: int, out_dir: str) -> None:
@@ -96,7 +96,7 @@ def _raise_at_second(rank: int, world_size: int, out_dir: str) -> None:
 def test_raise_fails_the_faulty_rank_before_issuing(tmp_path):
     with pytest.raises(mp.ProcessRaisedException):   # rank 1 raised; rank 0 lost its peer
         spawn_ranks(_raise_at_second, tmp_path, timeout_s=3.0)
-    assert (tmp_path / "raised.txt").read_text().startswith("injected fault: rank 1: raise collective #1")
+    assert (tmp_path / "raised.txt").read_text().startswith("injected fault: rank 1: raise collective #2")
     traces = read_traces(tmp_path, 2)
     assert [r.op for r in traces[1]] == ["all_reduce", "broadcast"]
     assert traces[1][0].completed and not traces[1][1].completed
@@ -114,14 +114,14 @@ def test_exit_kills_the_rank_inside_the_collective_and_the_trace_survives(tmp_pa
     traces = read_traces(tmp_path, 2)
     last = traces[1][-1]
     assert last.op == "all_gather_into_tensor" and not last.completed
-    assert last.fault == "rank 1: exit all_gather_into_tensor collective #0 (exit code 7)"
+    assert last.fault == "rank 1: exit all_gather_into_tensor collective #1 (exit code 7)"
 
 
 def _hang_in_barrier(rank: int, world_size: int, out_dir: str) -> None:
     diverging = faults.on_rank(1, "hangs in the barrier")
     faults.inject(rank=1, at=0, action="hang")
     assert diverging == (rank == 1)
-    assert faults.active_faults() == ["rank 1: hangs in the barrier", "rank 1: hang collective #0"]
+    assert faults.active_faults() == ["rank 1: hangs in the barrier", "rank 1: hang collective #1"]
     dist.barrier()
 
 
