@@ -21,6 +21,16 @@ from .unit import ShardedUnit
 _absorbed: dict[int, "weakref.ref[torch.Tensor]"] = {}  # id -> original now inside a unit
 
 
+def _forget(key: int) -> Callable[["weakref.ref[torch.Tensor]"], None]:
+    """Drop the entry when its tensor dies (unless the id was reused meanwhile)."""
+
+    def callback(ref: "weakref.ref[torch.Tensor]") -> None:
+        if _absorbed.get(key) is ref:
+            del _absorbed[key]
+
+    return callback
+
+
 def _is_absorbed(param: torch.Tensor) -> bool:
     alive = _absorbed.get(id(param))
     return alive is not None and alive() is param
@@ -229,7 +239,7 @@ def _make_unit(
     infos = collect_params(modules)
     for info in infos:
         original = info.refs[0].module._parameters[info.refs[0].name]
-        _absorbed[id(original)] = weakref.ref(original)
+        _absorbed[id(original)] = weakref.ref(original, _forget(id(original)))
     unit = ShardedUnit(
         unit_module,
         infos,

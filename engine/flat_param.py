@@ -4,10 +4,9 @@ The flat buffer concatenates the unit's original parameters (flattened, in regis
 and is padded at the end to a multiple of the shard group size, so each rank owns one equal,
 contiguous chunk.  Everything here is pure index arithmetic: no communication.
 
-2-D extension point: a parameter that is already a tensor-parallel DTensor contributes its
-*local* tensor (`ParamInfo.local_shape`) to the flat buffer; `ParamInfo.tp_spec` keeps the
-(mesh, placements) needed to rebuild the DTensor.  Only the layout sees local shapes, so the
-collective core and the unit stay unchanged.
+2-D (tensor parallel): a parameter that is already a DTensor contributes its *local* tensor to
+the flat buffer (`ParamInfo.shape` is the local shape); `ParamInfo.tp_spec` keeps what is needed
+to rebuild the DTensor around an unsharded view.  The collective core never sees DTensors.
 """
 from __future__ import annotations
 
@@ -36,11 +35,34 @@ class ParamInfo:
     offset: int
     numel: int
     requires_grad: bool
-    tp_spec: Optional[Any] = None  # (DeviceMesh, placements) of a DTensor parameter
+    tp_spec: Optional["TensorParallelSpec"] = None  # set for DTensor (tensor-parallel) parameters
 
     @property
     def fqn(self) -> str:
         return self.refs[0].fqn
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """How to turn a local (per-TP-rank) tensor back into the original DTensor parameter."""
+
+    mesh: Any  # DeviceMesh
+    placements: tuple
+    shape: torch.Size  # global
+    stride: tuple[int, ...]  # global
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """Differentiable: gradients of the DTensor flow back into `local`."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def maybe_wrap(info: "ParamInfo", local: torch.Tensor) -> torch.Tensor:
+    """`local` as the parameter's original type (DTensor for tensor-parallel parameters)."""
+    return info.tp_spec.wrap(local) if info.tp_spec is not None else local
 
 
 @dataclass
@@ -102,7 +124,9 @@ def collect_params(
                 existing.refs.append(ref)
                 continue
             local = param.to_local() if hasattr(param, "to_local") else param
-            tp_spec = (param.device_mesh, param.placements) if hasattr(param, "to_local") else None
+            tp_spec = None
+            if hasattr(param, "to_local"):
+                tp_spec = TensorParallelSpec(param.device_mesh, tuple(param.placements), param.shape, param.stride())
             info = ParamInfo([ref], local.shape, offset, local.numel(), param.requires_grad, tp_spec)
             by_identity[id(param)] = info
             infos.append(info)

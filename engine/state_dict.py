@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import collectives
 from .config import ShardingStrategy, StateDictKind
@@ -103,7 +102,15 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
                     continue
                 value = state_dict[key].detach()
                 if kind is StateDictKind.SHARDED:
+                    if info.tp_spec is not None:
+                        raise NotImplementedError(
+                            f"a SHARDED state dict of tensor-parallel parameter {key} is not "
+                            "supported yet; use StateDictKind.FULL"
+                        )
                     state_dict[key] = to_dtensor(unit, value)
+                elif info.tp_spec is not None:
+                    value = value.full_tensor()
+                    state_dict[key] = value.cpu() if root.state_dict_offload_to_cpu else value
                 else:
                     target = torch.device("cpu") if root.state_dict_offload_to_cpu else value.device
                     state_dict[key] = value.to(target, copy=True)
@@ -114,7 +121,10 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
             for key in _keys(unit, info, prefix):
                 value = state_dict.get(key)
                 if isinstance(value, DTensor):
-                    state_dict[key] = value.full_tensor()
+                    value = state_dict[key] = value.full_tensor()
+                if info.tp_spec is not None and isinstance(value, torch.Tensor):
+                    spec = info.tp_spec
+                    state_dict[key] = distribute_tensor(value.to(unit.device), spec.mesh, list(spec.placements))
         shown = UnitUnshard(unit, True, False, False, False)
         shown.enter()
         loading.append(shown)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from . import collectives
 from .config import ShardingStrategy
-from .flat_param import FlatLayout, ParamInfo
+from .flat_param import FlatLayout, ParamInfo, maybe_wrap
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class ShardedUnit:
         pieces = torch.split(leaf, self._split_sizes)
         self._install(
             [
-                (piece if needs_grad else piece.detach()).view(info.shape)
+                maybe_wrap(info, (piece if needs_grad else piece.detach()).view(info.shape))
                 for piece, info, needs_grad in zip(pieces, self.layout.params, trainable)
             ]
         )

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives
+from .flat_param import maybe_wrap
 from .state import managing_unit, unit_of
 from .unit import ShardedUnit
 
@@ -53,9 +54,10 @@ class UnitUnshard:
             grads = grads.cpu() if grads is not None else None
         self.shown, self.shown_grads = full, grads
         for info, sharded in zip(unit.layout.params, unit.sharded_params):
-            param = nn.Parameter(unit.layout.full_view(full, info), requires_grad=sharded.requires_grad)
+            shown = maybe_wrap(info, unit.layout.full_view(full, info))
+            param = nn.Parameter(shown, requires_grad=sharded.requires_grad)
             if grads is not None and sharded.grad is not None:
-                param.grad = unit.layout.full_view(grads, info)
+                param.grad = maybe_wrap(info, unit.layout.full_view(grads, info))
             self.params.append(param)
         unit._install(self.params)
 

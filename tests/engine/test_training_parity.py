@@ -118,3 +118,19 @@ def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device
         assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
     expected = local(x).sum()
     torch.testing.assert_close(loss, expected, rtol=5e-2, atol=5e-1)
+
+
+@pytest.mark.world_size(4)
+def test_hybrid_shard_from_explicit_2d_mesh(rank, world_size, device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = engine.fully_shard(
+        copy.deepcopy(local), auto_wrap_classes={Block}, strategy=ShardingStrategy.HYBRID_SHARD, mesh=mesh
+    )
+    unit = engine.units(model)[1]
+    assert (unit.topology.shard_size, unit.topology.dp_world_size) == (2, 4)
+    train_both(local, model, rank, world_size, device)
+    assert_same_params(local, model)

@@ -1,0 +1,391 @@
+"""Checkpoint scenarios: state dicts of a sharded model match the unsharded model and reload.
+
+Exactness: producing or loading a state dict gathers, slices and copies stored values without
+arithmetic, so every comparison of state-dict values here is bit-exact (``torch.equal``).
+Tolerances appear only where a forward pass or an optimizer step computes something; each one
+says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import current_seed
+from torch.distributed.tensor import DTensor
+
+import fixtures
+from conformance.protocol import (
+    BackendAdapter,
+    Capability,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    require,
+)
+
+# A forward through a sharded model against the same computation unsharded: same values, same
+# input, but a kernel may block a matmul differently when a parameter is a view into a flat
+# buffer, so the last few ulps may differ (torch's fp32 defaults: rtol 1.3e-6, atol 1e-5). A
+# parameter left zeroed or loaded under the wrong name moves the output by O(1).
+FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+# Two identically sharded models stepping from identical parameters, optimizer state and batch
+# run the same program; only accelerator kernels that reorder sums may differ, and an ulp in a
+# gradient moves an Adam update by ~1e-9 here. A lost or mis-keyed optimizer state changes the
+# update by the order of lr = 1e-2.
+STEP_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+LOCAL_BATCH = 2
+
+_STATE_DICT_CAPABILITY = {
+    StateDictKind.FULL: Capability.FULL_STATE_DICT,
+    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
+}
+
+
+def _layout_spec(layout: str) -> ShardingSpec:
+    """The seed's three ways of sharding the composite model."""
+    if layout == "root":  # every Unit auto-wrapped, then the root
+        return ShardingSpec(auto_wrap_classes=(fixtures.Unit,))
+    if layout == "submodules":  # both units sharded, the root stays a plain module
+        return ShardingSpec(manual_units=fixtures.CompositeModel.UNIT_FQNS, shard_root=False)
+    if layout == "mixed":  # unit1 fully sharded inside a NO_SHARD root
+        return ShardingSpec(
+            manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD}
+        )
+    raise ValueError(f"unknown layout {layout!r}: use root, submodules or mixed")
+
+
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("layout", ["root", "submodules", "mixed"])
+def test_full_state_dict(
+    backend: BackendAdapter, layout: str, rank: int, device: torch.device
+) -> None:
+    """The full state dict equals the unsharded model's and reloads into a zeroed sharded model.
+
+    Keys are the original FQNs, values equal bit for bit; after loading into a sharded copy
+    whose parameters and buffers were zeroed, its full state dict is the original again and its
+    forward matches the unsharded model's.
+    """
+    require(backend, Capability.FULL_STATE_DICT)
+    spec = _layout_spec(layout)
+    for strategy in spec.strategies():
+        require(backend, Capability.for_strategy(strategy))
+    local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
+    _make_nonzero(local)
+    expected = _detached(local.state_dict())
+    inputs = fixtures.local_batch(
+        local, seed=current_seed(), iteration=0, rank=rank, batch_size=LOCAL_BATCH, device=device
+    )
+    with torch.no_grad():
+        expected_output = local(*inputs)
+
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {layout} layout"
+        saved = backend.shard(copy.deepcopy(local), spec, form)
+        state = backend.state_dict(saved, StateDictKind.FULL)
+        _assert_plain(state, where)
+        _assert_same_state(state, expected, f"{where}: full state dict vs the unsharded model")
+
+        target = backend.shard(copy.deepcopy(local), spec, form)
+        _zero_local_storage(target)
+        _assert_all_zero(backend.state_dict(target, StateDictKind.FULL), where)
+        backend.load_state_dict(target, copy.deepcopy(state), StateDictKind.FULL)
+        _assert_same_state(
+            backend.state_dict(target, StateDictKind.FULL), expected,
+            f"{where}: full state dict after loading into a zeroed sharded model",
+        )
+        with torch.no_grad():
+            output = target(*inputs)
+        torch.testing.assert_close(
+            output, expected_output, **FORWARD_TOLERANCE,
+            msg=lambda m, where=where: (
+                f"{where}: forward after loading differs from the unsharded model\n{m}"
+            ),
+        )
+
+
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
+@pytest.mark.parametrize("ignore", [False, True], ids=["none-ignored", "ignored"])
+def test_save_load_flow(
+    backend: BackendAdapter, kind: StateDictKind, ignore: bool, rank: int, device: torch.device
+) -> None:
+    """Save a trained tied-weight transformer, load it into a fresh sharded model, match.
+
+    Encoder and decoder layers are auto-wrapped units under a sharded root. With ``ignored``,
+    the whole ``transformer`` submodule is left unsharded: its parameters still appear in both
+    kinds of state dict under their original FQNs, as plain full tensors, and round-trip like
+    the rest. Before training, the (gathered) state dict equals the unsharded model's; after
+    one SGD step, a model built from another seed, sharded alike, zeroed and loaded, holds the
+    saved state bit for bit and computes the same forward.
+    """
+    require(backend, _STATE_DICT_CAPABILITY[kind])
+    if ignore:
+        require(backend, Capability.IGNORED_MODULES)
+    model_cls = fixtures.TiedTransformer
+    ignored = model_cls.IGNORABLE_MODULES if ignore else ()
+    spec = ShardingSpec(auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored)
+    local = fixtures.build(model_cls, current_seed(), device)
+    _make_nonzero(local)
+    expected = _detached(local.state_dict())
+    ignored_params = {
+        name for name, _ in local.named_parameters() if _under(name, ignored)
+    }
+    batch = functools.partial(
+        fixtures.local_batch, local, seed=current_seed(), rank=rank, batch_size=LOCAL_BATCH,
+        device=device,
+    )
+
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {kind.value} state dict, ignored={list(ignored)}"
+        saved = backend.shard(copy.deepcopy(local), spec, form)
+        state = backend.state_dict(saved, kind)
+        _assert_kind(state, kind, local, ignored_params, where)
+        _assert_same_state(
+            _gathered(state, device), expected, f"{where}: state dict vs the unsharded model"
+        )
+
+        optim = torch.optim.SGD(saved.parameters(), lr=0.1)
+        local.loss(saved(*batch(iteration=0))).backward()
+        optim.step()
+        checkpoint = copy.deepcopy(backend.state_dict(saved, kind))
+
+        target = backend.shard(
+            fixtures.build(model_cls, current_seed() + 1, device), spec, form
+        )
+        _zero_local_storage(target)
+        _assert_all_zero(_gathered(backend.state_dict(target, kind), device), where)
+        backend.load_state_dict(target, checkpoint, kind)
+        _assert_same_state(
+            _gathered(backend.state_dict(target, kind), device),
+            _gathered(backend.state_dict(saved, kind), device),
+            f"{where}: loaded model vs the trained model it was saved from",
+        )
+        inputs = batch(iteration=1)
+        with torch.no_grad():
+            output, expected_output = target(*inputs), saved(*inputs)
+        torch.testing.assert_close(
+            output, expected_output, **FORWARD_TOLERANCE,
+            msg=lambda m, where=where: (
+                f"{where}: forward of the loaded model differs from the saved model\n{m}"
+            ),
+        )
+
+
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
+def test_optim_state_dict_round_trip(
+    backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device
+) -> None:
+    """Optimizer state survives get -> load into a fresh model and optimizer -> get.
+
+    The optimizer state dict is keyed by the original parameter FQNs; the one read back after
+    loading equals the saved one bit for bit; one more Adam step on the original and on the
+    restored pair gives the same parameters.
+    """
+    require(backend, Capability.OPTIM_STATE_DICT)
+    require(backend, _STATE_DICT_CAPABILITY[kind])
+    spec = ShardingSpec(auto_wrap_classes=(fixtures.Unit,))
+    model_cls = fixtures.CompositeModel
+    make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
+
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {kind.value} optimizer state dict"
+        loss_model = fixtures.build(model_cls, current_seed(), device, dim=16)
+        param_fqns = {name for name, _ in loss_model.named_parameters()}
+        trained = backend.shard(loss_model, spec, form)
+        optim = make_optim(trained.parameters())
+        for iteration in range(2):
+            _train_step(trained, optim, loss_model, iteration, rank, device)
+        model_checkpoint = copy.deepcopy(backend.state_dict(trained, kind))
+        optim_checkpoint = copy.deepcopy(backend.optim_state_dict(trained, optim, kind))
+        keys = set(optim_checkpoint.get("state", {}))
+        assert keys == param_fqns, (
+            f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs "
+            f"{sorted(param_fqns)}"
+        )
+
+        restored = backend.shard(
+            fixtures.build(model_cls, current_seed() + 1, device, dim=16), spec, form
+        )
+        restored_optim = make_optim(restored.parameters())
+        backend.load_state_dict(restored, model_checkpoint, kind)
+        backend.load_optim_state_dict(restored, restored_optim, optim_checkpoint, kind)
+        _assert_same_tree(
+            backend.optim_state_dict(restored, restored_optim, kind), optim_checkpoint,
+            where, device,
+        )
+
+        _train_step(trained, optim, loss_model, 2, rank, device)
+        _train_step(restored, restored_optim, loss_model, 2, rank, device)
+        after, expected = (
+            _gathered(backend.state_dict(m, kind), device) for m in (trained, restored)
+        )
+        for name, value in expected.items():
+            torch.testing.assert_close(
+                after[name], value, **STEP_TOLERANCE,
+                msg=lambda m, name=name: (
+                    f"{where}: {name} after one more step differs between the original and the "
+                    f"restored model+optimizer\n{m}"
+                ),
+            )
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _train_step(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    loss_model: nn.Module,
+    iteration: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    inputs = fixtures.local_batch(
+        loss_model, seed=current_seed(), iteration=iteration, rank=rank,
+        batch_size=LOCAL_BATCH, device=device,
+    )
+    optim.zero_grad(set_to_none=True)
+    loss_model.loss(model(*inputs)).backward()
+    optim.step()
+
+
+def _make_nonzero(model: nn.Module) -> None:
+    """Give all-zero tensors (fresh biases, counters) a value, so a load that skips them shows."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if torch.count_nonzero(tensor) == 0:
+                tensor.add_(1)
+
+
+def _zero_local_storage(model: nn.Module) -> None:
+    """Zero what each rank holds (its shards, replicated tensors, buffers); no collective."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            tensor.zero_()
+
+
+def _under(fqn: str, modules: tuple[str, ...]) -> bool:
+    return any(fqn.startswith(f"{module}.") for module in modules)
+
+
+def _detached(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in state.items()}
+
+
+def _is_sharded(value: Any) -> bool:
+    """A DTensor, or a ShardedTensor (which exposes ``local_shards``; torch FSDP1 uses it)."""
+    return isinstance(value, DTensor) or hasattr(value, "local_shards")
+
+
+def _gathered(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every sharded value replaced by the full tensor (a collective: same key order on all)."""
+    return {name: _full(value, device) for name, value in state.items()}
+
+
+def _full(value: Any, device: torch.device) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if hasattr(value, "local_shards"):
+        # ShardedTensor: place this rank's shards into zeros, then sum over ranks. Shards are
+        # disjoint, so each element is its owner's value plus exact zeros.
+        dtype = value.metadata().tensor_properties.dtype
+        full = torch.zeros(value.size(), dtype=dtype, device=device)
+        for shard in value.local_shards():
+            index = tuple(
+                slice(offset, offset + size)
+                for offset, size in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)
+            )
+            full[index] = shard.tensor.to(device)
+        dist.all_reduce(full)
+        return full
+    return value
+
+
+def _assert_plain(state: Mapping[str, Any], where: str) -> None:
+    sharded = sorted(name for name, value in state.items() if _is_sharded(value))
+    assert not sharded, f"{where}: full state dict holds sharded values for {sharded}"
+
+
+def _assert_kind(
+    state: Mapping[str, Any],
+    kind: StateDictKind,
+    local: nn.Module,
+    ignored_params: set[str],
+    where: str,
+) -> None:
+    """FULL: nothing sharded. SHARDED: managed parameters sharded, ignored ones plain and full."""
+    if kind is StateDictKind.FULL:
+        _assert_plain(state, where)
+        return
+    for name, param in local.named_parameters(remove_duplicate=False):
+        value = state.get(name)
+        if value is None:
+            continue  # missing keys are reported by the key comparison
+        if name in ignored_params:
+            assert not _is_sharded(value) and value.shape == param.shape, (
+                f"{where}: ignored parameter {name} should be a plain {tuple(param.shape)} "
+                f"tensor, got {type(value).__name__} {tuple(value.shape)}"
+            )
+        else:
+            assert _is_sharded(value), (
+                f"{where}: sharded state dict holds {name} as {type(value).__name__}, not as a "
+                "sharded tensor"
+            )
+
+
+def _assert_same_state(
+    actual: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str
+) -> None:
+    missing = sorted(expected.keys() - actual.keys())
+    extra = sorted(actual.keys() - expected.keys())
+    assert not missing and not extra, f"{where}: keys missing {missing}, unexpected {extra}"
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, (
+            f"{where}: {name} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} "
+            f"{tuple(want.shape)}"
+        )
+        assert torch.equal(got.detach().cpu(), want.detach().cpu()), (
+            f"{where}: {name} differs (max abs difference "
+            f"{(got.detach().cpu().double() - want.detach().cpu().double()).abs().max():.3g})"
+        )
+
+
+def _assert_all_zero(state: Mapping[str, torch.Tensor], where: str) -> None:
+    """The zeroing took effect everywhere, so a later match proves the load wrote every value."""
+    nonzero = sorted(name for name, value in state.items() if torch.count_nonzero(value))
+    assert not nonzero, f"{where}: still nonzero after zeroing every rank's storage: {nonzero}"
+
+
+def _assert_same_tree(actual: Any, expected: Any, where: str, device: torch.device) -> None:
+    """Nested dicts/lists equal; tensors (gathered when sharded) bit for bit."""
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), (
+            f"{where}: keys {sorted(map(str, actual))} differ from {sorted(map(str, expected))}"
+        )
+        for key in sorted(expected, key=str):
+            _assert_same_tree(actual[key], expected[key], f"{where} / {key}", device)
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
+            f"{where}: {actual!r} differs from {expected!r}"
+        )
+        for index, (got, want) in enumerate(zip(actual, expected)):
+            _assert_same_tree(got, want, f"{where} / {index}", device)
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {actual!r} is not a tensor"
+        got, want = _full(actual, device), _full(expected, device)
+        assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), (
+            f"{where}: {got} differs from {want}"
+        )
+    else:
+        assert actual == expected, f"{where}: {actual!r} differs from {expected!r}"
+

@@ -1,0 +1,198 @@
+"""Execution-order scenarios: a backend that validates the forward order catches ranks that
+disagree on it (an error in the first iteration, a one-time warning later) and leaves eval alone.
+
+All scenarios shard :class:`fixtures.TwoPathModel`: ``stem`` is the root unit, ``path_a`` and
+``path_b`` are units of 36 elements each. A rank that takes the other path therefore all-gathers
+(and reduce-scatters) a tensor of exactly the size its peers use for theirs: no shape check in
+the collective library notices, only an execution-order check can.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from harness import current_seed
+
+import fixtures
+from conformance.protocol import (
+    BackendAdapter,
+    Capability,
+    ShardingSpec,
+    ShardingStrategy,
+    require,
+)
+
+STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
+LOCAL_BATCH = 8
+ORDER_WARNING_PREFIX = "Forward order differs"
+
+
+def _sharded_models(
+    backend: BackendAdapter,
+    strategy: ShardingStrategy,
+    device: torch.device,
+    use_orig_params: bool = True,
+) -> Iterator[tuple[fixtures.TwoPathModel, torch.nn.Module]]:
+    """(original model, module to run) for every form the backend has, with order checking on.
+
+    The check and the strategy are required first, so a backend without them is reported
+    unsupported instead of failing inside ``shard``.
+    """
+    require(backend, Capability.EXEC_ORDER_CHECK)
+    require(backend, Capability.for_strategy(strategy))
+    if not use_orig_params:
+        require(backend, Capability.FLAT_PARAMETERS)
+    spec = ShardingSpec(
+        strategy=strategy,
+        manual_units=fixtures.TwoPathModel.UNIT_FQNS,
+        use_orig_params=use_orig_params,
+        check_exec_order=True,
+    )
+    for form in backend.forms():
+        model = fixtures.build(fixtures.TwoPathModel, current_seed(), device)
+        yield model, backend.shard(model, spec, form)
+
+
+def _inputs(
+    model: fixtures.TwoPathModel, iteration: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    return fixtures.local_batch(
+        model, seed=current_seed(), iteration=iteration, rank=rank, batch_size=LOCAL_BATCH,
+        device=device,
+    )
+
+
+def _train_step(
+    model: fixtures.TwoPathModel, sharded: torch.nn.Module, iteration: int, rank: int,
+    device: torch.device,
+) -> list[str]:
+    """One forward + backward; returns the execution-order warnings it issued."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # count every issue, not just the first per location
+        model.loss(sharded(*_inputs(model, iteration, rank, device))).backward()
+    return [
+        str(w.message) for w in caught
+        if issubclass(w.category, UserWarning)
+        and str(w.message).startswith(ORDER_WARNING_PREFIX)
+    ]
+
+
+# The order check is itself a collective, issued from inside the unit about to run: a tracer
+# that labels collectives by the running module (FSDP1 has no label of its own) sees path_a on
+# rank 0 and path_b elsewhere, although the ranks issue the same check on purpose.
+@pytest.mark.expect_divergence
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("params", ["original", "flat"])
+def test_first_iteration_order_mismatch_raises(
+    backend: BackendAdapter,
+    strategy: ShardingStrategy,
+    params: str,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Ranks that take different paths in the first forward all raise before gathering.
+
+    Rank 0 takes ``path_a``, every other rank ``path_b``. Every rank must raise
+    ``RuntimeError("Forward order differs across ranks ...")``: on one rank only, the others
+    would block in a collective. ``params``: the model exposes its original parameters
+    (``use_orig_params=True``) or flat parameters (the seed's configuration).
+    Marked ``expect_divergence`` because of the labels of the check's own collectives (above);
+    the ``pytest.raises`` on every rank is what this scenario asserts.
+    """
+    models = _sharded_models(backend, strategy, device, use_orig_params=params == "original")
+    for model, sharded in models:
+        if rank != 0:
+            model.flip_path()
+        with pytest.raises(RuntimeError, match=r"^Forward order differs across ranks"):
+            sharded(*_inputs(model, 0, rank, device))
+
+
+# The ranks other than 0 all-gather and reduce-scatter path_b where rank 0 uses path_a: the
+# harness would report that as divergent collectives, yet detecting it is the point here. Both
+# paths are 36 elements, so the mismatched pairs still have equal sizes and complete.
+@pytest.mark.expect_divergence
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("iters_before_path_change", [1, 3])
+def test_later_iteration_order_change_warns_once(
+    backend: BackendAdapter,
+    strategy: ShardingStrategy,
+    iters_before_path_change: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """A path change after the first iteration warns once, on the changing ranks only.
+
+    All ranks train ``iters_before_path_change`` steps on ``path_a``; then every rank but 0
+    switches to ``path_b``. Each switching rank R issues exactly one ``UserWarning("Forward
+    order differs from that of the first iteration on rank R ...")`` during the changed step
+    and none in the step after; rank 0 and the steps before the change warn nothing.
+
+    Marked ``expect_divergence``: after the switch the ranks issue collectives for different
+    units on purpose (equal sizes, so they still pair up and complete), which the harness's
+    trace diff would otherwise report as a failure.
+    """
+    expected_warning = (
+        rf"^Forward order differs from that of the first iteration on rank {rank}\b"
+    )
+    for model, sharded in _sharded_models(backend, strategy, device):
+        for iteration in range(iters_before_path_change):
+            assert _train_step(model, sharded, iteration, rank, device) == [], (
+                f"rank {rank} warned before any path changed (iteration {iteration})"
+            )
+        if rank != 0:
+            model.flip_path()
+        changed = _train_step(model, sharded, iters_before_path_change, rank, device)
+        after = _train_step(model, sharded, iters_before_path_change + 1, rank, device)
+        if rank == 0:
+            assert changed == [], f"rank 0 kept its path but warned: {changed}"
+        else:
+            assert len(changed) == 1, f"rank {rank}: expected one warning, got {changed}"
+            assert re.search(expected_warning, changed[0]), (
+                f"rank {rank}: {changed[0]!r} does not match {expected_warning!r}"
+            )
+        assert after == [], f"rank {rank} warned again in the step after the change: {after}"
+
+
+# Eval forwards take rank-dependent paths on purpose: those all-gathers pair path_a on rank 0
+# with path_b elsewhere (equal sizes), which the harness would otherwise report as divergence.
+@pytest.mark.expect_divergence
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_train_eval_alternation_warns_nothing(
+    backend: BackendAdapter, strategy: ShardingStrategy, rank: int, device: torch.device
+) -> None:
+    """Eval forwards are not order-checked; switching between train and eval is not a change.
+
+    Two epochs of three training steps and three eval forwards each. During eval every rank
+    but 0 takes ``path_b`` (and returns to ``path_a`` for training), so a backend that checked
+    eval, or that compared a training forward with an eval one, would warn. None may warn.
+    Marked ``expect_divergence`` for the rank-dependent eval paths.
+    """
+    for model, sharded in _sharded_models(backend, strategy, device):
+        issued: list[str] = []
+        iteration = 0
+        for _epoch in range(2):
+            sharded.train()
+            for _ in range(3):
+                issued += _train_step(model, sharded, iteration, rank, device)
+                iteration += 1
+            sharded.eval()
+            if rank != 0:
+                model.flip_path()
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    model.loss(sharded(*_inputs(model, iteration, rank, device)))
+                    iteration += 1
+            issued += [
+                str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING_PREFIX)
+            ]
+            if rank != 0:
+                model.flip_path()
+        assert issued == [], f"rank {rank} warned although only eval forwards differed: {issued}"
