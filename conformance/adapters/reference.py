@@ -1,0 +1,136 @@
+"""Adapter for the in-repo reference engine (`engine/`): wrapper and composable forms.
+
+The reference declares every capability it really has; the one it lacks is flat parameters
+(`use_orig_params=False`): the engine always exposes the original parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import engine
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    Capability,
+    ShardEvent,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    innermost_first,
+    require_all,
+    submodule,
+)
+
+_WRAPPER_COMPONENT = "_sharded_wrapped_module"
+_STRATEGIES = {
+    ShardingStrategy.FULL_SHARD: engine.ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP: engine.ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.NO_SHARD: engine.ShardingStrategy.NO_SHARD,
+    ShardingStrategy.HYBRID_SHARD: engine.ShardingStrategy.HYBRID_SHARD,
+}
+_KINDS = {StateDictKind.FULL: engine.StateDictKind.FULL, StateDictKind.SHARDED: engine.StateDictKind.SHARDED}
+
+
+def _clean(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part and part != _WRAPPER_COMPONENT)
+
+
+class ReferenceAdapter(BackendAdapter):
+    name = "reference"
+    CAPABILITIES = frozenset(Capability) - {Capability.FLAT_PARAMETERS}
+    UNSUPPORTED_REASONS = {
+        Capability.FLAT_PARAMETERS: (
+            "the reference engine always exposes the original parameters (use_orig_params=True "
+            "semantics); flat-parameter exposure is a backend-internal layout it does not offer"
+        ),
+    }
+
+    # -- applying sharding ----------------------------------------------------------------
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        require_all(self, spec.needed_capabilities(form))
+        ignored = [submodule(model, fqn) for fqn in spec.ignored_modules]
+        for fqn in innermost_first(spec.manual_units):
+            unit = submodule(model, fqn)
+            options = self._options(spec, fqn, unit, ignored)
+            if form is ApiForm.WRAPPER:
+                parent_fqn, _, attr = fqn.rpartition(".")
+                setattr(submodule(model, parent_fqn), attr, engine.ShardedModule(unit, **options))
+            else:
+                engine.fully_shard(unit, **options)
+        if not spec.shard_root:
+            return model
+        options = self._options(spec, "", model, ignored)
+        if spec.auto_wrap_classes:
+            options["auto_wrap_classes"] = spec.auto_wrap_classes
+        if form is ApiForm.WRAPPER:
+            return engine.ShardedModule(model, **options)
+        return engine.fully_shard(model, **options)
+
+    def _options(self, spec: ShardingSpec, unit: str, module: nn.Module,
+                 ignored: list[nn.Module]) -> dict[str, Any]:
+        inside = {id(m) for m in module.modules()}
+        owned = [m for m in ignored if id(m) in inside]  # each unit is told only of its own
+        return {
+            "strategy": _STRATEGIES[spec.strategy_for(unit)],
+            "mesh": spec.mesh,
+            "mixed_precision": engine.MixedPrecision(param_dtype=spec.param_dtype) if spec.param_dtype else None,
+            "offload_params": spec.offload_params,
+            "ignored_modules": owned or None,
+            "device": self.env.device,
+        }
+
+    # -- unshard ------------------------------------------------------------------------
+    def unshard(self, model: nn.Module, fqn: str = "", *, writeback: bool = True, rank0_only: bool = False,
+                offload_to_cpu: bool = False, recurse: bool = True,
+                with_grads: bool = False) -> contextlib.AbstractContextManager[None]:
+        return engine.unshard_params(_module_at(model, fqn), recurse=recurse, writeback=writeback,
+                                     rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    def original_fqn(self, name: str) -> str:
+        return _clean(name)
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        engine.set_state_dict_type(model, _KINDS[kind])
+        return {_clean(key): value for key, value in model.state_dict().items()}
+
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        engine.set_state_dict_type(model, _KINDS[kind])
+        model.load_state_dict(dict(state_dict))
+
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                         kind: StateDictKind) -> dict[str, Any]:
+        return engine.optim_state_dict(model, optim, sharded=kind is StateDictKind.SHARDED)
+
+    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        engine.load_optim_state_dict(model, optim, dict(state_dict))
+
+    # -- introspection --------------------------------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        return engine.is_unsharded(_module_at(model, unit))
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        return {_clean(unit): [_clean(p) for p in params] for unit, params in engine.unit_fqns(model)}
+
+    @contextlib.contextmanager
+    def record_events(self, model: nn.Module) -> Iterator[list[ShardEvent]]:
+        engine.clear_events(model)
+        recorded: list[ShardEvent] = []
+        try:
+            yield recorded
+        finally:
+            recorded.extend(ShardEvent(kind, _clean(unit)) for kind, unit in engine.events(model))
+
+
+def _module_at(model: nn.Module, fqn: str) -> nn.Module:
+    """The module at original FQN `fqn`: its wrapper when it has one (named_modules lists it first)."""
+    for name, module in model.named_modules():
+        if _clean(name) == fqn:
+            return module
+    return submodule(model, fqn)  # raises with the list of names
