@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from conformance.adapters._labels import label_calls
 from conformance.adapters._common import (
     CPU_OFFLOAD_NEEDS_ACCELERATOR,
     TorchAdapter,
@@ -57,6 +59,24 @@ _STRATEGIES = {
     ShardingStrategy.NO_SHARD: TorchStrategy.NO_SHARD,
     ShardingStrategy.HYBRID_SHARD: TorchStrategy.HYBRID_SHARD,
 }
+
+# FlatParamHandle -> FQN prefix of the module it shards, so labels are FQNs from the model root.
+_HANDLE_PREFIXES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _handle_fqns(handle: Any) -> list[str]:
+    prefix = _HANDLE_PREFIXES.get(handle, "")
+    return [f"{prefix}.{name}" if prefix else name for name in handle.flat_param._fqns]
+
+
+def _label_collectives() -> None:
+    """Name the parameter FQNs behind FSDP1's all-gathers (handle.unshard) and reduce-scatters."""
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
+
+    label_calls(_flat_param.FlatParamHandle, "unshard", lambda handle, *a, **k: _handle_fqns(handle))
+    for name in ("_reduce_grad", "_reduce_grad_no_shard"):
+        label_calls(_runtime_utils, name, lambda state, handle, *a, **k: _handle_fqns(handle))
+
 
 _STATE_DICT_TYPES = {
     StateDictKind.FULL: (StateDictType.FULL_STATE_DICT, FullStateDictConfig()),
@@ -86,12 +106,16 @@ class TorchFSDP1Adapter(TorchAdapter):
         for fqn in innermost_first(spec.manual_units):
             parent, attr = parent_and_name(model, fqn)
             setattr(parent, attr, FSDP(submodule(model, fqn), **self._kwargs(spec, fqn, ignored)))
-        if not spec.shard_root:
-            return model
-        kwargs = self._kwargs(spec, "", ignored)
-        if spec.auto_wrap_classes:
-            kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(spec.auto_wrap_classes))
-        return FSDP(model, **kwargs)
+        if spec.shard_root:
+            kwargs = self._kwargs(spec, "", ignored)
+            if spec.auto_wrap_classes:
+                kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(spec.auto_wrap_classes))
+            model = FSDP(model, **kwargs)
+        _label_collectives()
+        for fqn, module in model.named_modules():
+            if isinstance(module, FSDP) and module._handle is not None:
+                _HANDLE_PREFIXES[module._handle] = clean_fqn(fqn)
+        return model
 
     def _kwargs(
         self, spec: ShardingSpec, unit: str, ignored: list[nn.Module]

@@ -36,6 +36,7 @@ from conformance.adapters._common import (
     TorchAdapter,
     record_transitions,
 )
+from conformance.adapters._labels import label_calls
 from conformance.protocol import (
     ApiForm,
     BackendEnv,
@@ -51,6 +52,20 @@ from conformance.protocol import (
 )
 
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
+
+
+def _label_collectives() -> None:
+    """Name the parameter FQNs behind FSDP2's all-gathers (unshard) and reduce-scatters (post_backward)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # a torch whose internals moved: collectives keep their generic labels
+        return
+
+    def group_fqns(group: Any, *args: Any, **kwargs: Any) -> list[str]:
+        return [p._param_fqn for p in group.fsdp_params if getattr(p, "_param_fqn", None)]
+
+    label_calls(FSDPParamGroup, "unshard", group_fqns)
+    label_calls(FSDPParamGroup, "post_backward", group_fqns)
 
 
 class TorchFSDP2Adapter(TorchAdapter):
@@ -81,6 +96,7 @@ class TorchFSDP2Adapter(TorchAdapter):
     def __init__(self, env: BackendEnv) -> None:
         super().__init__(env)
         self._replicate_mesh: DeviceMesh | None = None
+        _label_collectives()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
