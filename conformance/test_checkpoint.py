@@ -75,7 +75,7 @@ def test_full_state_dict(
     """
     require(backend, Capability.FULL_STATE_DICT)
     spec = _layout_spec(layout)
-    for strategy in spec.strategies():
+    for strategy in sorted(spec.strategies(), key=lambda s: s.name):
         require(backend, Capability.for_strategy(strategy))
     local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
     _make_nonzero(local)
@@ -217,7 +217,10 @@ def test_optim_state_dict_round_trip(
         )
         restored_optim = make_optim(restored.parameters())
         backend.load_state_dict(restored, model_checkpoint, kind)
-        backend.load_optim_state_dict(restored, restored_optim, optim_checkpoint, kind)
+        # A copy: optimizers may adopt the loaded tensors, and the checkpoint must stay intact.
+        backend.load_optim_state_dict(
+            restored, restored_optim, copy.deepcopy(optim_checkpoint), kind
+        )
         _assert_same_tree(
             backend.optim_state_dict(restored, restored_optim, kind), optim_checkpoint,
             where, device,
@@ -355,8 +358,7 @@ def _assert_same_state(
             f"{tuple(want.shape)}"
         )
         assert torch.equal(got.detach().cpu(), want.detach().cpu()), (
-            f"{where}: {name} differs (max abs difference "
-            f"{(got.detach().cpu().double() - want.detach().cpu().double()).abs().max():.3g})"
+            f"{where}: {name}: {_describe_difference(got, want)}"
         )
 
 
@@ -384,8 +386,17 @@ def _assert_same_tree(actual: Any, expected: Any, where: str, device: torch.devi
         assert isinstance(actual, torch.Tensor), f"{where}: {actual!r} is not a tensor"
         got, want = _full(actual, device), _full(expected, device)
         assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), (
-            f"{where}: {got} differs from {want}"
+            f"{where}: {_describe_difference(got, want)}"
         )
     else:
         assert actual == expected, f"{where}: {actual!r} differs from {expected!r}"
 
+
+def _describe_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    got, want = got.detach().cpu(), want.detach().cpu()
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} differs from {tuple(want.shape)}"
+    if got.numel() == 1:
+        return f"{got.item()} differs from {want.item()}"
+    difference = (got.double() - want.double()).abs().max().item()
+    return f"differs (max abs difference {difference:.3g})"

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from harness import current_seed
 from torch.distributed.tensor import DTensor
@@ -94,6 +95,13 @@ class PartlyUsed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.used(x)
+
+
+class TinyLinear(nn.Sequential):
+    """The smallest model with a backward: one 2 -> 1 linear."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(2, 1))
 
 
 class CallsBackInForward(nn.Module):
@@ -496,3 +504,330 @@ def test_unshard_respects_reshard(
         check(sharded, False, f"{where}: after an unshard following backward")
 
 
+# -- recurse, names -------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
+@pytest.mark.parametrize("target", ["outer", "inner"])
+@mixed_precision_axis
+@orig_params_axis
+def test_unshard_recurse(
+    backend: BackendAdapter,
+    recurse: bool,
+    target: str,
+    mixed_precision: bool,
+    use_orig_params: bool,
+    device: torch.device,
+) -> None:
+    """Unsharding the root unshards unit ``0`` too only with ``recurse``; unsharding unit ``0``
+    never unshards the root. Original parameters show full shapes exactly where unsharded."""
+    _require_unshard(backend, recurse=recurse)
+    require(backend, Capability.INTROSPECT_UNSHARDED)
+    spec = ShardingSpec(
+        manual_units=("0",),
+        param_dtype=torch.float16 if mixed_precision else None,
+        use_orig_params=use_orig_params,
+    )
+    shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
+    owners = {"0.weight": "0", "1.weight": ""}
+    expected = {"": target == "outer", "0": recurse or target == "inner"}
+    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
+        fqn = "" if target == "outer" else "0"
+        with backend.unshard(sharded, fqn, recurse=recurse, writeback=False):
+            state = {unit: backend.is_unsharded(sharded, unit) for unit in expected}
+            assert state == expected, f"{form.value}: unsharded per unit {state}"
+            if use_orig_params:
+                params = _named_params(backend, sharded)
+                full = {name: _shows_full(params[name], shape) for name, shape in shapes.items()}
+                assert full == {name: expected[owners[name]] for name in shapes}, (
+                    f"{form.value}: parameters showing their full shape: {full}"
+                )
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("prefix", ["", "test_prefix"], ids=["no_prefix", "prefix"])
+@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
+@orig_params_axis
+def test_unshard_named_parameters_and_buffers(
+    backend: BackendAdapter, prefix: str, recurse: bool, use_orig_params: bool, device: torch.device
+) -> None:
+    """Inside the context the sharded root lists the same (name, tensor) pairs as the
+    unsharded model, for ``named_parameters`` and ``named_buffers`` with ``prefix`` and
+    ``recurse``. The extra buffer is registered on the module ``shard()`` returned, i.e. on
+    what the user holds as the root."""
+    _require_unshard(backend)
+    local = fixtures.build(fixtures.NestedModel, current_seed(), device)
+    local.register_buffer("buffer", torch.ones(1, device=device))
+    spec = ShardingSpec(use_orig_params=use_orig_params)
+    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        sharded.register_buffer("buffer", torch.ones(1, device=device))
+        with backend.unshard(sharded, writeback=False):
+            for call in ("named_parameters", "named_buffers"):
+                seen = [
+                    (backend.original_fqn(name), tensor)
+                    for name, tensor in getattr(sharded, call)(prefix=prefix, recurse=recurse)
+                ]
+                wanted = list(getattr(local, call)(prefix=prefix, recurse=recurse))
+                assert [n for n, _ in seen] == [n for n, _ in wanted], (
+                    f"{form.value}: {call}(prefix={prefix!r}, recurse={recurse}) names differ"
+                )
+                for (name, tensor), (_, expected) in zip(seen, wanted):
+                    torch.testing.assert_close(
+                        tensor.detach(), expected.detach(), **EXACT,
+                        msg=lambda m, name=name: f"{form.value}: {call} {name} differs\n{m}",
+                    )
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+
+def _stored_grads(sharded: nn.Module) -> list[torch.Tensor]:
+    return [_local(p.grad).clone() for p in sharded.parameters() if p.grad is not None]
+
+
+@pytest.mark.world_size(2)
+@writeback_axis
+@offload_to_cpu_axis
+@grad_strategy_axis
+def test_unshard_with_grads(
+    backend: BackendAdapter,
+    writeback: bool,
+    offload_to_cpu: bool,
+    strategy: ShardingStrategy,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """``with_grads`` shows the averaged gradients DDP computes, after backward and between
+    forward and backward; gradients scaled inside persist iff parameter changes would.
+
+    ``offload_to_cpu`` with NO_SHARD is refused (see test_unshard_offload_to_cpu_no_shard_raises).
+    """
+    _require_unshard(
+        backend, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
+    )
+    spec = ShardingSpec(
+        strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES
+    )
+    changes_persist = writeback or (strategy is ShardingStrategy.NO_SHARD and not offload_to_cpu)
+    refused = offload_to_cpu and strategy is ShardingStrategy.NO_SHARD
+    for form, sharded in _sharded_models(backend, fixtures.TiedTransformer, spec, device):
+        local = fixtures.build(fixtures.TiedTransformer, current_seed(), device)
+        ddp = DistributedDataParallel(
+            local, device_ids=[device] if device.type == "cuda" else None
+        )
+        ddp_params = dict(local.named_parameters())
+        full = _full_values(backend, sharded)
+        assert full.keys() == ddp_params.keys(), f"{form.value}: parameter names differ"
+        for name, value in full.items():
+            torch.testing.assert_close(value, ddp_params[name].detach(), **EXACT)
+
+        def check_grads(when: str) -> None:
+            before = _stored_grads(sharded)
+            context = backend.unshard(
+                sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
+            )
+            if refused:
+                with pytest.raises(REFUSAL_ERRORS) as refusal:
+                    with context:
+                        pass
+                _assert_words(refusal.value, "offload_to_cpu", refusal=True)
+                return
+            with context, torch.no_grad():
+                pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
+                for (name, expected), (seen_name, seen) in pairs:
+                    assert backend.original_fqn(seen_name) == name, f"{form.value}: {seen_name!r}"
+                    assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
+                    torch.testing.assert_close(
+                        seen.grad, expected.grad.to(seen.grad.device), **GRAD_TOLERANCE,
+                        msg=lambda m, name=name: (
+                            f"{form.value} {when}: {name} gradient differs from DDP\n{m}"
+                        ),
+                    )
+                    # A zero gradient would make the writeback check below vacuous.
+                    assert seen.grad.count_nonzero() > 0, f"{form.value}: {name} gradient is 0"
+                    seen.grad *= WRITEBACK_FACTOR
+            after = _stored_grads(sharded)
+            assert len(after) == len(before), f"{form.value} {when}: gradients appeared/vanished"
+            factor = WRITEBACK_FACTOR if changes_persist else 1.0
+            for old, new in zip(before, after):
+                torch.testing.assert_close(
+                    new, old * factor, **EXACT,
+                    msg=lambda m: (
+                        f"{form.value} {when}: stored gradient after the context is not "
+                        f"{factor} x the one before (writeback={writeback})\n{m}"
+                    ),
+                )
+            if changes_persist:
+                with torch.no_grad():
+                    for param in local.parameters():
+                        param.grad *= WRITEBACK_FACTOR
+
+        for iteration, phase in enumerate(("after backward", "between forward and backward")):
+            inputs = fixtures.local_batch(
+                local, seed=current_seed(), iteration=iteration, rank=rank, batch_size=2,
+                device=device,
+            )
+            ddp_loss = local.loss(ddp(*inputs))
+            sharded_loss = local.loss(sharded(*inputs))
+            if iteration == 0:
+                ddp_loss.backward()
+                sharded_loss.backward()
+            check_grads(phase)
+
+
+@pytest.mark.world_size(2)
+@grad_strategy_axis
+@pytest.mark.parametrize("case", ["before_backward", "partly_used"])
+def test_unshard_with_grads_none(
+    backend: BackendAdapter,
+    strategy: ShardingStrategy,
+    case: str,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Gradients that are None on every rank stay None inside ``with_grads``.
+
+    before_backward: no backward ran, so every gradient is None. partly_used: after a
+    backward through ``used`` only, ``unused`` (same unit as ``used``) and unit ``idle`` have
+    None gradients while ``used`` has real ones.
+    """
+    _require_unshard(backend, with_grads=True)
+    if case == "before_backward":
+        model_cls: type[nn.Module] = fixtures.TiedTransformer
+        spec = ShardingSpec(
+            strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES
+        )
+    else:
+        model_cls = PartlyUsed
+        spec = ShardingSpec(strategy=strategy, manual_units=PartlyUsed.UNIT_FQNS)
+    for form, sharded in _sharded_models(backend, model_cls, spec, device):
+        if case == "partly_used":
+            inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+            sharded(inputs.to(device)).sum().backward()
+        stored = _has_grad_on_any_rank(_named_params(backend, sharded), device)
+        with backend.unshard(sharded, writeback=False, with_grads=True):
+            shown = {
+                name: p.grad is not None for name, p in _named_params(backend, sharded).items()
+            }
+        assert shown == stored, (
+            f"{form.value}: gradient shown inside {shown} differs from gradient stored on some "
+            f"rank {stored}"
+        )
+        expected = {name: name.startswith("used.") for name in shown}
+        assert shown == expected, (
+            f"{form.value}: parameters showing a gradient {shown}; only those used in "
+            "forward may have one"
+        )
+
+
+def _has_grad_on_any_rank(
+    params: dict[str, nn.Parameter], device: torch.device
+) -> dict[str, bool]:
+    """Whether any rank stores a gradient for each parameter (shards may be empty locally)."""
+    flags = torch.tensor([p.grad is not None for p in params.values()], device=device).int()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return dict(zip(params, (bool(f) for f in flags.tolist())))
+
+
+# -- submodule ------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_unshard_submodule(backend: BackendAdapter, device: torch.device) -> None:
+    """Unsharding unit ``0`` of an auto-wrapped model shows its original parameters (more
+    than one, no flat parameter), full and equal to an unsharded copy."""
+    _require_unshard(backend)
+    spec = ShardingSpec(auto_wrap_classes=(nn.Sequential,))
+    local = dict(fixtures.build(PairOfPairs, current_seed(), device).named_parameters())
+    wanted = {name: p for name, p in local.items() if name.startswith("0.")}
+    for form, sharded in _sharded_models(backend, PairOfPairs, spec, device):
+        with backend.unshard(sharded, "0", writeback=False):
+            seen = {
+                name: p for name, p in _named_params(backend, sharded).items()
+                if name.startswith("0.")
+            }
+            assert seen.keys() == wanted.keys(), (
+                f"{form.value}: unit 0 shows {sorted(seen)}, expected {sorted(wanted)}"
+            )
+            for name, param in seen.items():
+                assert _shows_full(param, wanted[name].shape), f"{form.value}: {name} not full"
+                torch.testing.assert_close(param.detach(), wanted[name].detach(), **EXACT)
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_unshard_from_forward_raises(backend: BackendAdapter, device: torch.device) -> None:
+    """Entering the context from inside forward raises (misuse contract, module docstring)."""
+    _require_unshard(backend)
+    for form, sharded in _sharded_models(backend, CallsBackInForward, ShardingSpec(), device):
+        target = next(m for m in sharded.modules() if isinstance(m, CallsBackInForward))
+
+        def unshard_now(sharded: nn.Module = sharded) -> None:
+            with backend.unshard(sharded, writeback=False):
+                pass
+
+        target.during_forward = unshard_now
+        with pytest.raises(MISUSE_ERRORS) as misuse:
+            sharded(torch.ones(5, device=device))
+        _assert_words(misuse.value, "unshard", refusal=False)
+        assert re.search("forward|backward", str(misuse.value), re.IGNORECASE), (
+            f"{form.value}: message does not say forward or backward: {misuse.value}"
+        )
+
+
+@pytest.mark.world_size(2)
+def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.device) -> None:
+    """Entering the context from a hook that runs during backward raises (misuse contract)."""
+    _require_unshard(backend)
+    for form, sharded in _sharded_models(backend, TinyLinear, ShardingSpec(), device):
+        output = sharded(torch.ones(2, device=device))
+        assert output.requires_grad
+
+        def unshard_now(grad: torch.Tensor, sharded: nn.Module = sharded) -> None:
+            with backend.unshard(sharded, writeback=False):
+                pass
+
+        output.register_hook(unshard_now)
+        with pytest.raises(MISUSE_ERRORS) as misuse:
+            output.sum().backward()
+        _assert_words(misuse.value, "unshard", refusal=False)
+        assert re.search("forward|backward", str(misuse.value), re.IGNORECASE), (
+            f"{form.value}: message does not say forward or backward: {misuse.value}"
+        )
+
+
+@pytest.mark.world_size(2)
+def test_unshard_rank0_only_with_writeback_raises(
+    backend: BackendAdapter, device: torch.device
+) -> None:
+    """``rank0_only`` with ``writeback`` is refused: other ranks could not persist writes."""
+    _require_unshard(backend, writeback=True, rank0_only=True)
+    spec = ShardingSpec(manual_units=fixtures.NestedModel.UNIT_FQNS)
+    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with pytest.raises(REFUSAL_ERRORS) as refusal:
+            with backend.unshard(sharded, rank0_only=True, writeback=True):
+                pass
+        _assert_words(refusal.value, "rank0_only", "writeback", refusal=True)
+
+
+@pytest.mark.world_size(2)
+def test_unshard_offload_to_cpu_no_shard_raises(
+    backend: BackendAdapter, device: torch.device
+) -> None:
+    """``offload_to_cpu`` with NO_SHARD is refused (parameters are never gathered there).
+
+    The upstream seed passes ``rank0_only=True, writeback=True`` here, which trips the other
+    refusal first; this scenario isolates the intended one (``writeback=False``).
+    """
+    _require_unshard(backend, offload_to_cpu=True)
+    spec = ShardingSpec(
+        strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS
+    )
+    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with pytest.raises(REFUSAL_ERRORS) as refusal:
+            with backend.unshard(sharded, offload_to_cpu=True, writeback=False):
+                pass
+        _assert_words(refusal.value, "offload_to_cpu", refusal=True)

@@ -107,7 +107,9 @@ def _apply(
         )
     if options.auto_wrap_classes:
         wrapped = _auto_wrap(module, module, options, ignored, topology, device, wrap_child)
-        if wrapped == 0:
+        classes = tuple(options.auto_wrap_classes)
+        if wrapped == 0 and not any(isinstance(m, classes) for m in module.modules() if m is not module):
+            # Matches that all sit inside ignored modules are fine: the policy did apply.
             names = ", ".join(c.__name__ for c in options.auto_wrap_classes)
             raise ValueError(
                 f"auto_wrap_classes ({names}) matched no submodule of {type(module).__name__}; "

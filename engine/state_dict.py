@@ -76,6 +76,37 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor) -> DTensor:
     )
 
 
+def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor:
+    """A tensor-parallel parameter as a DTensor on the (dp, tp) mesh: dp Shard(0) + TP placement.
+
+    The TP-local tensor is chunked along dim 0 over dp.  When TP itself shards dim 0, that is
+    "dp chunks inside TP chunks", which DTensor spells `_StridedShard(0, split_factor=tp)`.
+    """
+    spec = info.tp_spec
+    dp_mesh = unit.topology.mesh
+    root_mesh = dp_mesh._get_root_mesh() if dp_mesh is not None and hasattr(dp_mesh, "_get_root_mesh") else None
+    if root_mesh is None or root_mesh is dp_mesh or root_mesh.mesh_dim_names is None:
+        raise NotImplementedError(
+            "a SHARDED state dict of tensor-parallel parameters needs the dp mesh to be a named "
+            "dimension of the 2-D mesh (pass mesh=mesh_2d['dp']); use StateDictKind.FULL otherwise"
+        )
+    local = shown.to_local()
+    dp_size, dp_rank = unit.topology.shard_size, unit.topology.shard_rank
+    step = -(-local.shape[0] // dp_size)
+    start = min(dp_rank * step, local.shape[0])
+    piece = local[start : min(start + step, local.shape[0])].clone()
+    dp_placement: Any = Shard(0)
+    if any(isinstance(p, Shard) and p.dim == 0 for p in spec.placements):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        dp_placement = _StridedShard(0, split_factor=spec.mesh.size())
+    names = root_mesh.mesh_dim_names
+    placements = [Replicate()] * root_mesh.ndim
+    placements[names.index(dp_mesh.mesh_dim_names[0])] = dp_placement
+    placements[names.index(spec.mesh.mesh_dim_names[0])] = spec.placements[0]
+    return DTensor.from_local(piece, root_mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
 def register_state_dict_hooks(unit: ShardedUnit) -> None:
     """Gather the unit around `state_dict()` / `load_state_dict()` of its module."""
     if not unit.has_params:
@@ -102,16 +133,12 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
                     continue
                 value = state_dict[key].detach()
                 if kind is StateDictKind.SHARDED:
-                    if info.tp_spec is not None:
-                        raise NotImplementedError(
-                            f"a SHARDED state dict of tensor-parallel parameter {key} is not "
-                            "supported yet; use StateDictKind.FULL"
-                        )
-                    state_dict[key] = to_dtensor(unit, value)
-                elif info.tp_spec is not None:
-                    value = value.full_tensor()
-                    state_dict[key] = value.cpu() if root.state_dict_offload_to_cpu else value
+                    state_dict[key] = (
+                        to_2d_dtensor(unit, info, value) if info.tp_spec is not None else to_dtensor(unit, value)
+                    )
                 else:
+                    if info.tp_spec is not None:
+                        value = value.full_tensor()  # may alias the unsharded buffer: copy below
                     target = torch.device("cpu") if root.state_dict_offload_to_cpu else value.device
                     state_dict[key] = value.to(target, copy=True)
         shown.exit()

@@ -231,9 +231,13 @@ def _wrapped_submodule(model: nn.Module, fqn: str) -> nn.Module:
 def _holds_unsharded(handle: Any) -> bool:
     if not handle.uses_sharded_strategy:
         return True  # NO_SHARD keeps the full parameter at all times
-    # Allocated lazily at the first forward: absent means never unsharded.
-    padded = getattr(handle.flat_param, "_full_param_padded", None)
-    return padded is not None and padded.untyped_storage().size() > 0
+    # Allocated lazily at the first forward: absent means never unsharded. Under mixed precision
+    # summon_full_params gathers into a separate full-precision buffer instead.
+    buffers = ("_full_param_padded", "_full_prec_full_param_padded")
+    return any(
+        padded is not None and padded.untyped_storage().size() > 0
+        for padded in (getattr(handle.flat_param, name, None) for name in buffers)
+    )
 
 
 def _handle(module: nn.Module) -> Any:

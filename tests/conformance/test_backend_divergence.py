@@ -1,0 +1,104 @@
+"""Same-shape divergence is caught for every backend: by the backend's own order check, or
+else by the harness's trace diff — never passed silently, and never a hung session.
+
+One inner pytest session (a subprocess with the repository's own configuration) runs, for
+torch-fsdp1 (no TORCH_DISTRIBUTED_DEBUG=DETAIL), torch-fsdp2 and reference, a body in which
+ranks run two equal-sized units in opposite orders (``conformance.test_divergence``'s step),
+with no capability check and no ``expect_divergence`` marker; then the same step with the
+ranks agreeing, which must pass, so a failure of the first is the divergence and not a broken
+adapter or a session that died.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
+# Short enough that a hang would show up as a timeout long before the subprocess limit.
+COLLECTIVE_TIMEOUT_S = 10
+SESSION_TIMEOUT_S = 300
+
+INNER_TESTS = '''
+import pytest
+from conformance.test_divergence import training_step
+
+@pytest.mark.world_size(2)
+def test_crossed_step(backend, rank, device):
+    for form in backend.forms():
+        training_step(backend, form, rank, device, crossed=True)
+
+@pytest.mark.world_size(2)
+def test_agreeing_step(backend, rank, device):
+    for form in backend.forms():
+        training_step(backend, form, rank, device, crossed=False)
+'''
+
+DIVERGENCE_DIFF = re.compile(
+    r"ranks issued divergent collectives: collective #\d+ on group \[0, 1\]: "
+    r"rank 0 \w+ \[first[^\]]*\] .* vs rank 1 \w+ \[second[^\]]*\]"
+)
+
+
+@pytest.fixture(scope="module")
+def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Run the inner session once; map each test id to its failure section or "passed"."""
+    directory = tmp_path_factory.mktemp("backend_divergence")
+    (directory / "test_inner.py").write_text(INNER_TESTS)
+    (directory / "expectations").mkdir()  # no expected failures: see the raw outcome
+    command = [
+        sys.executable, "-m", "pytest", "test_inner.py",
+        "-c", str(REPO / "pyproject.toml"), "--rootdir", str(directory),
+        "-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider",
+        f"--collective-timeout={COLLECTIVE_TIMEOUT_S}",
+        "--reports-dir", str(directory / "reports"),
+        "--expectations-dir", str(directory / "expectations"),
+        "-rA", "-q",
+        *[arg for backend in BACKENDS for arg in ("--backend", backend)],
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # FSDP1 must run without its DETAIL-only check
+    try:
+        result = subprocess.run(
+            command, cwd=directory, env=env, text=True, capture_output=True,
+            timeout=SESSION_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the inner session hung for {SESSION_TIMEOUT_S}s:\n{expired.stdout}")
+    output = result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
+    assert f"{len(BACKENDS)} failed, {len(BACKENDS)} passed" in output, output
+    sections = re.split(r"\n_{3,} (test_\w+\[[\w-]+\]) _{3,}\n", result.stdout)
+    report = dict(zip(sections[1::2], sections[2::2]))
+    for backend in BACKENDS:
+        assert f"PASSED test_inner.py::test_agreeing_step[{backend}]" in output, output
+        report[f"test_agreeing_step[{backend}]"] = "passed"
+    return report
+
+
+# Not named `backend`: the conformance plugin parametrizes every test taking that argument.
+@pytest.mark.parametrize("backend_name", ["torch-fsdp1", "torch-fsdp2"])
+def test_unchecked_backend_is_failed_by_the_trace_diff(
+    inner_report: dict[str, str], backend_name: str
+) -> None:
+    """No order check: the step completes, and only the harness's diff stops it passing."""
+    failure = inner_report.get(f"test_crossed_step[{backend_name}]")
+    assert failure is not None, f"the crossed step passed on {backend_name}: {sorted(inner_report)}"
+    assert DIVERGENCE_DIFF.search(failure), failure
+    assert "Forward order differs" not in failure, failure
+
+
+def test_reference_raises_its_order_error(inner_report: dict[str, str]) -> None:
+    """The reference engine checks the first forward across ranks and raises on every rank;
+    its check's own collective is labelled alike on every rank, so there is no diff."""
+    failure = inner_report.get("test_crossed_step[reference]")
+    assert failure is not None, f"the crossed step passed on reference: {sorted(inner_report)}"
+    assert re.search(r"rank 0: failed.*Forward order differs across ranks", failure, re.S), failure
+    assert re.search(r"rank 1: failed.*Forward order differs across ranks", failure, re.S), failure
+    assert "ranks issued divergent collectives" not in failure, failure
