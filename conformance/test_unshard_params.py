@@ -228,11 +228,11 @@ def _assert_words(error: BaseException, *words: str, refusal: bool) -> None:
 
 
 @pytest.mark.world_size([1, 2])
-@writeback_axis
-@pytest.mark.parametrize("unit", ["outer", "inner"])
-@mixed_precision_axis
-@param_offload_axis
 @orig_params_axis
+@param_offload_axis
+@mixed_precision_axis
+@pytest.mark.parametrize("unit", ["outer", "inner"])
+@writeback_axis
 def test_unshard_writeback(
     backend: BackendAdapter,
     writeback: bool,
@@ -283,6 +283,11 @@ def test_unshard_writeback(
             assert devices == {"cpu"}, f"{form.value}: offloaded parameters live on {devices}"
 
         full = _full_values(backend, sharded)
+        dtypes = {name: value.dtype for name, value in full.items()}
+        assert set(dtypes.values()) == {torch.float32}, (
+            f"{form.value}: the context shows {dtypes}; full parameters must keep the original "
+            "float32 even under mixed precision"
+        )
         if changes_persist:
             for name, value in full.items():
                 assert not value.any(), f"{form.value}: {name} lost the zeros written inside"
@@ -362,11 +367,11 @@ def _check_param_data(
 
 
 @pytest.mark.world_size(2)
-@rank0_only_axis
-@offload_to_cpu_axis
-@param_offload_axis
-@mixed_precision_axis
 @orig_params_axis
+@mixed_precision_axis
+@param_offload_axis
+@offload_to_cpu_axis
+@rank0_only_axis
 def test_unshard_param_data(
     backend: BackendAdapter,
     rank0_only: bool,
@@ -390,10 +395,10 @@ def test_unshard_param_data(
 
 
 @pytest.mark.world_size(1)
-@rank0_only_axis
-@param_offload_axis
-@mixed_precision_axis
 @orig_params_axis
+@mixed_precision_axis
+@param_offload_axis
+@rank0_only_axis
 def test_unshard_param_data_no_shard(
     backend: BackendAdapter,
     rank0_only: bool,
@@ -454,10 +459,10 @@ def test_unshard_singleton_writeback(
 
 
 @pytest.mark.world_size(2)
-@rank0_only_axis
-@offload_to_cpu_axis
-@mixed_precision_axis
 @orig_params_axis
+@mixed_precision_axis
+@offload_to_cpu_axis
+@rank0_only_axis
 def test_unshard_respects_reshard(
     backend: BackendAdapter,
     rank0_only: bool,
@@ -508,10 +513,10 @@ def test_unshard_respects_reshard(
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
-@pytest.mark.parametrize("target", ["outer", "inner"])
-@mixed_precision_axis
 @orig_params_axis
+@mixed_precision_axis
+@pytest.mark.parametrize("target", ["outer", "inner"])
+@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
 def test_unshard_recurse(
     backend: BackendAdapter,
     recurse: bool,
@@ -546,9 +551,9 @@ def test_unshard_recurse(
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("prefix", ["", "test_prefix"], ids=["no_prefix", "prefix"])
-@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
 @orig_params_axis
+@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
+@pytest.mark.parametrize("prefix", ["", "test_prefix"], ids=["no_prefix", "prefix"])
 def test_unshard_named_parameters_and_buffers(
     backend: BackendAdapter, prefix: str, recurse: bool, use_orig_params: bool, device: torch.device
 ) -> None:
@@ -587,9 +592,9 @@ def _stored_grads(sharded: nn.Module) -> list[torch.Tensor]:
 
 
 @pytest.mark.world_size(2)
-@writeback_axis
-@offload_to_cpu_axis
 @grad_strategy_axis
+@offload_to_cpu_axis
+@writeback_axis
 def test_unshard_with_grads(
     backend: BackendAdapter,
     writeback: bool,
@@ -677,8 +682,8 @@ def test_unshard_with_grads(
 
 
 @pytest.mark.world_size(2)
-@grad_strategy_axis
 @pytest.mark.parametrize("case", ["before_backward", "partly_used"])
+@grad_strategy_axis
 def test_unshard_with_grads_none(
     backend: BackendAdapter,
     strategy: ShardingStrategy,

@@ -94,7 +94,17 @@ class TorchFSDP1Adapter(TorchAdapter):
             "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
             "from torch; use the torch-fsdp2 backend for fully_shard"
         ),
+        Capability.UNSHARD_OFFLOAD_TO_CPU: (
+            "on a CPU device summon_full_params(offload_to_cpu=True) 'copies' the full "
+            "parameter to CPU in place, then frees that storage: the views it exposes point at "
+            "freed memory (RuntimeError 'setStorage: ... out of bounds', or SIGSEGV)"
+        ),
     }
+
+    def capabilities(self) -> frozenset[Capability]:
+        if self.env.device.type == "cpu":
+            return super().capabilities() - {Capability.UNSHARD_OFFLOAD_TO_CPU}
+        return super().capabilities()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
