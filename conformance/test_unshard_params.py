@@ -260,7 +260,8 @@ def test_unshard_writeback(
         use_orig_params=use_orig_params,
     )
     initial = dict(fixtures.build(TwoLayer, current_seed(), device).named_parameters())
-    checked_name, other_name = ("0.weight", "1.weight") if unit == "inner" else ("1.weight", "0.weight")
+    names = ("0.weight", "1.weight")
+    checked_name, other_name = names if unit == "inner" else reversed(names)
     changes_persist = writeback or (world_size == 1 and not param_offload)
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
         written = _unit_params(backend, sharded, inner=unit == "inner")
@@ -489,7 +490,7 @@ def test_unshard_respects_reshard(
         assert state == {"": root, "0": False}, f"{when}: unsharded per unit {state}"
 
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
-        where = f"{form.value}"
+        where = form.value
         output = sharded(torch.zeros(5, device=device))
         check(sharded, True, f"{where}: after forward")
         output.sum().backward()
@@ -500,7 +501,7 @@ def test_unshard_respects_reshard(
             sharded, rank0_only=rank0_only, writeback=not rank0_only, offload_to_cpu=offload_to_cpu
         ):
             pass
-        check(sharded, not mixed_precision, f"{where}: after an unshard between forward and backward")
+        check(sharded, not mixed_precision, f"{where}: after an unshard before backward")
         output.sum().backward()
         with backend.unshard(
             sharded, rank0_only=rank0_only, writeback=not rank0_only, offload_to_cpu=offload_to_cpu
@@ -575,7 +576,8 @@ def test_unshard_named_parameters_and_buffers(
                 ]
                 wanted = list(getattr(local, call)(prefix=prefix, recurse=recurse))
                 assert [n for n, _ in seen] == [n for n, _ in wanted], (
-                    f"{form.value}: {call}(prefix={prefix!r}, recurse={recurse}) names differ"
+                    f"{form.value}: {call}(prefix={prefix!r}, recurse={recurse}) gives "
+                    f"{[n for n, _ in seen]}, the unsharded model {[n for n, _ in wanted]}"
                 )
                 for (name, tensor), (_, expected) in zip(seen, wanted):
                     torch.testing.assert_close(
@@ -653,7 +655,10 @@ def test_unshard_with_grads(
                     assert seen.grad.count_nonzero() > 0, f"{form.value}: {name} gradient is 0"
                     seen.grad *= WRITEBACK_FACTOR
             after = _stored_grads(sharded)
-            assert len(after) == len(before), f"{form.value} {when}: gradients appeared/vanished"
+            assert len(after) == len(before), (
+                f"{form.value} {when}: {len(before)} parameters stored a gradient before the "
+                f"context, {len(after)} after it"
+            )
             factor = WRITEBACK_FACTOR if changes_persist else 1.0
             for old, new in zip(before, after):
                 torch.testing.assert_close(
@@ -691,11 +696,12 @@ def test_unshard_with_grads_none(
     rank: int,
     device: torch.device,
 ) -> None:
-    """Gradients that are None on every rank stay None inside ``with_grads``.
+    """Gradients that are None on every rank stay None inside ``with_grads``, and those
+    stored on some rank show up.
 
     before_backward: no backward ran, so every gradient is None. partly_used: after a
-    backward through ``used`` only, ``unused`` (same unit as ``used``) and unit ``idle`` have
-    None gradients while ``used`` has real ones.
+    backward through ``used`` only, unit ``idle`` has None gradients and ``used`` real ones;
+    ``unused`` (same unit as ``used``) shows whatever the backend stored for it.
     """
     _require_unshard(backend, with_grads=True)
     if case == "before_backward":
@@ -719,10 +725,15 @@ def test_unshard_with_grads_none(
             f"{form.value}: gradient shown inside {shown} differs from gradient stored on some "
             f"rank {stored}"
         )
-        expected = {name: name.startswith("used.") for name in shown}
-        assert shown == expected, (
-            f"{form.value}: parameters showing a gradient {shown}; only those used in "
-            "forward may have one"
+        # ``unused`` shares a unit with ``used``: a flat-gradient backend may store zeros for
+        # it rather than None (torch FSDP1 does), so only the other two are pinned down.
+        expected = {
+            name: case == "partly_used" and name.startswith("used.")
+            for name in shown
+            if case == "before_backward" or not name.startswith("unused.")
+        }
+        assert {name: shown[name] for name in expected} == expected, (
+            f"{form.value}: parameters showing a gradient {shown}"
         )
 
 

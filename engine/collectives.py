@@ -70,10 +70,16 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
         _all_gather_single(output, shard, group=group)
 
 
-def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Sum `full` over the group and keep this rank's contiguous chunk in `output`."""
+def reduce_scatter_flat(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> Optional[dist.Work]:
+    """Sum `full` over the group and keep this rank's contiguous chunk in `output`.
+
+    With `async_op` the caller must `wait()` the returned work before reading `output`; on CPU
+    that lets gloo reduce while backward keeps computing.
+    """
     with _on_comm_stream(output, full):
-        _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group)
+        return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:

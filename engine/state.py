@@ -4,7 +4,7 @@ from __future__ import annotations
 import collections
 import enum
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -62,6 +62,7 @@ class RootState:
         self.state_dict_offload_to_cpu = False
         self._unit_index = {id(unit): index for index, unit in enumerate(units)}
         self.exec_order: Optional[ExecOrderValidator] = None
+        self._deferred: list[Callable[[], None]] = []
         if check_exec_order and units:
             self.exec_order = ExecOrderValidator(
                 units[0].topology.check_group, [unit.label for unit in units]
@@ -108,17 +109,28 @@ class RootState:
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, unit: ShardedUnit):
         def hook(grad: torch.Tensor) -> None:
-            if self.phase is not Phase.BACKWARD:
-                self.phase = Phase.BACKWARD
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._enter_backward()
             if not unit.backward_prepared:
                 unit.backward_prepared = True
                 unit.unshard()
 
         return hook
 
+    def _enter_backward(self) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def defer_until_backward_ends(self, work: Callable[[], None]) -> None:
+        """Run `work` when autograd finishes this backward (in the order deferred)."""
+        self._deferred.append(work)
+        self._enter_backward()
+
     def _end_backward(self) -> None:
-        """Runs once when autograd finishes: free anything still gathered."""
+        """Runs once when autograd finishes: complete gradient reductions, free what is gathered."""
+        deferred, self._deferred = self._deferred, []
+        for work in deferred:
+            work()
         for unit in self.units:
             unit.reshard()
             unit.backward_prepared = False

@@ -10,7 +10,7 @@ is reduce-scattered as is.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -184,25 +184,47 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, _leaf: torch.Tensor) -> None:
-        self.reduce_grad()
+        finish = self.start_grad_reduction()
+        if finish is not None:
+            self.root.defer_until_backward_ends(finish)
         self.reshard()
 
     def reduce_grad(self) -> None:
-        """Reduce-scatter (and all-reduce across replicas) the flat gradient into shard grads."""
+        """Reduce the flat gradient into the sharded parameters' grads, synchronously."""
+        finish = self.start_grad_reduction()
+        if finish is not None:
+            finish()
+
+    def start_grad_reduction(self) -> Optional[Callable[[], None]]:
+        """Issue the reduce-scatter of `flat_leaf.grad`; returns what completes it (or None).
+
+        The completion (wait, all-reduce across replicas, average, hand out grads) runs when
+        backward ends, so the reduce-scatter overlaps the rest of backward.
+        """
         grad = self.flat_leaf.grad
         self.flat_leaf.grad = None
         if grad is None:
-            return
+            return None
         if grad.dtype != self.master_dtype:
             grad = grad.to(self.master_dtype)
+        work = None
+        reduced = grad
+        if self.topology.shard_group is not None:
+            reduced = torch.empty(self.layout.chunk, dtype=grad.dtype, device=grad.device)
+            with collectives.labelled(self.label):
+                work = collectives.reduce_scatter_flat(reduced, grad, self.topology.shard_group, async_op=True)
+
+        def finish(source: torch.Tensor = grad) -> None:  # `source` outlives the async op
+            if work is not None:
+                work.wait()
+            self._finish_grad_reduction(reduced)
+
+        return finish
+
+    def _finish_grad_reduction(self, reduced: torch.Tensor) -> None:
         topology = self.topology
-        with collectives.labelled(self.label):
-            if topology.shard_group is not None:
-                reduced = torch.empty(self.layout.chunk, dtype=grad.dtype, device=grad.device)
-                collectives.reduce_scatter_flat(reduced, grad, topology.shard_group)
-            else:
-                reduced = grad
-            if topology.replicate_group is not None:
+        if topology.replicate_group is not None:
+            with collectives.labelled(self.label):
                 collectives.all_reduce_sum(reduced, topology.replicate_group)
         if topology.dp_world_size > 1:
             reduced.div_(topology.dp_world_size)
