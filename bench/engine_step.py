@@ -68,17 +68,24 @@ def shard(backend: str, model: nn.Module, block: type) -> nn.Module:
 
 
 def timed_collectives() -> dict[str, list]:
-    """Wrap the engine's collective entry points to time them (and record their sizes)."""
+    """Wrap the engine's collective entry points to time them (and record their sizes).
+
+    Asynchronous reduce-scatters are waited inside the timer, so this runs in a separate pass
+    from the step-time measurement.
+    """
     from engine import collectives
 
     record: dict[str, list] = {"all_gather": [], "reduce_scatter": []}
     for key, attr in (("all_gather", "all_gather_flat"), ("reduce_scatter", "reduce_scatter_flat")):
         original = getattr(collectives, attr)
 
-        def wrapper(output, source, group, _original=original, _key=key):
+        def wrapper(output, source, group, _original=original, _key=key, **kwargs):
             start = time.perf_counter()
-            _original(output, source, group)
+            work = _original(output, source, group, **kwargs)
+            if work is not None:
+                work.wait()
             record[_key].append((time.perf_counter() - start, output.numel(), source.numel()))
+            return work
 
         setattr(collectives, attr, wrapper)
     return record
@@ -106,29 +113,30 @@ def run_rank(rank: int, world: int, init_file: str, model_name: str, backend: st
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, block, make_input = build_model(model_name)
-    record = timed_collectives() if backend == "engine" else None
     sharded = shard(backend, model, block)
     optim = torch.optim.Adam(sharded.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     inputs = [make_input(generator) for _ in range(4)]
-    warmup = 5
-    times = []
-    for step in range(warmup + steps):
-        if step == warmup and record is not None:
-            for entries in record.values():
-                entries.clear()
+
+    def step(index: int) -> float:
         dist.barrier()
         start = time.perf_counter()
         optim.zero_grad(set_to_none=True)
-        sharded(inputs[step % 4]).sum().backward()
+        sharded(inputs[index % 4]).sum().backward()
         optim.step()
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    warmup = 5
+    times = [step(i) for i in range(warmup + steps)]
     step_time = statistics.median(times[warmup:])
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the comm pass
     comm = raw = 0.0
-    if record is not None:
+    if backend == "engine":
+        record = timed_collectives()
+        for i in range(steps):
+            step(i)
         comm = sum(t for entries in record.values() for t, _, _ in entries) / steps
         raw = raw_collective_time(record, steps)
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     stats = torch.tensor([step_time, peak_rss_mb, comm, raw], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -147,7 +155,16 @@ def measure(world: int, model_name: str, backend: str, steps: int) -> list[float
         ]
         for proc in procs:
             proc.start()
-        result = queue.get(timeout=600)
+        while True:  # poll so that a crashed rank fails the run instead of hanging it
+            try:
+                result = queue.get(timeout=1.0)
+                break
+            except Exception:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    for proc in procs:
+                        proc.kill()
+                    raise RuntimeError(f"{backend} {model_name} ws{world}: a rank exited with {failed}")
         for proc in procs:
             proc.join()
     return result

@@ -70,6 +70,7 @@ class RootState:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._recover_from_failed_backward()
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
             self.forward_root = unit
@@ -136,8 +137,15 @@ class RootState:
             unit.backward_prepared = False
         self.phase = Phase.IDLE
 
+    def _recover_from_failed_backward(self) -> None:
+        """A backward that raised never runs its final callback: drop its state once it is over."""
+        if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._deferred = []  # its reductions may not have been issued on every rank
+            self._end_backward()
+
     @property
     def in_compute(self) -> bool:
+        self._recover_from_failed_backward()
         return self.phase is not Phase.IDLE
 
 

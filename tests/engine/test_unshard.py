@@ -185,6 +185,8 @@ def test_unshard_from_backward_raises(device):
     output.register_hook(unshard_in_backward)
     with pytest.raises(RuntimeError, match="Cannot manually unshard parameters during forward/backward"):
         output.backward()
+    with engine.unshard_params(model):  # the failed backward left nothing behind
+        assert model.weight.shape == (1, 2)
 
 
 @pytest.mark.world_size(2)
