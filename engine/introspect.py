@@ -28,11 +28,12 @@ def unit_fqns(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def is_unsharded(module: nn.Module) -> bool:
-    """Whether the unit owning `module` (or managing its parameters) currently holds full params."""
+    """Whether the unit owning `module` (or managing its parameters) currently holds full params,
+    for compute or shown by `unshard_params`."""
     unit = unit_of(module) or managing_unit(module)
     if unit is None:
         raise ValueError(f"{type(module).__name__} is not managed by a sharded unit")
-    return unit.is_unsharded
+    return unit.is_unsharded or unit.shown_by_unshard
 
 
 def events(module: nn.Module) -> list[tuple[str, str]]:

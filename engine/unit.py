@@ -47,6 +47,9 @@ class ShardedUnit:
         self.module_fqn = ""  # set by the root: unit module path relative to the root
         self.param_fqns: list[str] = [p.fqn for p in params]  # root-relative, set by the root
         self.is_unsharded = False
+        # True while unshard_params shows this unit's full parameters (possibly a separate
+        # full-precision copy under mixed precision, with the compute buffer resharded).
+        self.shown_by_unshard = False
         self.backward_prepared = False
         self.master_dtype = _common_dtype(params)
         self.compute_dtype = param_dtype or self.master_dtype

@@ -45,10 +45,14 @@ class UnitUnshard:
             self.was_unsharded = unit.is_unsharded
             unit.unshard()
             full = unit._full
-        grads = self._gather_grads() if self.with_grads else None
+        # A one-rank shard group holds full gradients already: show those very tensors, so
+        # in-place changes persist exactly as changes to the (aliased) parameters do.
+        alias_grads = self.with_grads and unit.topology.shard_group is None
+        grads = self._gather_grads() if self.with_grads and not alias_grads else None
         if not self.visible:
             self._restore()
             return
+        unit.shown_by_unshard = True
         if self.offload_to_cpu and full.device.type != "cpu":
             full = full.cpu()
             grads = grads.cpu() if grads is not None else None
@@ -56,7 +60,9 @@ class UnitUnshard:
         for info, sharded in zip(unit.layout.params, unit.sharded_params):
             shown = maybe_wrap(info, unit.layout.full_view(full, info))
             param = nn.Parameter(shown, requires_grad=sharded.requires_grad)
-            if grads is not None and sharded.grad is not None:
+            if alias_grads and sharded.grad is not None:
+                param.grad = sharded.grad.view(info.shape)
+            elif grads is not None and sharded.grad is not None:
                 param.grad = maybe_wrap(info, unit.layout.full_view(grads, info))
             self.params.append(param)
         unit._install(self.params)
@@ -89,6 +95,7 @@ class UnitUnshard:
 
     def _restore(self) -> None:
         unit = self.unit
+        unit.shown_by_unshard = False
         if self.was_unsharded:
             unit._install(self.previous)
         elif unit.is_unsharded:
