@@ -68,9 +68,18 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # first, so the backend leads the test id
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
+    if "backend" in metafunc.fixturenames and not _parametrizes_backend_itself(metafunc):
         backends = metafunc.config.stash[_STATE].backends
         metafunc.parametrize("backend", backends, ids=backends)
+
+
+def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
+    """A test that parametrizes `backend` itself (a self-test) is left alone."""
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", "")
+        if "backend" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)):
+            return True
+    return False
 
 
 @pytest.hookimpl(wrapper=True)

@@ -15,7 +15,7 @@ from .config import ShardingStrategy
 from .mixed_precision import MixedPrecision
 from .flat_param import collect_params
 from .state import WRAPPED_ATTR, _managed_by, clean_fqn, make_root, register_hooks, unit_of
-from .topology import Topology, build_topology
+from .topology import Topology, build_topology, check_tensor_parallel_mesh
 from .unit import ShardedUnit
 
 _absorbed: dict[int, "weakref.ref[torch.Tensor]"] = {}  # id -> original now inside a unit
@@ -239,6 +239,9 @@ def _make_unit(
                     "using it instead (or ignore one of them)"
                 )
     infos = collect_params(modules)
+    for info in infos:
+        if info.tp_spec is not None:
+            check_tensor_parallel_mesh(info.tp_spec.mesh, clean_fqn(info.fqn))
     for info in infos:
         original = info.refs[0].module._parameters[info.refs[0].name]
         _absorbed[id(original)] = weakref.ref(original, _forget(id(original)))

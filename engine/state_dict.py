@@ -2,6 +2,8 @@
 
 Each unit unshards itself in a `state_dict` pre-hook and reshards in the post-hook, so at most
 one unit per nesting level is gathered at a time.  Keys are the original parameter FQNs.
+Tensor-parallel parameters (and their optimizer state) are global tensors in full state dicts
+and DTensors on the (dp, tp) mesh in sharded ones.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from . import collectives
 from .config import ShardingStrategy, StateDictKind
 from .flat_param import ParamInfo
 from .state import WRAPPED_ATTR, RootState, root_of, unit_of
+from .topology import root_mesh
 from .unit import ShardedUnit
 from .unshard import UnitUnshard
 
@@ -84,8 +87,8 @@ def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor
     """
     spec = info.tp_spec
     dp_mesh = unit.topology.mesh
-    root_mesh = dp_mesh._get_root_mesh() if dp_mesh is not None and hasattr(dp_mesh, "_get_root_mesh") else None
-    if root_mesh is None or root_mesh is dp_mesh or root_mesh.mesh_dim_names is None:
+    parent = root_mesh(dp_mesh) if dp_mesh is not None else None
+    if parent is None or parent is dp_mesh or parent.mesh_dim_names is None:
         raise NotImplementedError(
             "a SHARDED state dict of tensor-parallel parameters needs the dp mesh to be a named "
             "dimension of the 2-D mesh (pass mesh=mesh_2d['dp']); use StateDictKind.FULL otherwise"
@@ -100,11 +103,11 @@ def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor
         from torch.distributed.tensor.placement_types import _StridedShard
 
         dp_placement = _StridedShard(0, split_factor=spec.mesh.size())
-    names = root_mesh.mesh_dim_names
-    placements = [Replicate()] * root_mesh.ndim
+    names = parent.mesh_dim_names
+    placements = [Replicate()] * parent.ndim
     placements[names.index(dp_mesh.mesh_dim_names[0])] = dp_placement
     placements[names.index(spec.mesh.mesh_dim_names[0])] = spec.placements[0]
-    return DTensor.from_local(piece, root_mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    return DTensor.from_local(piece, parent, placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def register_state_dict_hooks(unit: ShardedUnit) -> None:
@@ -252,9 +255,20 @@ def _gather_unit_optim_state(
             with collectives.labelled(unit.label):
                 collectives.all_gather_flat(full, local, unit.topology.shard_group)
         for info, p in tracked:
-            value = layout.full_view(full, info).clone()
             entry = out[unit.param_fqns[layout.params.index(info)]]
-            entry[key] = to_dtensor(unit, value) if sharded else value
+            entry[key] = _presented(unit, info, layout.full_view(full, info).clone(), sharded)
+
+
+def _presented(unit: ShardedUnit, info: ParamInfo, value: torch.Tensor, sharded: bool) -> torch.Tensor:
+    """A gathered (dp-full) per-parameter state tensor as the state dict shows it.
+
+    Like the parameter itself: full = the global tensor (TP-local pieces gathered over tp too);
+    sharded = DTensor on the shard mesh, or on the (dp, tp) mesh for tensor-parallel ones.
+    """
+    if info.tp_spec is None:
+        return to_dtensor(unit, value) if sharded else value
+    tp_value = info.tp_spec.wrap(value)
+    return to_2d_dtensor(unit, info, tp_value) if sharded else tp_value.full_tensor()
 
 
 def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: dict) -> None:
@@ -294,6 +308,11 @@ def _local_piece(
         return value
     unit, info = owner
     layout = unit.layout
+    if info.tp_spec is not None:  # global value -> this rank's TP-local piece (no communication)
+        spec = info.tp_spec
+        value = distribute_tensor(
+            value.to(unit.device), spec.mesh, list(spec.placements), src_data_rank=None
+        ).to_local()
     flat = value.reshape(-1).to(param.device, param.dtype)
     if layout.shard_size == 1:
         return flat.view(info.shape).clone()

@@ -36,6 +36,37 @@ class Topology:
         return self.mesh
 
 
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh `mesh` was sliced from (itself when it was not sliced)."""
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.13
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def check_tensor_parallel_mesh(tp_mesh: DeviceMesh, param_fqn: str) -> None:
+    """Refuse a TP mesh sliced from any but the innermost dimension of its parent mesh.
+
+    Why: the engine reduces gradients over the data-parallel dimension and lays 2-D state
+    dicts out as (dp, tp); TP ranks must be the adjacent ones (the last mesh dimension), as
+    on a node whose GPUs talk over the fastest links.
+    """
+    parent = root_mesh(tp_mesh)
+    names = parent.mesh_dim_names
+    if parent is tp_mesh or names is None or tp_mesh.mesh_dim_names is None:
+        return
+    dim = names.index(tp_mesh.mesh_dim_names[0])
+    if dim != parent.ndim - 1:
+        raise RuntimeError(
+            f"{param_fqn} is tensor-parallel (TP) over mesh dimension {tp_mesh.mesh_dim_names[0]!r}, "
+            f"which is dimension {dim} of its parent mesh {names}; TP must be the innermost "
+            "(last) dimension: build the mesh with the TP dimension last, e.g. "
+            "init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')), then "
+            "parallelize over mesh['tp'] and shard over mesh['dp']"
+        )
+
+
 def _size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 

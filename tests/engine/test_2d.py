@@ -93,3 +93,88 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
         for (name, got), (_, expected) in zip(fresh.named_parameters(), local.named_parameters()):
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             torch.testing.assert_close(got, expected, msg=name)
+
+
+class Uneven(nn.Module):
+    """5 -> 10 -> 15 -> 30 -> 5: TP and dp pieces of different sizes, padding in the flat buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(5, 10)
+        self.net2 = nn.Linear(10, 15)
+        self.net3 = nn.Linear(15, 30)
+        self.net4 = nn.Linear(30, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net4(F.relu(self.net3(F.relu(self.net2(F.relu(self.net1(x)))))))
+
+
+@pytest.mark.world_size(4)
+def test_2d_uneven_sharded_state_dict_round_trip(device):
+    torch.manual_seed(0)
+    local = Uneven().to(device)
+    model, _ = two_d(local, device)
+    engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
+    state = model.state_dict()
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(state[key].full_tensor(), value, rtol=0, atol=0, msg=key)
+    fresh, _ = two_d(Uneven().to(device), device)
+    engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
+    fresh.load_state_dict(state)
+    engine.set_state_dict_type(fresh, engine.StateDictKind.FULL)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, local.state_dict()[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_2d_optim_state_dict_round_trip(device, sharded):
+    """Adam state of TP parameters: global tensors (full) or (dp, tp) DTensors, and back."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    local = Uneven().to(device)
+    model, mesh = two_d(local, device)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = torch.rand(4, 5, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp"))).to(device)
+    model(batch).sum().backward()
+    optim.step()
+    saved = engine.optim_state_dict(model, optim, sharded=sharded)
+    assert set(saved["state"]) == {name for name, _ in local.named_parameters()}
+    for name, param in local.named_parameters():
+        exp_avg = saved["state"][name]["exp_avg"]
+        assert isinstance(exp_avg, DTensor) == sharded, name
+        if sharded and name.startswith(("net1.", "net2.")):
+            assert exp_avg.device_mesh.mesh_dim_names == ("dp", "tp"), name
+        full = exp_avg.full_tensor() if sharded else exp_avg
+        assert full.shape == param.shape and torch.count_nonzero(full) > 0, name
+
+    fresh, _ = two_d(Uneven().to(device), device)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(model.state_dict())
+    engine.load_optim_state_dict(fresh, fresh_optim, copy.deepcopy(saved))
+    again = engine.optim_state_dict(fresh, fresh_optim, sharded=sharded)
+    for name, entry in saved["state"].items():
+        for key, value in entry.items():
+            got = again["state"][name][key]
+            if sharded and isinstance(value, DTensor):
+                value, got = value.full_tensor(), got.full_tensor()
+            torch.testing.assert_close(got, value, rtol=0, atol=0, msg=f"{name} {key}")
+    for trained, trained_optim in ((model, optim), (fresh, fresh_optim)):
+        trained_optim.zero_grad()
+        trained(batch).sum().backward()
+        trained_optim.step()
+    after, expected = fresh.state_dict(), model.state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.world_size(4)
+def test_tp_on_outer_mesh_dimension_is_refused(device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("tp", "dp"))
+    model = parallelize_module(Small().to(device), mesh["tp"], {"net1": ColwiseParallel()})
+    with pytest.raises(RuntimeError, match=r"net1.weight .* dimension 0 of its parent mesh .* innermost"):
+        engine.fully_shard(model, mesh=mesh["dp"])
