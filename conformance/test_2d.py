@@ -1,0 +1,537 @@
+"""2-D scenarios: data-parallel sharding of a tensor-parallel model (FSDP + TP).
+
+Setup shared by every scenario: world size 4, a (2, 2) DeviceMesh named ("dp", "tp"); the model
+is tensor-parallelized over ``mesh["tp"]`` (``net1`` column-wise, ``net2`` row-wise) and then
+handed to the backend with ``ShardingSpec(mesh=mesh["dp"])``. Ranks of one dp group feed
+identical batches (the batch of their dp rank), as tensor parallelism requires.
+All need ``Capability.TENSOR_PARALLEL``.
+
+Contract for a sharded 2-D state dict. Backends lay 2-D DTensors out differently (FSDP1 puts
+every value on the 2-D mesh; FSDP2 and the reference engine keep parameters that tensor
+parallelism left whole on the dp mesh; a dp shard of a TP shard of dim 0 may be spelled
+``Shard(0)`` or ``_StridedShard(0)``), so the contract is about what a checkpoint consumer
+relies on, not one layout:
+
+* every value is a DTensor whose mesh has the "dp" dimension and is sharded over it;
+* a tensor-parallel parameter's DTensor lives on a 2-D mesh with the "dp" and "tp" dimensions
+  and keeps its TP placement on "tp" (what ``parallelize_module`` gave it);
+* ``full_tensor()`` equals the unwrapped model's value bit for bit;
+* the local shards partition the tensor: summed over all ranks, local element counts equal
+  ``numel`` times the copies the placements imply (world size / product of the sizes of the
+  mesh dimensions the value is sharded over), so nothing is stored twice or dropped.
+
+Every collective (gathering DTensors, all-reducing counts) happens on all ranks before any
+rank-dependent assertion, so a failing check fails the test instead of hanging its peers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import current_seed
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fixtures
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    Capability,
+    ShardingSpec,
+    StateDictKind,
+    require,
+)
+
+# 2-D against 1-D training and against the oracle: the row-wise layer sums TP partial products
+# with an all-reduce where the unsharded model does one matmul, and gradients are summed in a
+# different order, so fp32 results differ by reduction order: observed (CPU, all three
+# backends) at most 1e-7 relative in outputs and losses and below 1e-6 in parameters after five
+# Adam steps. The bounds leave 100x headroom for other kernels (CUDA) and Adam's sqrt(v)
+# amplifying noise in near-zero gradients. A real defect (gradients not averaged over dp, a TP
+# shard in the wrong place) moves outputs and parameters by whole Adam steps (lr = 1e-2).
+OUTPUT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+PARAM_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+# Two identically sharded 2-D models stepping from identical parameters, optimizer state and
+# batch run the same program; only kernels that reorder sums may differ (~1e-9 in an update).
+STEP_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+ITERATIONS = 5
+LOCAL_BATCH = 2
+MESH_SHAPE = (2, 2)
+_MODELS = {"even": fixtures.ThreeLayerMLP, "uneven": fixtures.UnevenMLP}
+_STATE_DICT_CAPABILITY = {
+    StateDictKind.FULL: Capability.FULL_STATE_DICT,
+    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
+}
+
+
+def _mesh(device: torch.device, dim_names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
+    return init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=dim_names)
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """``net1`` column-wise then ``net2`` row-wise: the pair needs one all-reduce in forward."""
+    return parallelize_module(
+        model, tp_mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    )
+
+
+def _two_d(
+    backend: BackendAdapter,
+    model_cls: type[nn.Module],
+    seed: int,
+    device: torch.device,
+    mesh: DeviceMesh,
+    form: ApiForm,
+    *,
+    use_orig_params: bool = True,
+) -> tuple[nn.Module, nn.Module]:
+    """(model to run, the original model object that holds the input recipe and the loss)."""
+    model = _tensor_parallel(fixtures.build(model_cls, seed, device), mesh["tp"])
+    spec = ShardingSpec(mesh=mesh["dp"], use_orig_params=use_orig_params)
+    return backend.shard(model, spec, form), model
+
+
+def _batch(
+    model: nn.Module, iteration: int, dp_rank: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    return fixtures.local_batch(
+        model, seed=current_seed(), iteration=iteration, rank=dp_rank,
+        batch_size=LOCAL_BATCH, device=device,
+    )
+
+
+def _train_step(
+    model: nn.Module,
+    loss_model: nn.Module,
+    optim: torch.optim.Optimizer,
+    iteration: int,
+    dp_rank: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """One step on this dp rank's batch; returns the output (detached) before the step."""
+    optim.zero_grad(set_to_none=True)
+    output = model(*_batch(loss_model, iteration, dp_rank, device))
+    loss_model.loss(output).backward()
+    optim.step()
+    return output.detach()
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("params", ["orig_params", "flat_params"])
+def test_2d_training(
+    backend: BackendAdapter, params: str, rank: int, device: torch.device
+) -> None:
+    """2-D trains like 1-D sharding over all four ranks and like the single-process oracle.
+
+    Adam (lr 1e-2), five steps, ``fixtures.ThreeLayerMLP``. The 1-D model shards the same
+    initial model over the default group; both see this rank's dp batch, so both optimise the
+    mean over the two dp batches. Checked: parameter names equal; initial full state dicts
+    equal the unwrapped model; outputs equal before and after every step; the 2-D local losses
+    equal the oracle's for this dp rank; final parameters equal the oracle's (and so each
+    other). ``flat_params`` is ``use_orig_params=False`` (``Capability.FLAT_PARAMETERS``).
+    Parameters are read through the full state dict, any DTensor in it gathered: whether a
+    full state dict holds plain tensors is ``test_2d_full_state_dict``'s concern.
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.FULL_STATE_DICT)
+    use_orig_params = params == "orig_params"
+    if not use_orig_params:
+        require(backend, Capability.FLAT_PARAMETERS)
+    seed = current_seed()
+    make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
+    plan = fixtures.TrainingPlan(
+        seed=seed, iterations=ITERATIONS, batch_size=LOCAL_BATCH, make_optimizer=make_optim
+    )
+    unwrapped = fixtures.build(fixtures.ThreeLayerMLP, seed, device)
+    initial = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
+    mesh = _mesh(device)
+    dp_rank = mesh.get_local_rank("dp")
+    oracle = fixtures.train_oracle(unwrapped, plan, world_size=MESH_SHAPE[0], device=device)
+
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {params}"
+        one_d = backend.shard(
+            fixtures.build(fixtures.ThreeLayerMLP, seed, device),
+            ShardingSpec(use_orig_params=use_orig_params), form,
+        )
+        two_d, loss_model = _two_d(
+            backend, fixtures.ThreeLayerMLP, seed, device, mesh, form,
+            use_orig_params=use_orig_params,
+        )
+        names = {
+            label: sorted(backend.original_fqn(n) for n, _ in model.named_parameters())
+            for label, model in (("1-D", one_d), ("2-D", two_d))
+        }
+        start = {label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
+                 for label, model in (("1-D", one_d), ("2-D", two_d))}
+        optims = {"1-D": make_optim(one_d.parameters()), "2-D": make_optim(two_d.parameters())}
+        outputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        losses = []
+        for iteration in range(ITERATIONS):
+            before = {
+                label: _train_step(model, loss_model, optims[label], iteration, dp_rank, device)
+                for label, model in (("1-D", one_d), ("2-D", two_d))
+            }
+            losses.append(loss_model.loss(before["2-D"]).item())
+            with torch.no_grad():
+                inputs = _batch(loss_model, iteration, dp_rank, device)
+                after = {"1-D": one_d(*inputs), "2-D": two_d(*inputs)}
+            outputs.append((f"before step {iteration}", before["1-D"], before["2-D"]))
+            outputs.append((f"after step {iteration}", after["1-D"], after["2-D"]))
+        final = {label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
+                 for label, model in (("1-D", one_d), ("2-D", two_d))}
+
+        # Every collective is done; checks from here on may differ between ranks.
+        assert names["2-D"] == names["1-D"], f"{where}: 2-D parameters {names['2-D']} != 1-D {names['1-D']}"
+        for label, state in start.items():
+            _assert_state_close(state, initial, {"rtol": 0, "atol": 0},
+                                f"{where}: initial {label} full state dict vs the unwrapped model")
+        for when, one, two in outputs:
+            torch.testing.assert_close(
+                two, one, **OUTPUT_TOLERANCE,
+                msg=lambda m, when=when: f"{where}: 2-D output {when} differs from 1-D\n{m}",
+            )
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor([r[dp_rank] for r in oracle.rank_losses]),
+            **OUTPUT_TOLERANCE,
+            msg=lambda m: f"{where}: 2-D local losses diverge from the oracle (dp rank {dp_rank})\n{m}",
+        )
+        for label, state in final.items():
+            _assert_state_close(state, oracle.state_dict, PARAM_TOLERANCE,
+                                f"{where}: final {label} parameters vs the oracle")
+
+
+# -- invalid composition ------------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: torch.device) -> None:
+    """Tensor parallelism on the outer dimension of a ("tp", "dp") mesh is refused.
+
+    TP groups must be the innermost mesh dimension (adjacent ranks). Parallelizing over
+    ``mesh["tp"]`` of a mesh built as ("tp", "dp") and sharding over ``mesh["dp"]`` raises a
+    ``RuntimeError``/``ValueError`` that names the TP mesh dimension and says it must be the
+    innermost one (the words "TP" or "tensor parallel", and "innermost"); either step may raise.
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    for form in backend.forms():
+        mesh = _mesh(device, ("tp", "dp"))
+        with pytest.raises((RuntimeError, ValueError)) as caught:
+            model = _tensor_parallel(
+                fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device), mesh["tp"]
+            )
+            backend.shard(model, ShardingSpec(mesh=mesh["dp"]), form)
+        message = str(caught.value)
+        names_tp = "TP" in message or "tensor parallel" in message.lower()
+        assert names_tp and "innermost" in message.lower(), (
+            f"rank {rank}: {form.value}: the error does not say the TP dimension must be the "
+            f"innermost one: {message}"
+        )
+
+
+# -- state dicts ------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("model_name", list(_MODELS))
+def test_2d_full_state_dict(
+    backend: BackendAdapter, model_name: str, rank: int, device: torch.device
+) -> None:
+    """The full state dict of a 2-D model is the unwrapped model's, and loads back.
+
+    Keys are the unwrapped model's; values are plain tensors (gathered over dp and tp) equal to
+    the unwrapped model's bit for bit. Loaded into a 2-D model built from another seed, that
+    model's full state dict equals the unwrapped model's too.
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.FULL_STATE_DICT)
+    model_cls = _MODELS[model_name]
+    seed = current_seed()
+    unwrapped = fixtures.build(model_cls, seed, device)
+    expected = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
+    mesh = _mesh(device)
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {model_name} model"
+        model, _ = _two_d(backend, model_cls, seed, device, mesh, form)
+        state = backend.state_dict(model, StateDictKind.FULL)
+        target, _ = _two_d(backend, model_cls, seed + 1, device, mesh, form)
+        backend.load_state_dict(target, copy.deepcopy(state), StateDictKind.FULL)
+        reloaded = backend.state_dict(target, StateDictKind.FULL)
+
+        for label, got in (("full state dict", state), ("full state dict after loading", reloaded)):
+            sharded = sorted(name for name, value in got.items() if isinstance(value, DTensor))
+            assert not sharded, (
+                f"{where}: {label} holds DTensors for {sharded}, not plain global tensors"
+            )
+            _assert_state_close(got, expected, {"rtol": 0, "atol": 0}, f"{where}: {label}")
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("model_name", list(_MODELS))
+def test_2d_sharded_state_dict(
+    backend: BackendAdapter, model_name: str, world_size: int, rank: int, device: torch.device
+) -> None:
+    """The sharded state dict of a 2-D model meets the module's layout contract.
+
+    Keys are the unwrapped model's; values are DTensors sharded over "dp", tensor-parallel
+    parameters on the 2-D mesh with their TP placement on "tp"; ``full_tensor()`` equals the
+    unwrapped value bit for bit; local shards partition each tensor. ``even``:
+    ``ThreeLayerMLP`` (every width splits evenly); ``uneven``: ``UnevenMLP`` (odd widths,
+    uneven dp shards of TP pieces).
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.SHARDED_STATE_DICT)
+    model_cls = _MODELS[model_name]
+    unwrapped = fixtures.build(model_cls, current_seed(), device)
+    expected = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
+    mesh = _mesh(device)
+    tp_placements = {
+        name: tuple(param.placements)
+        for name, param in _tensor_parallel(copy.deepcopy(unwrapped), mesh["tp"]).named_parameters()
+        if isinstance(param, DTensor)
+    }
+    assert tp_placements, "the TP plan produced no DTensor parameters"
+
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {model_name} model"
+        model, _ = _two_d(backend, model_cls, current_seed(), device, mesh, form)
+        state = backend.state_dict(model, StateDictKind.SHARDED)
+        gathered = _gather_dtensors(state, device)
+
+        assert set(state) == set(expected), (
+            f"{where}: keys {sorted(state)} differ from the unwrapped model's {sorted(expected)}"
+        )
+        for name, want in expected.items():
+            _assert_layout(state[name], gathered[name], world_size, tp_placements.get(name),
+                           f"{where}: {name}")
+            full = gathered[name][0]
+            assert full.shape == want.shape and torch.equal(full.cpu(), want.cpu()), (
+                f"{where}: {name}: full_tensor() differs from the unwrapped model's value"
+            )
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("model_name", list(_MODELS))
+def test_2d_load_state_dict(
+    backend: BackendAdapter, model_name: str, rank: int, device: torch.device
+) -> None:
+    """A sharded 2-D state dict saved with ``torch.save`` loads back over a trained model.
+
+    Save to an in-memory buffer, take an Adam step (which must change the state), load the
+    buffer with ``torch.load`` and ``load_state_dict``: the state dict read back has the saved
+    keys, and per key the same DTensor mesh, placements and local tensor, bit for bit.
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.SHARDED_STATE_DICT)
+    model_cls = _MODELS[model_name]
+    mesh = _mesh(device)
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {model_name} model"
+        model, loss_model = _two_d(backend, model_cls, current_seed(), device, mesh, form)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        checkpoint = io.BytesIO()
+        torch.save(backend.state_dict(model, StateDictKind.SHARDED), checkpoint)
+        saved = copy.deepcopy(backend.state_dict(model, StateDictKind.SHARDED))
+
+        _train_step(model, loss_model, optim, 0, mesh.get_local_rank("dp"), device)
+        stepped = backend.state_dict(model, StateDictKind.SHARDED)
+        changed = torch.tensor(
+            [any(not torch.equal(_local(stepped[k]), _local(v)) for k, v in saved.items())],
+            dtype=torch.int32, device=device,
+        )
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX)
+        checkpoint.seek(0)
+        backend.load_state_dict(model, torch.load(checkpoint), StateDictKind.SHARDED)
+        reloaded = backend.state_dict(model, StateDictKind.SHARDED)
+
+        assert changed.item(), f"{where}: the optimizer step changed no parameter on any rank"
+        assert set(reloaded) == set(saved), f"{where}: keys {sorted(reloaded)} != saved {sorted(saved)}"
+        for name, want in saved.items():
+            got = reloaded[name]
+            assert type(got) is type(want), f"{where}: {name} is {type(got).__name__}, saved {type(want).__name__}"
+            if isinstance(want, DTensor):
+                assert got.device_mesh == want.device_mesh, f"{where}: {name}: mesh changed"
+                assert got.placements == want.placements, (
+                    f"{where}: {name}: placements {got.placements} != saved {want.placements}"
+                )
+            assert torch.equal(_local(got), _local(want)), f"{where}: {name}: local tensor differs"
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
+def test_2d_optim_state_dict(
+    backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device
+) -> None:
+    """Optimizer state of a 2-D model survives get -> set into a fresh model -> get.
+
+    ``UnevenMLP``, Adam, two steps. The state is keyed by the parameter FQNs; per-parameter
+    tensors have the parameters' global shapes (gathered when sharded); read back after loading
+    into a differently initialised 2-D model it equals the saved one bit for bit; one more step
+    on both pairs gives the same parameters. The model half always travels as a sharded state
+    dict, so only the optimizer state dict is of ``kind`` (full model state dicts have
+    ``test_2d_full_state_dict``).
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.OPTIM_STATE_DICT)
+    require(backend, Capability.SHARDED_STATE_DICT)
+    require(backend, _STATE_DICT_CAPABILITY[kind])
+    model_cls = fixtures.UnevenMLP
+    make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
+    shapes = {name: p.shape for name, p in fixtures.build(model_cls, 0, device).named_parameters()}
+    mesh = _mesh(device)
+    dp_rank = mesh.get_local_rank("dp")
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {kind.value} optimizer state dict"
+        trained, loss_model = _two_d(backend, model_cls, current_seed(), device, mesh, form)
+        optim = make_optim(trained.parameters())
+        for iteration in range(2):
+            _train_step(trained, loss_model, optim, iteration, dp_rank, device)
+        model_checkpoint = copy.deepcopy(backend.state_dict(trained, StateDictKind.SHARDED))
+        optim_checkpoint = copy.deepcopy(backend.optim_state_dict(trained, optim, kind))
+
+        restored, _ = _two_d(backend, model_cls, current_seed() + 1, device, mesh, form)
+        restored_optim = make_optim(restored.parameters())
+        backend.load_state_dict(restored, model_checkpoint, StateDictKind.SHARDED)
+        # A copy: optimizers may adopt the loaded tensors, and the checkpoint must stay intact.
+        backend.load_optim_state_dict(restored, restored_optim, copy.deepcopy(optim_checkpoint), kind)
+        read_back = _gather_tree(backend.optim_state_dict(restored, restored_optim, kind))
+        saved = _gather_tree(optim_checkpoint)
+        _train_step(trained, loss_model, optim, 2, dp_rank, device)
+        _train_step(restored, loss_model, restored_optim, 2, dp_rank, device)
+        after = {
+            label: _gather_tree(backend.state_dict(model, StateDictKind.SHARDED))
+            for label, model in (("original", trained), ("restored", restored))
+        }
+
+        state = saved.get("state", {})
+        assert set(state) == set(shapes), (
+            f"{where}: optimizer state keyed by {sorted(state)}, expected {sorted(shapes)}"
+        )
+        for name, entry in state.items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    assert value.shape == shapes[name], (
+                        f"{where}: {name} {key} has shape {tuple(value.shape)}, expected the "
+                        f"parameter's global shape {tuple(shapes[name])}"
+                    )
+        _assert_same_tree(read_back, saved, where)
+        _assert_state_close(after["restored"], after["original"], STEP_TOLERANCE,
+                            f"{where}: one more step, restored vs original")
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _gather_dtensors(
+    state: Mapping[str, Any], device: torch.device
+) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per key (sorted, so every rank issues the same collectives): (full value, local numel
+    summed over all ranks)."""
+    gathered = {}
+    for name in sorted(state):
+        value = state[name]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        stored = torch.tensor([_local(value).numel()], dtype=torch.int64, device=device)
+        dist.all_reduce(stored)
+        gathered[name] = (full, int(stored.item()))
+    return gathered
+
+
+def _assert_layout(
+    value: Any,
+    gathered: tuple[torch.Tensor, int],
+    world_size: int,
+    tp_placement: tuple[Any, ...] | None,
+    where: str,
+) -> None:
+    assert isinstance(value, DTensor), f"{where}: {type(value).__name__}, not a DTensor"
+    dims = value.device_mesh.mesh_dim_names or ()
+    assert "dp" in dims, f"{where}: mesh dimensions {dims} lack 'dp'"
+    placements = value.placements
+    assert not any(p.is_partial() for p in placements), f"{where}: partial placement {placements}"
+    dp_placement = placements[dims.index("dp")]
+    assert not dp_placement.is_replicate(), f"{where}: not sharded over dp: {placements} on {dims}"
+    if tp_placement is not None:
+        assert value.device_mesh.ndim == 2 and set(dims) == {"dp", "tp"}, (
+            f"{where}: a tensor-parallel parameter on mesh {dims}, not the 2-D (dp, tp) mesh"
+        )
+        assert (placements[dims.index("tp")],) == tp_placement, (
+            f"{where}: placement on tp {placements[dims.index('tp')]} differs from the TP "
+            f"placement {tp_placement}"
+        )
+    sharded_over = 1
+    for dim, placement in enumerate(placements):
+        if not placement.is_replicate():
+            sharded_over *= value.device_mesh.size(dim)
+    full, stored = gathered
+    copies = world_size // sharded_over
+    assert stored == full.numel() * copies, (
+        f"{where}: ranks store {stored} elements in all, expected {full.numel()} x {copies} "
+        f"copies for placements {placements} on {dims}"
+    )
+
+
+def _gather_tree(tree: Any) -> Any:
+    """A copy of the tree, every DTensor replaced by its full tensor (sorted keys: every rank
+    issues the same collectives). Tensors are cloned: a state dict may alias live optimizer
+    state that a later step updates in place."""
+    if isinstance(tree, Mapping):
+        return {key: _gather_tree(tree[key]) for key in sorted(tree, key=str)}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_gather_tree(item) for item in tree)
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    return tree
+
+
+def _assert_same_tree(actual: Any, expected: Any, where: str) -> None:
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping) and set(actual) == set(expected), (
+            f"{where}: keys {sorted(map(str, actual))} differ from {sorted(map(str, expected))}"
+        )
+        for key in expected:
+            _assert_same_tree(actual[key], expected[key], f"{where} / {key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
+            f"{where}: {actual!r} differs from {expected!r}"
+        )
+        for index, (got, want) in enumerate(zip(actual, expected)):
+            _assert_same_tree(got, want, f"{where} / {index}")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.shape == expected.shape, (
+            f"{where}: {actual!r} is not a tensor of shape {tuple(expected.shape)}"
+        )
+        assert torch.equal(actual.cpu(), expected.cpu()), f"{where}: values differ"
+    else:
+        assert actual == expected, f"{where}: {actual!r} differs from {expected!r}"
+
+
+def _assert_state_close(
+    actual: Mapping[str, Any], expected: Mapping[str, torch.Tensor], tolerance: dict, where: str
+) -> None:
+    assert set(actual) == set(expected), (
+        f"{where}: keys {sorted(actual)} differ from {sorted(expected)}"
+    )
+    for name, want in expected.items():
+        torch.testing.assert_close(
+            actual[name], want, **tolerance,
+            msg=lambda m, name=name: f"{where}: {name}\n{m}",
+        )
