@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from conformance.protocol import BackendAdapter, Capability, ShardEvent, submodule
+from conformance.protocol import BackendAdapter, Capability, ShardEvent, StateDictKind, submodule
 
 # Path components wrappers insert between a module and its children.
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -21,13 +27,33 @@ CPU_OFFLOAD_NEEDS_ACCELERATOR = (
 )
 
 
+def dcp_options(kind: StateDictKind) -> StateDictOptions:
+    """torch.distributed.checkpoint's options for one of our state dict kinds."""
+    return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
+
+
 class TorchAdapter(BackendAdapter):
-    """Capabilities common to the torch adapters: parameter offload needs an accelerator."""
+    """What the torch adapters share: offload needs an accelerator; optimizer state goes
+    through torch.distributed.checkpoint, which both FSDP versions support."""
 
     def capabilities(self) -> frozenset[Capability]:
         if self.env.device.type == "cpu":
             return self.CAPABILITIES - {Capability.CPU_OFFLOAD}
         return self.CAPABILITIES
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
+    ) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optim, options=dcp_options(kind))
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        set_optimizer_state_dict(model, optim, dict(state_dict), options=dcp_options(kind))
 
 
 def clean_fqn(fqn: str) -> str:

@@ -13,14 +13,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import (
     CPUOffload,
     FullStateDictConfig,
@@ -48,7 +42,6 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require,
     require_all,
     submodule,
 )
@@ -182,20 +175,6 @@ class TorchFSDP1Adapter(TorchAdapter):
         with FSDP.state_dict_type(model, state_dict_type, config):
             model.load_state_dict(state_dict)
 
-    def optim_state_dict(
-        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
-    ) -> dict[str, Any]:
-        require(self, Capability.OPTIM_STATE_DICT)
-        return get_optimizer_state_dict(model, optim, options=_dcp_options(kind))
-
-    def load_optim_state_dict(
-        self,
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        state_dict: Mapping[str, Any],
-        kind: StateDictKind,
-    ) -> None:
-        set_optimizer_state_dict(model, optim, dict(state_dict), options=_dcp_options(kind))
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -225,9 +204,6 @@ class TorchFSDP1Adapter(TorchAdapter):
             for unit, handle in handles.items()
         )
 
-
-def _dcp_options(kind: StateDictKind) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
 
 
 def _wrapped_submodule(model: nn.Module, fqn: str) -> nn.Module:

@@ -13,14 +13,10 @@ import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -32,6 +28,7 @@ from torch.distributed.fsdp import (
 )
 
 from conformance.adapters._common import (
+    dcp_options,
     CPU_OFFLOAD_NEEDS_ACCELERATOR,
     TorchAdapter,
     record_transitions,
@@ -191,26 +188,13 @@ class TorchFSDP2Adapter(TorchAdapter):
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        return get_model_state_dict(model, options=_dcp_options(kind))
+        return get_model_state_dict(model, options=dcp_options(kind))
 
     def load_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
-        set_model_state_dict(model, dict(state_dict), options=_dcp_options(kind))
+        set_model_state_dict(model, dict(state_dict), options=dcp_options(kind))
 
-    def optim_state_dict(
-        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
-    ) -> dict[str, Any]:
-        return get_optimizer_state_dict(model, optim, options=_dcp_options(kind))
-
-    def load_optim_state_dict(
-        self,
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        state_dict: Mapping[str, Any],
-        kind: StateDictKind,
-    ) -> None:
-        set_optimizer_state_dict(model, optim, dict(state_dict), options=_dcp_options(kind))
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -241,9 +225,6 @@ class TorchFSDP2Adapter(TorchAdapter):
             for group in _param_groups(module)
         )
 
-
-def _dcp_options(kind: StateDictKind) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
 
 
 def _fsdp_module(module: nn.Module) -> FSDPModule:

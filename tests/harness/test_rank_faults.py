@@ -131,7 +131,7 @@ def test_each_fault_fails_only_its_test(inner: InnerSession) -> None:
     assert sorted(failures) == sorted(EXPECTED_CAUSE), out
     for name, pattern in EXPECTED_CAUSE.items():
         assert re.search(pattern, failures[name], re.S), f"{name}:\n{failures[name]}"
-        assert f"REPRO: " in failures[name] and f"test_faults.py::{name}" in failures[name]
+        assert "REPRO: " in failures[name] and f"test_faults.py::{name}" in failures[name]
     # Two hangs wait for the collective timeout + grace, one for the test deadline; each of the nine
     # faults restarts the pool (a few seconds, up to ~15 s on a loaded 2-core machine). Far below
     # what waiting for the 120 s default deadline or the 30 min gloo default would take.
