@@ -17,6 +17,9 @@ from conformance import expectations, registry
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness.plugin import reports_dir
 
+# Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
+pytest_plugins = ["harness.plugin"]
+
 _STATE = pytest.StashKey["BackendSelection"]()
 _MATRIX = pytest.StashKey[Matrix]()
 

@@ -71,10 +71,12 @@ def _label_collectives() -> None:
         label_calls(_runtime_utils, name, lambda state, handle, *a, **k: _handle_fqns(handle))
 
 
-_STATE_DICT_TYPES = {
-    StateDictKind.FULL: (StateDictType.FULL_STATE_DICT, FullStateDictConfig()),
-    StateDictKind.SHARDED: (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()),
-}
+def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictConfig | ShardedStateDictConfig]:
+    """A fresh config per call: FSDP1 mutates it (a 2-D model sets `_use_dtensor`), and a shared
+    instance would carry that into every later model's state dict."""
+    if kind is StateDictKind.FULL:
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()
 
 
 class TorchFSDP1Adapter(TorchAdapter):
@@ -164,14 +166,14 @@ class TorchFSDP1Adapter(TorchAdapter):
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        state_dict_type, config = _STATE_DICT_TYPES[kind]
+        state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             return model.state_dict()
 
     def load_state_dict(
         self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
-        state_dict_type, config = _STATE_DICT_TYPES[kind]
+        state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             model.load_state_dict(state_dict)
 
