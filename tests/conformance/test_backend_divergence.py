@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.testing import failure_sections
+
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
 # Short enough that a hang would show up as a timeout long before the subprocess limit.
@@ -75,10 +77,9 @@ def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     output = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
     assert f"{len(BACKENDS)} failed, {len(BACKENDS)} passed" in output, output
-    sections = re.split(r"\n_{3,} (test_\w+\[[\w-]+\]) _{3,}\n", result.stdout)
     for backend in BACKENDS:
         assert f"PASSED test_inner.py::test_agreeing_step[{backend}]" in output, output
-    return dict(zip(sections[1::2], sections[2::2]))
+    return failure_sections(result.stdout)
 
 
 # Not named `backend`: the conformance plugin parametrizes every test taking that argument.

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from conftest import InnerSession
+from harness.testing import failure_sections
 
 DIVERGENT = '''
 import os, time
@@ -113,8 +114,7 @@ def test_every_divergence_names_its_first_collective(inner: InnerSession) -> Non
     started = time.monotonic()
     result = inner.run(f"--collective-timeout={COLLECTIVE_TIMEOUT}", "--straggler-grace=3", "-q")
     elapsed = time.monotonic() - started
-    sections = re.split(r"\n_{3,} (test_\w+) _{3,}\n", result.stdout)
-    failures = dict(zip(sections[1::2], sections[2::2]))
+    failures = failure_sections(result.stdout)
     assert sorted(failures) == sorted(EXPECTED), result.stdout
     for name, pattern in EXPECTED.items():
         assert re.search(pattern, failures[name], re.S), f"{name}:\n{failures[name]}"

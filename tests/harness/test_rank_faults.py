@@ -11,6 +11,7 @@ import time
 import xml.etree.ElementTree as ET
 
 from conftest import SCHEMA, InnerSession, leftover_processes
+from harness.testing import failure_sections
 
 FAULTS = '''
 import ctypes, os, signal, sys, time
@@ -114,11 +115,6 @@ EXPECTED_CAUSE = {
 }
 
 
-def _failure_sections(output: str) -> dict[str, str]:
-    sections = re.split(r"\n_{3,} (test_\w+) _{3,}\n", output)
-    return {name: body for name, body in zip(sections[1::2], sections[2::2])}
-
-
 def test_each_fault_fails_only_its_test(inner: InnerSession) -> None:
     inner.write("test_faults.py", FAULTS)
     started = time.monotonic()
@@ -127,7 +123,7 @@ def test_each_fault_fails_only_its_test(inner: InnerSession) -> None:
     elapsed = time.monotonic() - started
     out = result.stdout + result.stderr
     assert "9 failed, 9 passed" in out, out
-    failures = _failure_sections(result.stdout)
+    failures = failure_sections(result.stdout)
     assert sorted(failures) == sorted(EXPECTED_CAUSE), out
     for name, pattern in EXPECTED_CAUSE.items():
         assert re.search(pattern, failures[name], re.S), f"{name}:\n{failures[name]}"
