@@ -6,20 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import engine
-
-
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(5, 8)
-        self.net2 = nn.Linear(8, 4)
-        self.net3 = nn.Linear(4, 12)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.net3(F.relu(self.net2(F.relu(self.net1(x))))))
+from fixtures.models import ThreeLayerMLP, UnevenMLP
 
 
 def two_d(local: nn.Module, device: torch.device):
@@ -34,7 +23,7 @@ def two_d(local: nn.Module, device: torch.device):
 @pytest.mark.world_size(4)
 def test_2d_training_matches_single_process(rank, device):
     torch.manual_seed(0)
-    local = Small().to(device)
+    local = ThreeLayerMLP().to(device)
     model, mesh = two_d(local, device)
     dp_rank = mesh.get_local_rank("dp")
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
@@ -58,13 +47,13 @@ def test_2d_training_matches_single_process(rank, device):
 @pytest.mark.world_size(4)
 def test_2d_full_state_dict_round_trip(device):
     torch.manual_seed(0)
-    local = Small().to(device)
+    local = ThreeLayerMLP().to(device)
     model, _ = two_d(local, device)
     state = model.state_dict()
     assert set(state) == set(local.state_dict())
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
-    fresh, _ = two_d(Small().to(device), device)
+    fresh, _ = two_d(ThreeLayerMLP().to(device), device)
     fresh.load_state_dict(state)
     with engine.unshard_params(fresh):
         for (name, got), (_, expected) in zip(fresh.named_parameters(), local.named_parameters()):
@@ -77,7 +66,7 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
     from torch.distributed.tensor import DTensor, Shard
 
     torch.manual_seed(0)
-    local = Small().to(device)
+    local = ThreeLayerMLP().to(device)
     model, mesh = two_d(local, device)
     engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
     state = model.state_dict()
@@ -86,7 +75,7 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
     assert state["net2.weight"].placements[1] == Shard(1)
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key].full_tensor(), value, msg=key)
-    fresh, _ = two_d(Small().to(device), device)
+    fresh, _ = two_d(ThreeLayerMLP().to(device), device)
     engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
     fresh.load_state_dict(state)
     with engine.unshard_params(fresh):
@@ -95,30 +84,16 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
             torch.testing.assert_close(got, expected, msg=name)
 
 
-class Uneven(nn.Module):
-    """5 -> 10 -> 15 -> 30 -> 5: TP and dp pieces of different sizes, padding in the flat buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net1 = nn.Linear(5, 10)
-        self.net2 = nn.Linear(10, 15)
-        self.net3 = nn.Linear(15, 30)
-        self.net4 = nn.Linear(30, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net4(F.relu(self.net3(F.relu(self.net2(F.relu(self.net1(x)))))))
-
-
 @pytest.mark.world_size(4)
 def test_2d_uneven_sharded_state_dict_round_trip(device):
     torch.manual_seed(0)
-    local = Uneven().to(device)
+    local = UnevenMLP().to(device)
     model, _ = two_d(local, device)
     engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
     state = model.state_dict()
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key].full_tensor(), value, rtol=0, atol=0, msg=key)
-    fresh, _ = two_d(Uneven().to(device), device)
+    fresh, _ = two_d(UnevenMLP().to(device), device)
     engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
     fresh.load_state_dict(state)
     engine.set_state_dict_type(fresh, engine.StateDictKind.FULL)
@@ -133,7 +108,7 @@ def test_2d_optim_state_dict_round_trip(device, sharded):
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
-    local = Uneven().to(device)
+    local = UnevenMLP().to(device)
     model, mesh = two_d(local, device)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = torch.rand(4, 5, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp"))).to(device)
@@ -149,7 +124,7 @@ def test_2d_optim_state_dict_round_trip(device, sharded):
         full = exp_avg.full_tensor() if sharded else exp_avg
         assert full.shape == param.shape and torch.count_nonzero(full) > 0, name
 
-    fresh, _ = two_d(Uneven().to(device), device)
+    fresh, _ = two_d(UnevenMLP().to(device), device)
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     fresh.load_state_dict(model.state_dict())
     engine.load_optim_state_dict(fresh, fresh_optim, copy.deepcopy(saved))
@@ -175,6 +150,6 @@ def test_tp_on_outer_mesh_dimension_is_refused(device):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("tp", "dp"))
-    model = parallelize_module(Small().to(device), mesh["tp"], {"net1": ColwiseParallel()})
+    model = parallelize_module(ThreeLayerMLP().to(device), mesh["tp"], {"net1": ColwiseParallel()})
     with pytest.raises(RuntimeError, match=r"net1.weight .* dimension 0 of its parent mesh .* innermost"):
         engine.fully_shard(model, mesh=mesh["dp"])
