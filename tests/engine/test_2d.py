@@ -20,6 +20,14 @@ def two_d(local: nn.Module, device: torch.device):
     return engine.fully_shard(model, mesh=mesh["dp"]), mesh
 
 
+def assert_full_parameters_equal(sharded: torch.nn.Module, local: torch.nn.Module) -> None:
+    """Unshard `sharded` and compare every parameter, TP DTensors gathered, with `local`'s."""
+    with engine.unshard_params(sharded):
+        for (name, got), (_, expected) in zip(sharded.named_parameters(), local.named_parameters()):
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            torch.testing.assert_close(got, expected, msg=name)
+
+
 @pytest.mark.world_size(4)
 def test_2d_training_matches_single_process(rank, device):
     torch.manual_seed(0)
@@ -55,10 +63,7 @@ def test_2d_full_state_dict_round_trip(device):
         torch.testing.assert_close(state[key], value, msg=key)
     fresh, _ = two_d(ThreeLayerMLP().to(device), device)
     fresh.load_state_dict(state)
-    with engine.unshard_params(fresh):
-        for (name, got), (_, expected) in zip(fresh.named_parameters(), local.named_parameters()):
-            got = got.full_tensor() if hasattr(got, "full_tensor") else got
-            torch.testing.assert_close(got, expected, msg=name)
+    assert_full_parameters_equal(fresh, local)
 
 
 @pytest.mark.world_size(4)
@@ -78,10 +83,7 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
     fresh, _ = two_d(ThreeLayerMLP().to(device), device)
     engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
     fresh.load_state_dict(state)
-    with engine.unshard_params(fresh):
-        for (name, got), (_, expected) in zip(fresh.named_parameters(), local.named_parameters()):
-            got = got.full_tensor() if hasattr(got, "full_tensor") else got
-            torch.testing.assert_close(got, expected, msg=name)
+    assert_full_parameters_equal(fresh, local)
 
 
 @pytest.mark.world_size(4)
