@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from harness.trace import CollectiveRecord
 
-__all__ = ["Divergence", "first_divergence", "format_trace_table"]
+__all__ = ["Divergence", "first_divergence", "format_trace_table", "unfinished_collectives"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,20 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     candidates = [*_group_divergences(recorded, members), *_p2p_divergences(recorded, members)]
     return min(candidates, default=None, key=lambda d: (
         sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where))
+
+
+def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | None:
+    """Where each rank was stuck: its last collective that never returned (a hang or crash
+    inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
+    every recorded collective returned."""
+    stuck = []
+    for rank, records in sorted(traces.items()):
+        unfinished = [r for r in records if not r.completed and not r.skipped]
+        if unfinished:
+            record = unfinished[-1]
+            stuck.append(f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: "
+                         f"{_describe(record, False)}")
+    return "; ".join(stuck) or None
 
 
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from harness import fixtures
 from harness.devices import DevicePlan, plan_devices
-from harness.divergence import Divergence, first_divergence, format_trace_table
+from harness.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.junit import CaseRecord, JUnitWriter, SuiteKey
 from harness.messages import RankOutcome, TestTask
 from harness.pool import PoolKey, PoolStartError, RankLoss, RankResult, WorkerPool, tail
@@ -106,7 +106,8 @@ class HarnessSession:
         divergence = first_divergence(execution.traces, list(execution.results))
         expected = item.get_closest_marker("expect_divergence") is not None or any(
             isinstance(result, RankOutcome) and result.injected_faults for result in execution.results.values())
-        verdict = decide(execution.results, divergence.describe() if divergence else None, expected)
+        verdict = decide(execution.results, divergence.describe() if divergence else None, expected,
+                         unfinished_collectives(execution.traces))
         self.after_test(item, execution, verdict)
         if divergence is not None or verdict.outcome == "failed":
             self._write_trace(item, execution.traces, divergence)

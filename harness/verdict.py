@@ -29,12 +29,13 @@ def rank_summary(result: RankResult) -> str:
 
 
 def decide(results: dict[int, RankResult], divergence: str | None = None,
-           divergence_expected: bool = False) -> Verdict:
+           divergence_expected: bool = False, unfinished: str | None = None) -> Verdict:
     """All ranks must agree: one failing rank fails the test; ranks disagreeing on a skip fail it too.
 
     A divergence between the ranks' collective traces fails a test that would otherwise pass
     (silent corruption is the bug) unless the test declared it expected; it is added to the
-    text of a test that failed anyway, expected or not, since it usually explains the failure.
+    text of a test that failed anyway, expected or not, since it usually explains the failure,
+    and so are the collectives ranks were stuck in (`unfinished`).
 
     The pool may be reused only when every rank answered and all report the same sync state
     (collectives issued on the default group, groups created): then nothing is left half-done.
@@ -43,17 +44,21 @@ def decide(results: dict[int, RankResult], divergence: str | None = None,
     answered = [r for r in results.values() if isinstance(r, RankOutcome)]
     reusable = len(answered) == len(results) and len({r.sync_state for r in answered}) == 1
     distinct = set(statuses.values())
+    if unfinished and "failed" in distinct:
+        results_text = f"{failure_text(results)}\n\nunfinished collectives: {unfinished}"
+    else:
+        results_text = failure_text(results)
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
         if distinct == {"passed"}:
             return Verdict("failed", heading, reusable, heading)
-        return Verdict("failed", f"{failure_text(results)}\n\n{heading}", reusable, heading)
+        return Verdict("failed", f"{results_text}\n\n{heading}", reusable, heading)
     if distinct == {"passed"}:
         return Verdict("passed", "", reusable)
     if distinct in ({"skipped"}, {"xfailed"}):
         reasons = sorted({rank_summary(r) for r in results.values()})
         return Verdict(distinct.pop(), "; ".join(reasons), reusable)  # type: ignore[arg-type]
-    return Verdict("failed", failure_text(results), reusable)
+    return Verdict("failed", results_text, reusable)
 
 
 def failure_text(results: dict[int, RankResult]) -> str:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from harness import trace
-from harness.divergence import first_divergence, format_trace_table
+from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
 from harness.trace import CollectiveRecord
 from test_trace import spawn_ranks
 
@@ -31,6 +31,17 @@ def test_same_shape_different_label_is_reported_with_both_sides():
     assert divergence.describe() == (
         "collective #2 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
         "rank 1 all_gather_into_tensor [layer2.0.weight, layer2.2.weight] 36 float32")
+
+
+def test_unfinished_collectives_name_where_each_rank_was_stuck():
+    done = {r: [rec(r, 0, 0, op="all_reduce", numel=4)] for r in (0, 1)}
+    assert unfinished_collectives(done) is None
+    stuck = {0: [*done[0], rec(0, 1, 1, label="layer2", completed=False)],
+             1: [*done[1], rec(1, 1, 1, label="layer2", completed=False, fault="hang at collective #2")]}
+    assert unfinished_collectives(stuck) == (
+        "rank 0 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32; "
+        "rank 1 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32 "
+        "(injected fault: hang at collective #2)")
 
 
 def test_shapes_are_shown_when_only_they_differ():

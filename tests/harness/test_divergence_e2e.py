@@ -104,7 +104,10 @@ EXPECTED = {
     "test_size_mismatch": r"collective #2 on group \[0, 1\]: rank 0 all_reduce \S* ?4 float32 "
                           r"vs rank 1 all_reduce \S* ?8 float32",
     "test_early_exit": r"collective #2 on group \[0, 1\].*rank 1 stopped",
-    "test_hang_at_collective": r"rank 1 hung.*--- rank 1 Python stacks ---.*in _hang",
+    "test_hang_at_collective": r"rank 1 hung.*--- rank 1 Python stacks ---.*in _hang.*unfinished collectives: "
+                               r"rank 0 in collective #3 on group \[0, 1\]: all_reduce 4 float32; "
+                               r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 "
+                               r"\(injected fault: ",
 }
 COLLECTIVE_TIMEOUT = 5
 
