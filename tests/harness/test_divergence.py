@@ -1,6 +1,8 @@
 """first_divergence / format_trace_table on fabricated traces, plus one real 2-rank same-shape mismatch."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -36,8 +38,8 @@ def test_same_shape_different_label_is_reported_with_both_sides():
 def test_unfinished_collectives_name_where_each_rank_was_stuck():
     done = {r: [rec(r, 0, 0, op="all_reduce", numel=4)] for r in (0, 1)}
     assert unfinished_collectives(done) is None
-    stuck = {0: [*done[0], rec(0, 1, 1, label="layer2", completed=False)],
-             1: [*done[1], rec(1, 1, 1, label="layer2", completed=False, fault="hang at collective #2")]}
+    stuck = {0: [*done[0], replace(rec(0, 1, 1, label="layer2"), completed=False)],
+             1: [*done[1], replace(rec(1, 1, 1, label="layer2", fault="hang at collective #2"), completed=False)]}
     assert unfinished_collectives(stuck) == (
         "rank 0 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32; "
         "rank 1 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32 "
