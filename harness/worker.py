@@ -108,6 +108,11 @@ def main() -> None:
             break
         results.send(worker.run(message))
     dist.destroy_process_group()
+    # Skip interpreter teardown: torch's C++ threads can abort there after FSDP ran, which would
+    # only add a misleading "terminate called" line to the rank's stderr.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
