@@ -122,11 +122,11 @@ class HarnessSession:
         argnames = item._fixtureinfo.argnames
         call_kwargs = {name: params[name] if name in params else item.funcargs[name]
                        for name in argnames if name not in rank_side}
-        for name, value in call_kwargs.items():
-            if not _picklable(value):
-                pytest.fail(f"argument {name!r} of {item.nodeid} cannot be sent to the ranks; "
-                            "use picklable parametrize values or register it with harness.rank_fixture",
-                            pytrace=False)
+        if not _picklable(call_kwargs):  # one pickling on the hot path; per argument only to explain
+            name = next(n for n, value in call_kwargs.items() if not _picklable(value))
+            pytest.fail(f"argument {name!r} of {item.nodeid} cannot be sent to the ranks; "
+                        "use picklable parametrize values or register it with harness.rank_fixture",
+                        pytrace=False)
         return TestTask(
             nodeid=item.nodeid,
             module_name=item.module.__name__,
@@ -134,7 +134,7 @@ class HarnessSession:
             qualname=item.obj.__qualname__,
             call_kwargs=call_kwargs,
             rank_fixture_names=tuple(name for name in argnames if name in rank_side),
-            params={k: v for k, v in params.items() if _picklable(v)},
+            params=params if _picklable(params) else {k: v for k, v in params.items() if _picklable(v)},
             seed=self.options.seed,
             options=self.forwarded_options,
             sys_path=list(sys.path),
