@@ -1,10 +1,12 @@
 """Warm multi-process pytest harness for distributed (SPMD) tests.
 
 Public API for test authors: the `world_size` and `fresh_world` markers, the rank-side fixtures
-`rank`, `world_size`, `device`, and `rank_fixture` / `RankContext` to add more.
+`rank`, `world_size`, `device`, and `rank_fixture` / `RankContext` to add more. Backends name the
+collectives they issue (for the cross-rank trace diff) with `register_label_provider`.
 """
 from harness.fixtures import RankContext, rank_fixture
 from harness.isolation import current_seed, seed_everything
+from harness.trace import register_label_provider
 
 
 def rank_seed(offset: int = 0) -> int:
@@ -14,4 +16,4 @@ def rank_seed(offset: int = 0) -> int:
     return current_seed() + 1000 * dist.get_rank() + offset
 
 
-__all__ = ["RankContext", "current_seed", "rank_fixture", "rank_seed", "seed_everything"]
+__all__ = ["RankContext", "current_seed", "rank_fixture", "rank_seed", "register_label_provider", "seed_everything"]
