@@ -83,7 +83,6 @@ class Capability(enum.Enum):
     UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
     MIXED_STRATEGIES = "per-unit strategy overrides (several strategies in one model)"
     SHARD_OPTIM_STATE = "strategy SHARD_OPTIM_STATE"
-    LOCAL_GRAD_SHARD = "storage: read/write this rank's gradient shard"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
@@ -393,13 +392,11 @@ class BackendAdapter(abc.ABC):
         """A detached copy of this rank's stored gradient of ``fqn`` (layout as
         :meth:`local_shard`), or None when this rank stores no gradient for it.
         Default: ``param.grad`` or its DTensor local shard."""
-        require(self, Capability.LOCAL_GRAD_SHARD)
         grad = self.named_parameter(model, fqn).grad
         return None if grad is None else _local_tensor(grad).detach().clone()
 
     def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
         """Overwrite this rank's stored gradient of ``fqn`` (which must exist) with ``value``."""
-        require(self, Capability.LOCAL_GRAD_SHARD)
         grad = self.named_parameter(model, fqn).grad
         if grad is None:
             raise ValueError(

@@ -1,0 +1,37 @@
+"""Run a small pytest session in a subprocess, with the repository's configuration and the
+given backends: for self-tests that need what the rank fixture and the plugins do end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_inner_session(directory: Path, tests: str, backends: list[str], *extra: str,
+                      timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Write ``tests`` to ``directory/test_inner.py`` and run it once per backend selection."""
+    (directory / "test_inner.py").write_text(tests)
+    (directory / "expectations").mkdir(exist_ok=True)  # none: see the raw outcomes
+    command = [
+        sys.executable, "-m", "pytest", "test_inner.py",
+        "-c", str(REPO / "pyproject.toml"), "--rootdir", str(directory),
+        "-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider",
+        "--reports-dir", str(directory / "reports"),
+        "--expectations-dir", str(directory / "expectations"),
+        "-rA", "-q", *extra,
+        *[arg for backend in backends for arg in ("--backend", backend)],
+    ]
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    try:
+        return subprocess.run(
+            command, cwd=directory, env={**os.environ, "PYTHONPATH": python_path}, text=True,
+            capture_output=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the inner session hung for {timeout_s}s:\n{expired.stdout}")
