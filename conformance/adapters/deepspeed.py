@@ -44,7 +44,6 @@ import contextlib
 import importlib.util
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -87,8 +86,9 @@ _MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _WRAPPED = "_deepspeed_wrapped_module"
 
 _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
-# Parameter -> original FQN, for collective labels; filled by shard(), weak so models can die.
-_PARAM_FQNS: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+# id(parameter) -> original FQN, for collective labels: filled by shard(), emptied by close()
+# (ids of dead parameters get reused). Keyed by id: tensors compare elementwise, not by identity.
+_PARAM_FQNS: dict[int, str] = {}
 
 
 def _label_collectives() -> None:
@@ -107,7 +107,7 @@ def _label_collectives() -> None:
         return  # a DeepSpeed whose internals moved: gathers keep the module labels
 
     def fqns(coordinator: Any, params: Any, *args: Any, **kwargs: Any) -> list[str]:
-        return sorted(_PARAM_FQNS.get(p, "?") for p in params)
+        return sorted(_PARAM_FQNS.get(id(p), "?") for p in params)
 
     label_calls(PartitionedParameterCoordinator, gather, fqns)
 
@@ -272,6 +272,7 @@ class DeepSpeedAdapter(BackendAdapter):
         return self.CAPABILITIES
 
     def close(self) -> None:
+        _PARAM_FQNS.clear()
         self._release_cached_groups()
 
     def _release_cached_groups(self) -> None:
@@ -303,7 +304,7 @@ class DeepSpeedAdapter(BackendAdapter):
             )
         config = self._config(spec)
         for fqn, param in model.named_parameters():
-            _PARAM_FQNS[param] = fqn
+            _PARAM_FQNS[id(param)] = fqn
         root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
         root.build_engine = self._build_engine
         if config["zero_optimization"]["stage"] == 3:

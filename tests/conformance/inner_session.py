@@ -4,6 +4,7 @@ given backends: for self-tests that need what the rank fixture and the plugins d
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,18 @@ def run_inner_session(directory: Path, tests: str, backends: list[str], *extra: 
         )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the inner session hung for {timeout_s}s:\n{expired.stdout}")
+
+
+# "#  group/peer  group #  op  label ..." rows of harness.divergence.format_trace_table.
+_TRACE_ROW = re.compile(r"^\s*\d+\s+\[[\d, ]*\]\s+\d+\s+(?P<op>\S+)\s+(?P<rest>.*)$")
+
+
+def traced_tables(output: str) -> list[str]:
+    """The --show-traces tables of an inner session, in the order its tests ran."""
+    return output.split("--- collective traces ---")[1:]
+
+
+def ops_labelled(table: str, fragment: str) -> set[str]:
+    """The ops in one trace table whose label mentions ``fragment``."""
+    rows = (_TRACE_ROW.match(line) for line in table.splitlines())
+    return {row["op"] for row in rows if row and fragment in row["rest"]}

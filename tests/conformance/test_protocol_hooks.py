@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ from conformance.protocol import (
     structural_capabilities,
 )
 from harness import RankContext
-from inner_session import run_inner_session
+from inner_session import ops_labelled, run_inner_session, traced_tables
 
 CPU = torch.device("cpu")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
@@ -320,21 +319,6 @@ def test_step(backend, rank, device):
     backend.backward(sharded, model.loss(sharded(*inputs)))
     backend.step(sharded, optim)
 '''
-
-
-# "#  group/peer  group #  op  label ..." rows of harness.divergence.format_trace_table.
-_TRACE_ROW = re.compile(r"^\s*\d+\s+\[[\d, ]*\]\s+\d+\s+(?P<op>\S+)\s+(?P<rest>.*)$")
-
-
-def traced_tables(output: str) -> list[str]:
-    """The --show-traces tables of an inner session, in the order its tests ran."""
-    return output.split("--- collective traces ---")[1:]
-
-
-def ops_labelled(table: str, fragment: str) -> set[str]:
-    """The ops in one trace table whose label mentions ``fragment``."""
-    rows = (_TRACE_ROW.match(line) for line in table.splitlines())
-    return {row["op"] for row in rows if row and fragment in row["rest"]}
 
 
 def test_adapter_labels_reach_the_trace(tmp_path) -> None:
