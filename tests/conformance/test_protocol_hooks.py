@@ -333,3 +333,35 @@ def test_adapter_labels_reach_the_trace(tmp_path) -> None:
     assert len(tables) == len(backends), output  # the backends run in the order given
     for backend, table in zip(backends, tables):
         assert "reduce_scatter_tensor" in ops_labelled(table, "unit1.inp.weight"), (backend, table)
+
+
+# -- the adapter template keeps working --------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_the_template_adapter_trains_and_saves_like_the_oracle(rank: int, world_size: int, device: torch.device) -> None:
+    from conformance.adapters.template import TemplateAdapter
+
+    backend = TemplateAdapter(BackendEnv(rank, world_size, device, local_rank=rank))
+    plan = fixtures.TrainingPlan(seed=0, iterations=3, batch_size=2, make_optimizer=ADAM)
+    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan,
+                                   world_size=world_size, device=device)
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)
+    losses = train_through_hooks(backend, sharded, model, plan, rank, device)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
+                               rtol=1e-4, atol=1e-4)
+    state = backend.state_dict(sharded, StateDictKind.FULL)
+    assert state.keys() == oracle.state_dict.keys()
+    for name, expected in oracle.state_dict.items():
+        torch.testing.assert_close(state[name], expected, rtol=1e-3, atol=1e-3)
+    optim = backend.make_optimizer(sharded, plan.make_optimizer)
+    backend.backward(sharded, model.loss(sharded(*fixtures.local_batch(
+        model, seed=0, iteration=0, rank=rank, batch_size=2, device=device))))
+    backend.step(sharded, optim)
+    saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
+    assert set(saved["state"]) == {name for name, _ in model.named_parameters()}  # no buffers
+    assert backend.local_shard(sharded, "unit1.inp.weight").shape == (8, 8)
+    with pytest.raises(pytest.skip.Exception, match="unsupported: sharding units"):
+        backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=("unit1",)),
+                      ApiForm.WRAPPER)
