@@ -455,6 +455,28 @@ def innermost_first(fqns: tuple[str, ...]) -> list[str]:
     return sorted(dict.fromkeys(fqns), key=lambda fqn: -(fqn.count(".") + 1) if fqn else 0)
 
 
+def require_unshard_options(
+    backend: BackendAdapter,
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+    with_grads: bool = False,
+) -> None:
+    """Skip as unsupported unless ``backend`` offers every :meth:`BackendAdapter.unshard`
+    option asked for (an adapter's unshard() and a scenario call this alike)."""
+    for wanted, capability in (
+        (writeback, Capability.UNSHARD_WRITEBACK),
+        (rank0_only, Capability.UNSHARD_RANK0_ONLY),
+        (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
+        (not recurse, Capability.UNSHARD_NON_RECURSIVE),
+        (with_grads, Capability.UNSHARD_WITH_GRADS),
+    ):
+        if wanted:
+            require(backend, capability)
+
+
 def structural_capabilities(spec: ShardingSpec) -> set[Capability]:
     """The capabilities a spec's structure needs: units, an unmanaged root, mixed strategies.
 

@@ -65,6 +65,7 @@ from conformance.protocol import (
     innermost_first,
     require,
     require_all,
+    require_unshard_options,
     structural_capabilities,
     submodule,
 )
@@ -399,14 +400,8 @@ class DeepSpeedAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        for wanted, capability in (
-            (writeback, Capability.UNSHARD_WRITEBACK),
-            (rank0_only, Capability.UNSHARD_RANK0_ONLY),
-            (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
-            (with_grads, Capability.UNSHARD_WITH_GRADS),
-        ):
-            if wanted:
-                require(self, capability)
+        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
         root = _root(model)
         if recurse:
             params = list(submodule(root.module, fqn).parameters())
@@ -420,6 +415,9 @@ class DeepSpeedAdapter(BackendAdapter):
         # modifier_rank: on exit rank 0's values are broadcast and partitioned again; without
         # it the gathered values are dropped. Outside stage 3 this is a no-op: parameters are
         # replicated and inside the context every rank sees (and changes) its own copy.
+        # Deliberately DeepSpeed's behaviour and nothing more: the ZeRO optimizer's fp32 master
+        # copy is not refreshed, so the next step writes the old values back over a change
+        # made here (set_local_shard, a test instrument, does refresh it).
         with self._ds.zero.GatheredParameters(params, modifier_rank=0 if writeback else None):
             yield
 

@@ -39,6 +39,7 @@ from conformance.protocol import (
     StateDictKind,
     require,
     require_all,
+    require_unshard_options,
     structural_capabilities,
 )
 
@@ -113,14 +114,8 @@ class TemplateAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        for wanted, capability in (
-            (rank0_only, Capability.UNSHARD_RANK0_ONLY),
-            (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
-            (not recurse, Capability.UNSHARD_NON_RECURSIVE),
-            (with_grads, Capability.UNSHARD_WITH_GRADS),
-        ):
-            if wanted:
-                require(self, capability)
+        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
         # DDP's parameters are always full: nothing to gather, and changes made inside are
         # made to the stored parameters (they persist whatever `writeback` says).
         yield

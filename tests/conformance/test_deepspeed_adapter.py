@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import fixtures
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy, StateDictKind
-from inner_session import ops_labelled, run_inner_session, traced_tables
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)", allow_module_level=True)
@@ -48,18 +48,13 @@ def adapter(rank: int, world_size: int, device: torch.device):
     return DeepSpeedAdapter(BackendEnv(rank, world_size, device, local_rank=rank))
 
 
-def train(backend, sharded, loss_model, optim, iterations: int, rank: int, device: torch.device,
-          first_iteration: int = 0) -> list[float]:
-    losses = []
-    for iteration in range(first_iteration, first_iteration + iterations):
-        inputs = fixtures.local_batch(loss_model, seed=0, iteration=iteration, rank=rank,
-                                      batch_size=2, device=device)
-        backend.zero_grad(sharded, optim)
-        loss = loss_model.loss(sharded(*inputs))
-        backend.backward(sharded, loss)
-        backend.step(sharded, optim)
-        losses.append(loss.item())
-    return losses
+def trained(backend, strategy: ShardingStrategy, steps: int, rank: int, device: torch.device, seed: int = 0):
+    """A CompositeModel sharded with ``strategy`` and its optimizer, after ``steps`` steps."""
+    model = fixtures.build(fixtures.CompositeModel, seed, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(strategy=strategy), ApiForm.WRAPPER)
+    optim = backend.make_optimizer(sharded, ADAM)
+    train_steps(backend, sharded, model, optim, steps, rank, device, first_iteration=5 * seed)
+    return model, sharded, optim
 
 
 class Square5(nn.Sequential):
@@ -91,7 +86,7 @@ def test_each_strategy_is_its_zero_stage_and_trains_like_the_oracle(strategy, ra
     optim = backend.make_optimizer(sharded, plan.make_optimizer)
     assert sharded.engine.zero_optimization_stage() == STAGES[strategy]
     assert sharded.engine.gradient_clipping() == 0.0  # DeepSpeed's default would clip to 1.0
-    losses = train(backend, sharded, model, optim, plan.iterations, rank, device)
+    losses = train_steps(backend, sharded, model, optim, plan.iterations, rank, device)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
                                **LOSS_TOLERANCE)
     state = backend.state_dict(sharded, StateDictKind.FULL)
@@ -186,29 +181,22 @@ def test_optimizer_state_round_trips_keyed_by_fqn(strategy, rank, world_size, de
     """Full optimizer state, torch's layout keyed by FQN, reloads bit for bit into an engine
     that has stepped once (DeepSpeed creates the state at the first step)."""
     backend = adapter(rank, world_size, device)
-    spec = ShardingSpec(strategy=strategy)
-    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
-    sharded = backend.shard(model, spec, ApiForm.WRAPPER)
-    optim = backend.make_optimizer(sharded, ADAM)
-    train(backend, sharded, model, optim, 2, rank, device)
+    model, sharded, optim = trained(backend, strategy, 2, rank, device)
     saved = copy.deepcopy(backend.optim_state_dict(sharded, optim, StateDictKind.FULL))
     assert set(saved["state"]) == {n for n, _ in model.named_parameters()}
     assert saved["param_groups"][0]["lr"] == 1e-2
     entry = saved["state"]["unit1.inp.weight"]
     assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and entry["exp_avg"].shape == (8, 8)
 
-    other = fixtures.build(fixtures.CompositeModel, 1, device, dim=8)
-    restored = backend.shard(other, spec, ApiForm.WRAPPER)
-    restored_optim = backend.make_optimizer(restored, ADAM)
-    train(backend, restored, other, restored_optim, 1, rank, device, first_iteration=5)
+    _, restored, restored_optim = trained(backend, strategy, 1, rank, device, seed=1)
     backend.load_state_dict(restored, backend.state_dict(sharded, StateDictKind.FULL), StateDictKind.FULL)
     backend.load_optim_state_dict(restored, restored_optim, copy.deepcopy(saved), StateDictKind.FULL)
     again = backend.optim_state_dict(restored, restored_optim, StateDictKind.FULL)
     for fqn, state in saved["state"].items():
         for key, value in state.items():
             assert torch.equal(again["state"][fqn][key], value), (fqn, key)
-    train(backend, sharded, model, optim, 1, rank, device, first_iteration=2)
-    train(backend, restored, model, restored_optim, 1, rank, device, first_iteration=2)
+    train_steps(backend, sharded, model, optim, 1, rank, device, first_iteration=2)
+    train_steps(backend, restored, model, restored_optim, 1, rank, device, first_iteration=2)
     after, expected = (backend.state_dict(m, StateDictKind.FULL) for m in (restored, sharded))
     for name, value in expected.items():
         torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6)
@@ -225,14 +213,9 @@ def test_deepspeed_cannot_load_optimizer_state_before_its_first_step(strategy, r
     before that fails (ZeRO-3: KeyError 'exp_avg'; ZeRO-1/2: TypeError on the not yet linked
     fragment), on every rank at once."""
     backend = adapter(rank, world_size, device)
-    spec = ShardingSpec(strategy=strategy)
-    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
-    sharded = backend.shard(model, spec, ApiForm.WRAPPER)
-    optim = backend.make_optimizer(sharded, ADAM)
-    train(backend, sharded, model, optim, 1, rank, device)
+    _, sharded, optim = trained(backend, strategy, 1, rank, device)
     saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
-    fresh = backend.shard(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), spec, ApiForm.WRAPPER)
-    fresh_optim = backend.make_optimizer(fresh, ADAM)
+    _, fresh, fresh_optim = trained(backend, strategy, 0, rank, device)
     expected = (KeyError, "exp_avg") if strategy is ShardingStrategy.FULL_SHARD else (
         TypeError, "argument of type 'NoneType' is not iterable")
     with pytest.raises(expected[0], match=expected[1]):

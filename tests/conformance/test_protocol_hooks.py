@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -34,7 +34,7 @@ from conformance.protocol import (
     structural_capabilities,
 )
 from harness import RankContext
-from inner_session import ops_labelled, run_inner_session, traced_tables
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 
 CPU = torch.device("cpu")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
@@ -76,18 +76,9 @@ def old_style() -> OldStyleAdapter:
 
 def train_through_hooks(backend: BackendAdapter, model: nn.Module, loss_model: nn.Module,
                         plan: fixtures.TrainingPlan, rank: int, device: torch.device) -> list[float]:
-    """The scenario training loop of the protocol's training-loop contract, verbatim."""
     optim = backend.make_optimizer(model, plan.make_optimizer)
-    losses = []
-    for iteration in range(plan.iterations):
-        inputs = fixtures.local_batch(loss_model, seed=plan.seed, iteration=iteration, rank=rank,
-                                      batch_size=plan.batch_size, device=device)
-        backend.zero_grad(model, optim)
-        loss = loss_model.loss(model(*inputs))
-        backend.backward(model, loss)
-        backend.step(model, optim)
-        losses.append(loss.item())
-    return losses
+    return train_steps(backend, model, loss_model, optim, plan.iterations, rank, device,
+                       seed=plan.seed, batch_size=plan.batch_size)
 
 
 # -- an adapter without hooks ---------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Run a small pytest session in a subprocess, with the repository's configuration and the
-given backends: for self-tests that need what the rank fixture and the plugins do end to end."""
+"""Helpers for the adapters' self-tests: the protocol's training loop, and small pytest
+sessions in a subprocess (with the repository's configuration and the given backends) for
+what the rank fixture and the plugins do end to end."""
 
 from __future__ import annotations
 
@@ -10,8 +11,29 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
+
+import fixtures
+from conformance.protocol import BackendAdapter
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def train_steps(backend: BackendAdapter, sharded: nn.Module, loss_model: nn.Module, optim: object,
+                iterations: int, rank: int, device: torch.device, *, seed: int = 0,
+                first_iteration: int = 0, batch_size: int = 2) -> list[float]:
+    """The scenario training loop of the protocol's training-loop contract; the local losses."""
+    losses = []
+    for iteration in range(first_iteration, first_iteration + iterations):
+        inputs = fixtures.local_batch(loss_model, seed=seed, iteration=iteration, rank=rank,
+                                      batch_size=batch_size, device=device)
+        backend.zero_grad(sharded, optim)
+        loss = loss_model.loss(sharded(*inputs))
+        backend.backward(sharded, loss)
+        backend.step(sharded, optim)
+        losses.append(loss.item())
+    return losses
 
 
 def run_inner_session(directory: Path, tests: str, backends: list[str], *extra: str,
