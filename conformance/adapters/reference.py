@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import engine
+import engine.collectives
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -42,13 +43,20 @@ def _clean(fqn: str) -> str:
 
 class ReferenceAdapter(BackendAdapter):
     name = "reference"
-    CAPABILITIES = frozenset(Capability) - {Capability.FLAT_PARAMETERS}
+    CAPABILITIES = frozenset(Capability) - {Capability.FLAT_PARAMETERS, Capability.SHARD_OPTIM_STATE}
     UNSUPPORTED_REASONS = {
+        Capability.SHARD_OPTIM_STATE: (
+            "the reference engine's strategies are FSDP's; none shards only optimizer state"
+        ),
         Capability.FLAT_PARAMETERS: (
             "the reference engine always exposes the original parameters (use_orig_params=True "
             "semantics); flat-parameter exposure is a backend-internal layout it does not offer"
         ),
     }
+
+    # -- collective labels (the engine publishes the FQNs of the unit it is gathering) ---------
+    def collective_label(self) -> str | None:
+        return engine.collectives.current_label()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
