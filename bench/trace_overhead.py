@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from harness import trace  # noqa: E402
+from harness.collective_ops import C10D_SPECS  # noqa: E402
 
 ELEMENTS = 1024 * 1024 // 4  # 1 MB of float32 per rank
 BLOCKS = 8
@@ -43,8 +44,8 @@ def recording_cost_us(calls: int, trace_path: str) -> float:
     def no_op(output_tensor, input_tensor, group=None, async_op=False):
         return None
 
-    spec = trace._C10D_SPECS["all_gather_into_tensor"]  # also the spec of all_gather_single
-    traced = trace._make_wrapper(spec, no_op, trace._param_positions(no_op))
+    spec = C10D_SPECS["all_gather_into_tensor"]  # also the spec of all_gather_single
+    traced = trace.wrap(no_op, spec)
     output, data = torch.empty(2 * ELEMENTS), torch.ones(ELEMENTS)
     trace.begin_test(trace_path)
     try:

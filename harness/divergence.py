@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from harness.trace import CollectiveRecord
+from harness.tracefile import CollectiveRecord, last_unfinished
 
 __all__ = ["Divergence", "first_divergence", "format_trace_table", "unfinished_collectives"]
 
@@ -97,13 +97,10 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
     """Where each rank was stuck: its last collective that never returned (a hang or crash
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
     every recorded collective returned."""
-    stuck = []
-    for rank, records in sorted(traces.items()):
-        unfinished = [r for r in records if not r.completed and not r.skipped]
-        if unfinished:
-            record = unfinished[-1]
-            stuck.append(f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: "
-                         f"{_describe(record, False)}")
+    stuck = [
+        f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: {_describe(record, False)}"
+        for rank, record in sorted(last_unfinished(traces).items())
+    ]
     return "; ".join(stuck) or None
 
 

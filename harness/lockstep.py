@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from harness.devices import DevicePlan, plan_devices, rank_device
-from harness.messages import TestTask
-from harness.pool import RankLoss, RankResult
+from harness.messages import RankLoss, RankResult, TestTask
 from harness.runner import TestRunner
-from harness.session import Execution, HarnessSession, _read_trace
-from harness.trace import CollectiveRecord
+from harness.session import Execution, HarnessSession
+from harness.tracefile import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
 def launched_by_torchrun() -> bool:
@@ -56,7 +55,7 @@ class LockstepSession(HarnessSession):
                                  self.label_providers, self.trace_path)
         self.unusable_since: str | None = None
 
-    def ranks_reported(self, world_size: int) -> range:
+    def own_ranks(self, world_size: int) -> range:
         return range(self.rank, self.rank + 1)
 
     def plan(self, world_size: int) -> DevicePlan:
@@ -83,7 +82,7 @@ class LockstepSession(HarnessSession):
             pytest.fail(f"the torchrun world is unusable since {self.unusable_since} left a collective "
                         "unfinished; relaunch to run the remaining tests", pytrace=False)
         outcome = self.runner.run(task)
-        records = _read_trace(self.trace_path)
+        records = read_trace_or_empty(self.trace_path)
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, (outcome, records), group=self.control)
@@ -95,6 +94,8 @@ class LockstepSession(HarnessSession):
             return Execution(results, {}, {self.rank: records})
         results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}
         traces = {rank: entry[1] for rank, entry in enumerate(gathered) if entry is not None}
-        if any(not record.completed for trace in traces.values() for record in trace):
+        # A collective left unfinished on any rank has wedged the default group for good (the
+        # pool would restart here; a torchrun world cannot): later tests fail fast instead.
+        if last_unfinished(traces):
             self.unusable_since = item.nodeid
         return Execution(results, {}, traces)

@@ -9,18 +9,20 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import sys
 import tempfile
 import types
 from typing import Any
 
 import pytest
 
-from harness import fixtures, hookspecs, lockstep
+from harness import hookspecs, lockstep, rank_fixtures, repro
 from harness.devices import DEVICE_CHOICES
-from harness.session import REPRO_CACHE_KEY, HarnessSession, PoolSession
+from harness.junit import JUnitReport
+from harness.pool_session import PoolSession
+from harness.session import HarnessSession, session_properties
 
 _SESSION = pytest.StashKey["HarnessSession"]()
+_JUNIT_PLUGIN = "harness-junit"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -41,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds the other ranks get to finish once one rank has failed")
     group.addoption("--repro", metavar="NODEID", default=None,
                     help="re-run a distributed test that failed earlier with the same seed, world size, device, "
-                         "timeouts and backend, and print its collective traces")
+                         "timeouts and plugin options (e.g. --backend), and print its collective traces")
     group.addoption("--show-traces", action="store_true",
                     help="print every rank's collective trace after each distributed test")
     group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
@@ -53,7 +55,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
-        _reexec_repro(config, config.option.repro)
+        repro.reexec_recorded(config, config.option.repro)
     config.addinivalue_line("markers", "world_size(n): run the test body on n ranks (an int, or a list to "
                                        "parametrize over world sizes)")
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
@@ -80,6 +82,10 @@ def pytest_configure(config: pytest.Config) -> None:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
     atexit.register(session.kill_all)
+    # The built-in report, registered like any other report plugin (as pytest registers junitxml).
+    config.pluginmanager.register(
+        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config)), _JUNIT_PLUGIN
+    )
 
 
 def reports_dir(config: pytest.Config) -> str:
@@ -87,36 +93,10 @@ def reports_dir(config: pytest.Config) -> str:
     return config.stash[_SESSION].reports_dir
 
 
-def _reexec_repro(config: pytest.Config, nodeid: str) -> None:
-    """Replace this process with the recorded command of an earlier failure of `nodeid`."""
-    cache = getattr(config, "cache", None)
-    recorded = cache.get(REPRO_CACHE_KEY, {}) if cache is not None else {}
-    if nodeid not in recorded:
-        known = "\n  ".join(sorted(recorded)) or "(none: run the suite first; needs the cacheprovider plugin)"
-        raise pytest.UsageError(f"--repro: no recorded failure of {nodeid!r}; failures recorded:\n  {known}")
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.stop_global_capturing()
-    os.chdir(config.rootpath)
-    os.execv(sys.executable, [sys.executable, "-m", "pytest", *_session_args(config.invocation_params.args),
-                              *recorded[nodeid], "--show-traces", "-rA"])
-
-
-def _session_args(args: tuple[str, ...]) -> list[str]:
-    """The invocation's plugin and ini arguments (-p, -c, -o, --rootdir), which a re-run needs too."""
-    kept: list[str] = []
-    for index, arg in enumerate(args):
-        if arg in ("-p", "-c", "-o", "--rootdir") and index + 1 < len(args):
-            kept += [arg, args[index + 1]]
-        elif arg.startswith(("--rootdir=", "-p", "-o", "-c")) and arg not in ("-p", "-o", "-c"):
-            kept.append(arg)
-    return kept
-
-
 def _register_placeholders(config: pytest.Config) -> None:
     """Parent-side stand-ins for rank fixtures, so pytest's fixture resolution is satisfied."""
     holder = types.ModuleType("harness_rank_fixture_placeholders")
-    for name in fixtures.registered_names():
+    for name in rank_fixtures.registered_names():
         def placeholder(_name: str = name) -> str:
             return f"<rank-side fixture {_name}>"
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
@@ -196,7 +176,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if session is not None and session.dispatched:
         files = session.finish()
         terminalreporter.write_line(
-            f"harness: {session.summary()}; per-rank JUnit: {', '.join(os.path.relpath(f) for f in files)}")
+            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -204,5 +184,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if session is not None:
         session.finish()
         session.kill_all()
+    junit = config.pluginmanager.get_plugin(_JUNIT_PLUGIN)
+    if junit is not None:
+        config.pluginmanager.unregister(junit)
 
 

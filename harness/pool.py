@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness.devices import DeviceKind, GpuReservation
-from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
+from harness.messages import RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
 
 SESSION_ENV = "FSDP_HARNESS_SESSION"
@@ -31,18 +31,6 @@ class PoolKey:
     world_size: int
     device_kind: DeviceKind
     collective_timeout_s: float
-
-
-@dataclass
-class RankLoss:
-    """A rank that gave no outcome: it died or had to be killed."""
-
-    rank: int
-    cause: str
-    stacks: str = ""
-
-
-RankResult = RankOutcome | RankLoss
 
 
 class PoolStartError(RuntimeError):
@@ -111,10 +99,6 @@ class WorkerPool:
         self._ranks: list[_RankProcess] = []
         self._store: dist.TCPStore | None = None
         self._gpus: GpuReservation | None = None
-
-    @property
-    def pids(self) -> list[int]:
-        return [proc.popen.pid for proc in self._ranks]
 
     def rank_files(self, rank: int) -> RankFiles:
         return RankFiles(self.run_dir, rank)
@@ -197,6 +181,11 @@ class WorkerPool:
         usually leaves its peers blocked in a collective, and waiting for the collective
         timeout would only delay the report.
         """
+        # How a rank's death is noticed: the parent waits on the ranks' result pipes, and the
+        # write end of a rank's pipe is held only by that rank, so its death shows as EOF at
+        # once (then `exit_code` says how it died). A grandchild that inherited the fd (a test
+        # that forked) keeps the pipe open after the rank died: then only the deadline or the
+        # straggler grace ends the wait, and the rank is reported hung.
         results: dict[int, RankResult] = {}
         pending: dict[Connection, _RankProcess] = {}
         for proc in self._ranks:

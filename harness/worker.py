@@ -103,13 +103,18 @@ def main() -> None:
     worker = RankWorker(config)
     results.send(WorkerReady(rank=config.rank, pid=os.getpid(), device=str(worker.device)))
     while True:
+        # A parent that died closes the pipe: recv raises EOFError and the rank ends here, if
+        # PR_SET_PDEATHSIG has not killed it already.
         message = tasks.recv()
         if isinstance(message, Shutdown):
             break
         results.send(worker.run(message))
+    # Teardown, in this order: leave the process group while every peer is still there to
+    # leave it too (the parent sent Shutdown to all ranks); flush Python's buffers into the
+    # captured fds, since os._exit skips that; then leave without interpreter teardown, where
+    # torch's C++ threads can abort after FSDP ran ("terminate called ..."), which would only
+    # add a misleading line to the rank's stderr. The parent kills what remains after 5 s.
     dist.destroy_process_group()
-    # Skip interpreter teardown: torch's C++ threads can abort there after FSDP ran, which would
-    # only add a misleading "terminate called" line to the rank's stderr.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from harness import trace
 from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
-from harness.trace import CollectiveRecord
+from harness.tracefile import CollectiveRecord
 from test_trace import spawn_ranks
 
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import trace
+from harness import labels, trace
 from harness.divergence import first_divergence
-from harness.trace import CollectiveRecord
+from harness.tracefile import CollectiveRecord, read_trace
 
 
 def spawn_ranks(body: Callable[..., None], tmp_path: Path, *args, world_size: int = 2,
@@ -30,7 +30,7 @@ def spawn_ranks(body: Callable[..., None], tmp_path: Path, *args, world_size: in
 
 
 def read_traces(directory: Path, world_size: int) -> dict[int, list[CollectiveRecord]]:
-    return {rank: trace.read_trace(str(directory / f"trace-{rank}.jsonl")) for rank in range(world_size)}
+    return {rank: read_trace(str(directory / f"trace-{rank}.jsonl")) for rank in range(world_size)}
 
 
 def _rank_main(rank: int, world_size: int, body: Callable[..., None], out_dir: str, timeout_s: float,
@@ -63,7 +63,7 @@ def test_read_trace_keeps_whole_lines_marks_completion_and_ignores_a_cut_last_li
     path = tmp_path / "trace.jsonl"
     first, second = record(0), record(1, op="broadcast")
     path.write_text(first.to_json() + "\n" + '{"done":0}\n' + second.to_json() + "\n" + '{"rank":0,"ind')
-    records = trace.read_trace(str(path))
+    records = read_trace(str(path))
     assert [r.op for r in records] == ["all_reduce", "broadcast"]
     assert records[0].completed and not records[1].completed
     assert records[0].shapes == ((2, 3),) and records[0].group == (0, 1) and records[0].label == "block.0"
@@ -73,7 +73,7 @@ def test_read_trace_rejects_a_corrupt_line_before_the_end(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("garbage\n" + record(0).to_json() + "\n")
     with pytest.raises(ValueError, match=r"trace.jsonl:1: corrupt trace line"):
-        trace.read_trace(str(path))
+        read_trace(str(path))
 
 
 def test_record_json_round_trips_optional_fields():
@@ -100,16 +100,16 @@ class Outer(torch.nn.Module):
 
 def test_module_label_is_the_innermost_fqn_relative_to_the_outermost_module():
     outer = Outer()
-    assert trace._module_label([outer, outer.blocks[1], outer.blocks[1].proj]) == "blocks.1.proj"
-    assert trace._module_label([outer]) == ""
-    assert trace._module_label([]) == ""
+    assert labels.module_label([outer, outer.blocks[1], outer.blocks[1].proj]) == "blocks.1.proj"
+    assert labels.module_label([outer]) == ""
+    assert labels.module_label([]) == ""
 
 
 def test_module_label_drops_wrapper_segments_and_names_foreign_modules_by_type():
     outer = Outer()
-    assert trace._module_label([outer, outer._fsdp_wrapped_module.proj]) == "proj"
+    assert labels.module_label([outer, outer._fsdp_wrapped_module.proj]) == "proj"
     stranger = Inner()
-    assert trace._module_label([outer, stranger, stranger.proj]) == "Inner.proj"
+    assert labels.module_label([outer, stranger, stranger.proj]) == "Inner.proj"
 
 
 def test_install_is_idempotent_and_reaches_early_imported_references():
