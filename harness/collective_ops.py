@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class OpSpec:
     """How to read one entry point's arguments.
@@ -31,8 +32,8 @@ class OpSpec:
 
 _GATHER_INTO_TENSOR = OpSpec("all_gather_into_tensor", ("input_tensor",), ("output_tensor",))
 _REDUCE_SCATTER_TENSOR = OpSpec("reduce_scatter_tensor", ("input",), ("output",))
-_SEND = dict(inputs=("tensor",), peer=("dst", "group_dst"))
-_RECV = dict(inputs=("tensor",), outputs=("tensor",), peer=("src", "group_src"))
+_SEND: dict = {"inputs": ("tensor",), "peer": ("dst", "group_dst")}
+_RECV: dict = {"inputs": ("tensor",), "outputs": ("tensor",), "peer": ("src", "group_src")}
 
 # torch.distributed.distributed_c10d entry points, by attribute name.
 C10D_SPECS: dict[str, OpSpec] = {
@@ -50,8 +51,9 @@ C10D_SPECS: dict[str, OpSpec] = {
     "reduce_scatter_tensor": _REDUCE_SCATTER_TENSOR,
     "_reduce_scatter_base": _REDUCE_SCATTER_TENSOR,
     "all_to_all": OpSpec("all_to_all", ("input_tensor_list",), ("output_tensor_list",), always_uneven=True),
-    "all_to_all_single": OpSpec("all_to_all_single", ("input",), ("output",),
-                                 uneven_when=("output_split_sizes", "input_split_sizes")),
+    "all_to_all_single": OpSpec(
+        "all_to_all_single", ("input",), ("output",), uneven_when=("output_split_sizes", "input_split_sizes")
+    ),
     "barrier": OpSpec("barrier"),
     "monitored_barrier": OpSpec("monitored_barrier"),
     "send": OpSpec("send", **_SEND),
@@ -74,8 +76,9 @@ BROADCAST_COALESCED_PARAMS = ("process_group", "tensors", "buffer_size", "src")
 
 _FUNCOL_GATHER = OpSpec("funcol.all_gather", ("self",), functional=True)
 _FUNCOL_REDUCE_SCATTER = OpSpec("funcol.reduce_scatter", ("self",), functional=True)
-_FUNCOL_ALL_TO_ALL = OpSpec("funcol.all_to_all_single", ("self",), functional=True,
-                             uneven_when=("output_split_sizes", "input_split_sizes"))
+_FUNCOL_ALL_TO_ALL = OpSpec(
+    "funcol.all_to_all_single", ("self",), functional=True, uneven_when=("output_split_sizes", "input_split_sizes")
+)
 _FUNCOL_GATHER_COALESCED = OpSpec("funcol.all_gather_coalesced", ("self",), functional=True)
 _FUNCOL_RS_COALESCED = OpSpec("funcol.reduce_scatter_coalesced", ("inputs",), functional=True)
 
@@ -101,8 +104,9 @@ FUNCOL_SPECS: dict[str, OpSpec] = {
     "reduce_scatter_tensor_coalesced": _FUNCOL_RS_COALESCED,
     "all_to_all_single": _FUNCOL_ALL_TO_ALL,
     "all_to_all_single_autograd": _FUNCOL_ALL_TO_ALL,
-    "all_to_all_inplace": OpSpec("funcol.all_to_all_single", ("input",), ("output",),
-                                  uneven_when=("output_split_sizes", "input_split_sizes")),
+    "all_to_all_inplace": OpSpec(
+        "funcol.all_to_all_single", ("input",), ("output",), uneven_when=("output_split_sizes", "input_split_sizes")
+    ),
     "broadcast": OpSpec("funcol.broadcast", ("self",), functional=True),
     "permute_tensor": OpSpec("funcol.permute_tensor", ("self",), functional=True),
 }

@@ -3,6 +3,7 @@
 A warm worker runs many tests; each must start from the same state a fresh process would
 give it, or results would depend on test order.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.distributed.device_mesh as device_mesh
-
+import torch.distributed.distributed_c10d as c10d
 
 _current_seed = 0
 

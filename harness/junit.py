@@ -16,7 +16,7 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from harness.reports import DistributedTestResult, RankCase, SuiteKey
 
@@ -47,10 +47,8 @@ class JUnitReport:
         self.directory = directory
         self.session_properties = session_properties
         # rank -> suite -> [(classname, name, case)], in the order tests ran
-        self._ranks: dict[int, dict[SuiteKey, list[tuple[str, str, RankCase]]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        self._started = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+        self._ranks: dict[int, dict[SuiteKey, list[tuple[str, str, RankCase]]]] = defaultdict(lambda: defaultdict(list))
+        self._started = datetime.now(UTC).replace(microsecond=0).isoformat()
 
     # -- hook implementations ------------------------------------------------------------
     def pytest_harness_test_result(self, result: DistributedTestResult) -> None:

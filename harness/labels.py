@@ -15,6 +15,7 @@ only differ in their label, so the trace diff is as good as the labels. Sources,
 from __future__ import annotations
 
 import importlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -102,7 +103,7 @@ def reset() -> None:
 def module_label(modules: list[torch.nn.Module]) -> str:
     """FQN of the innermost running module relative to the outermost one, wrapper segments dropped."""
     parts: list[str] = []
-    for parent, child in zip(modules, modules[1:]):
+    for parent, child in itertools.pairwise(modules):
         if parent is child:
             continue
         path = _child_path(parent, child)

@@ -7,6 +7,7 @@ their outcomes and traces over a separate gloo group, so every rank reaches the 
 a failure on one rank fails that test everywhere instead of leaving the others hanging.
 Each rank writes its own `rank-<r>.xml`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,9 @@ class LockstepSession(HarnessSession):
         # Outcomes travel on their own gloo group: the default one may be wedged by the test.
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.trace_path = os.path.join(tempfile.mkdtemp(prefix="fsdp-harness-lockstep-"), "trace")
-        self.runner = TestRunner(self.rank, self.world_size, local_rank, device, rank_fixture_modules,
-                                 self.label_providers, self.trace_path)
+        self.runner = TestRunner(
+            self.rank, self.world_size, local_rank, device, rank_fixture_modules, self.label_providers, self.trace_path
+        )
         self.unusable_since: str | None = None
 
     def own_ranks(self, world_size: int) -> range:
@@ -73,14 +75,18 @@ class LockstepSession(HarnessSession):
         dist.all_gather_object(digests, digest, group=self.control)
         if len(set(digests)) != 1:
             raise pytest.UsageError(
-                "ranks collected different tests (" + ", ".join(f"rank {r}: {d[:8]}" for r, d in
-                                                                enumerate(digests) if d) +
-                "); run the same pytest command and the same checkout on every node")
+                "ranks collected different tests ("
+                + ", ".join(f"rank {r}: {d[:8]}" for r, d in enumerate(digests) if d)
+                + "); run the same pytest command and the same checkout on every node"
+            )
 
     def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
         if self.unusable_since is not None:
-            pytest.fail(f"the torchrun world is unusable since {self.unusable_since} left a collective "
-                        "unfinished; relaunch to run the remaining tests", pytrace=False)
+            pytest.fail(
+                f"the torchrun world is unusable since {self.unusable_since} left a collective "
+                "unfinished; relaunch to run the remaining tests",
+                pytrace=False,
+            )
         outcome = self.runner.run(task)
         records = read_trace_or_empty(self.trace_path)
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size

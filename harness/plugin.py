@@ -4,6 +4,7 @@ Selection, parametrization and reporting stay in the parent, so `-k`, `-x`, `--l
 pytest-timeout and `--junitxml` keep working; only the body of a test marked
 `@pytest.mark.world_size(N)` is shipped to the N ranks of a warm pool.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -31,36 +32,68 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("harness", "distributed test harness (warm rank pools)")
-    group.addoption("--device", choices=DEVICE_CHOICES, default="auto",
-                    help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
-                         "auto: cuda when enough GPUs exist (default)")
+    group.addoption(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
+        "auto: cuda when enough GPUs exist (default)",
+    )
     group.addoption("--seed", type=int, default=1234, help="seed every rank gets before each test")
-    group.addoption("--collective-timeout", type=float, default=30.0,
-                    help="process-group timeout in seconds: a rank stuck in a collective fails after it")
-    group.addoption("--test-timeout", type=float, default=120.0,
-                    help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed")
-    group.addoption("--straggler-grace", type=float, default=5.0,
-                    help="seconds the other ranks get to finish once one rank has failed")
-    group.addoption("--repro", metavar="NODEID", default=None,
-                    help="re-run a distributed test that failed earlier with the same seed, world size, device, "
-                         "timeouts and plugin options (e.g. --backend), and print its collective traces")
-    group.addoption("--show-traces", action="store_true",
-                    help="print every rank's collective trace after each distributed test")
+    group.addoption(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="process-group timeout in seconds: a rank stuck in a collective fails after it",
+    )
+    group.addoption(
+        "--test-timeout",
+        type=float,
+        default=120.0,
+        help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed",
+    )
+    group.addoption(
+        "--straggler-grace",
+        type=float,
+        default=5.0,
+        help="seconds the other ranks get to finish once one rank has failed",
+    )
+    group.addoption(
+        "--repro",
+        metavar="NODEID",
+        default=None,
+        help="re-run a distributed test that failed earlier with the same seed, world size, device, "
+        "timeouts and plugin options (e.g. --backend), and print its collective traces",
+    )
+    group.addoption(
+        "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
+    )
     group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
-    parser.addini("rank_fixture_modules", type="linelist", default=[],
-                  help="modules that register rank-side fixtures with harness.rank_fixture")
-    parser.addini("collective_label_providers", type="linelist", default=[],
-                  help="module:attr callables returning a label (e.g. unit FQNs) for the collective being issued")
+    parser.addini(
+        "rank_fixture_modules",
+        type="linelist",
+        default=[],
+        help="modules that register rank-side fixtures with harness.rank_fixture",
+    )
+    parser.addini(
+        "collective_label_providers",
+        type="linelist",
+        default=[],
+        help="module:attr callables returning a label (e.g. unit FQNs) for the collective being issued",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
-    config.addinivalue_line("markers", "world_size(n): run the test body on n ranks (an int, or a list to "
-                                       "parametrize over world sizes)")
+    config.addinivalue_line(
+        "markers", "world_size(n): run the test body on n ranks (an int, or a list to parametrize over world sizes)"
+    )
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
-    config.addinivalue_line("markers", "expect_divergence: ranks issue different collectives on purpose; "
-                                       "the trace diff does not fail the test")
+    config.addinivalue_line(
+        "markers",
+        "expect_divergence: ranks issue different collectives on purpose; the trace diff does not fail the test",
+    )
     for name in ("collective_timeout", "test_timeout", "straggler_grace"):
         value = getattr(config.option, name)
         if value <= 0:
@@ -72,7 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
         except ImportError as error:
             raise pytest.UsageError(
                 f"rank_fixture_modules lists {module!r}, which cannot be imported ({error}); "
-                "fix the module name in the ini file or make the module importable") from error
+                "fix the module name in the ini file or make the module importable"
+            ) from error
     _register_placeholders(config)
     reports_dir = _reports_dir(config)
     session: HarnessSession
@@ -97,8 +131,10 @@ def _register_placeholders(config: pytest.Config) -> None:
     """Parent-side stand-ins for rank fixtures, so pytest's fixture resolution is satisfied."""
     holder = types.ModuleType("harness_rank_fixture_placeholders")
     for name in rank_fixtures.registered_names():
+
         def placeholder(_name: str = name) -> str:
             return f"<rank-side fixture {_name}>"
+
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
     config.pluginmanager.register(holder, "harness-rank-fixture-placeholders")
 
@@ -113,7 +149,8 @@ def _reports_dir(config: pytest.Config) -> str:
     except OSError as error:
         raise pytest.UsageError(
             f"reports directory {directory!r} is not writable ({error.strerror}); "
-            "pass --reports-dir with a writable path") from None
+            "pass --reports-dir with a writable path"
+        ) from None
     return directory
 
 
@@ -176,7 +213,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if session is not None and session.dispatched:
         files = session.finish()
         terminalreporter.write_line(
-            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}")
+            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}"
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -187,5 +225,3 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     junit = config.pluginmanager.get_plugin(_JUNIT_PLUGIN)
     if junit is not None:
         config.pluginmanager.unregister(junit)
-
-

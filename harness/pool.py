@@ -5,6 +5,7 @@ The pool owns process lifetimes and nothing else: it knows nothing about pytest.
 the rank started. The parent hosts the rendezvous store on an OS-assigned loopback port, so
 concurrent sessions on one machine never collide.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,9 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class _RankProcess:
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes], to_rank: Connection, from_rank: Connection,
-                 files: RankFiles) -> None:
+    def __init__(
+        self, rank: int, popen: subprocess.Popen[bytes], to_rank: Connection, from_rank: Connection, files: RankFiles
+    ) -> None:
         self.rank = rank
         self.popen = popen
         self.to_rank = to_rank
@@ -89,8 +91,14 @@ class _RankProcess:
 class WorkerPool:
     """N warm ranks of one (world size, device, timeout) kind."""
 
-    def __init__(self, key: PoolKey, run_dir: str, rank_fixture_modules: tuple[str, ...], session_tag: str,
-                 label_providers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        key: PoolKey,
+        run_dir: str,
+        rank_fixture_modules: tuple[str, ...],
+        session_tag: str,
+        label_providers: tuple[str, ...] = (),
+    ) -> None:
         self.key = key
         self.run_dir = run_dir
         self._rank_fixture_modules = rank_fixture_modules
@@ -126,8 +134,14 @@ class WorkerPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
         with open(files.stdout, "wb") as out, open(files.stderr, "wb") as err:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "harness.worker", str(parent_to_child[0]), str(child_to_parent[1]),
-                 str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "harness.worker",
+                    str(parent_to_child[0]),
+                    str(child_to_parent[1]),
+                    str(os.getpid()),
+                ],
                 pass_fds=(parent_to_child[0], child_to_parent[1]),
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
@@ -137,22 +151,29 @@ class WorkerPool:
             )
         os.close(parent_to_child[0])
         os.close(child_to_parent[1])
-        proc = _RankProcess(rank, popen, Connection(parent_to_child[1], readable=False),
-                            Connection(child_to_parent[0], writable=False), files)
+        proc = _RankProcess(
+            rank,
+            popen,
+            Connection(parent_to_child[1], readable=False),
+            Connection(child_to_parent[0], writable=False),
+            files,
+        )
         assert self._store is not None
-        proc.to_rank.send(WorkerConfig(
-            rank=rank,
-            world_size=self.key.world_size,
-            local_rank=rank,
-            device_kind=self.key.device_kind,
-            store_host="127.0.0.1",
-            store_port=self._store.port,
-            collective_timeout_s=self.key.collective_timeout_s,
-            run_dir=self.run_dir,
-            sys_path=list(sys.path),
-            rank_fixture_modules=self._rank_fixture_modules,
-            label_providers=self._label_providers,
-        ))
+        proc.to_rank.send(
+            WorkerConfig(
+                rank=rank,
+                world_size=self.key.world_size,
+                local_rank=rank,
+                device_kind=self.key.device_kind,
+                store_host="127.0.0.1",
+                store_port=self._store.port,
+                collective_timeout_s=self.key.collective_timeout_s,
+                run_dir=self.run_dir,
+                sys_path=list(sys.path),
+                rank_fixture_modules=self._rank_fixture_modules,
+                label_providers=self._label_providers,
+            )
+        )
         return proc
 
     def _await_ready(self, timeout_s: float) -> None:
@@ -216,8 +237,10 @@ class WorkerPool:
             waited = time.monotonic() - started
             for proc in pending.values():
                 if failed_at is not None and failed_at + straggler_grace_s < deadline:
-                    cause = (f"hung: still running {waited:.1f} s into the test, "
-                             f"{straggler_grace_s:.0f} s after another rank failed")
+                    cause = (
+                        f"hung: still running {waited:.1f} s into the test, "
+                        f"{straggler_grace_s:.0f} s after another rank failed"
+                    )
                 else:
                     cause = f"hung: no result within the {deadline_s:.0f} s test deadline"
                 results[proc.rank] = RankLoss(proc.rank, cause, stacks.get(proc.rank, ""))

@@ -4,6 +4,7 @@ It imports the test module (with pytest's assertion rewriting), resolves rank fi
 body in per-test isolation and the collective trace, and turns whatever happened into a
 `RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,10 +13,11 @@ import importlib.util
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -75,9 +77,16 @@ def format_failure(error: BaseException) -> str:
 class TestRunner:
     """Executes tasks for one rank; holds what must persist across tests (isolation baseline)."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 rank_fixture_modules: tuple[str, ...], label_providers: tuple[str, ...],
-                 trace_path: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        rank_fixture_modules: tuple[str, ...],
+        label_providers: tuple[str, ...],
+        trace_path: str,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -103,8 +112,14 @@ class TestRunner:
                 for module in self.rank_fixture_modules:
                     importlib.import_module(module)
                 test = resolve_callable(task)
-                ctx = rank_fixtures.RankContext(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                                           device=self.device, params=task.params, options=task.options)
+                ctx = rank_fixtures.RankContext(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    device=self.device,
+                    params=task.params,
+                    options=task.options,
+                )
                 kwargs = dict(task.call_kwargs)
                 kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
                 test(**kwargs)

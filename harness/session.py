@@ -155,9 +155,7 @@ class HarnessSession:
         rank_side = set(rank_fixtures.registered_names())
         argnames = item._fixtureinfo.argnames
         call_kwargs = {
-            name: params[name] if name in params else item.funcargs[name]
-            for name in argnames
-            if name not in rank_side
+            name: params[name] if name in params else item.funcargs[name] for name in argnames if name not in rank_side
         }
         if not _picklable(call_kwargs):  # one pickling on the hot path; per argument only to explain
             name = next(n for n, value in call_kwargs.items() if not _picklable(value))

@@ -4,6 +4,7 @@ Started by the pool as `python -m harness.worker FD_IN FD_OUT` in its own sessio
 can kill it with everything it started). Its stdout/stderr go to per-rank files the parent reads
 after each test, so output survives even a rank that dies.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -66,8 +67,15 @@ class RankWorker:
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         self.device = rank_device(config.device_kind, config.local_rank)
         self._join_world()
-        self.runner = TestRunner(config.rank, config.world_size, config.local_rank, self.device,
-                                 config.rank_fixture_modules, config.label_providers, self.files.trace)
+        self.runner = TestRunner(
+            config.rank,
+            config.world_size,
+            config.local_rank,
+            self.device,
+            config.rank_fixture_modules,
+            config.label_providers,
+            self.files.trace,
+        )
 
     def _join_world(self) -> None:
         cfg = self.config
