@@ -26,11 +26,6 @@ from harness.session import Execution, HarnessSession
 from harness.tracefile import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
-def launched_by_torchrun() -> bool:
-    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 class LockstepSession(HarnessSession):
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         super().__init__(config, rank_fixture_modules, reports_dir)
@@ -68,7 +63,7 @@ class LockstepSession(HarnessSession):
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
 
-    def check_same_selection(self, nodeids: list[str]) -> None:
+    def collected(self, nodeids: list[str]) -> None:
         """Ranks that collected different tests would pair the wrong bodies: refuse to start."""
         digest = hashlib.sha256("\n".join(nodeids).encode()).hexdigest()
         digests: list[str | None] = [None] * self.world_size

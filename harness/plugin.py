@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness import hookspecs, lockstep, rank_fixtures, repro
+from harness import hookspecs, rank_fixtures, repro
 from harness.devices import DEVICE_CHOICES
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
@@ -110,8 +110,12 @@ def pytest_configure(config: pytest.Config) -> None:
     _register_placeholders(config)
     reports_dir = _reports_dir(config)
     session: HarnessSession
-    if lockstep.launched_by_torchrun():
-        session = lockstep.LockstepSession(config, modules, reports_dir)
+    if _launched_by_torchrun():
+        # Imported only here: a pool parent never loads the rank-side runner, nor through it
+        # the module that patches torch.distributed.
+        from harness.lockstep import LockstepSession
+
+        session = LockstepSession(config, modules, reports_dir)
     else:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
@@ -120,6 +124,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config)), _JUNIT_PLUGIN
     )
+
+
+def _launched_by_torchrun() -> bool:
+    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def reports_dir(config: pytest.Config) -> str:
@@ -204,8 +213,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     harness_session = session.config.stash.get(_SESSION, None)
-    if isinstance(harness_session, lockstep.LockstepSession):
-        harness_session.check_same_selection([item.nodeid for item in session.items])
+    if harness_session is not None:
+        harness_session.collected([item.nodeid for item in session.items])
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -89,6 +89,9 @@ class HarnessSession:
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests"
 
+    def collected(self, nodeids: list[str]) -> None:
+        """Collection is over; these tests may run (lockstep checks every rank has the same)."""
+
     def finish(self) -> list[str]:
         """Have every report plugin write its files, once; return the paths written."""
         if self._reports is None:
