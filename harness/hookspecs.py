@@ -1,10 +1,12 @@
 """Hooks other plugins implement to extend the harness (registered by `harness.plugin`).
 
-Reports: every distributed test's result reaches `pytest_harness_test_result` exactly once,
-whoever decided it (the ranks, the trace diff, or the parent before any rank ran: a skip for
-missing GPUs, a world that could not start), with every rank's case. A new report format is a
-plugin implementing it and `pytest_harness_write_reports`; the per-rank JUnit files
-(`harness.junit.JUnitReport`) are built that way. See docs/architecture.md for a worked example.
+Reports: a distributed test's result reaches `pytest_harness_test_result` once, with every rank's
+case, whoever decided it: the ranks, the trace diff, or the parent before any rank ran (a skip for
+missing GPUs, a world that could not start). Not yet (issue #16): an argument that cannot be
+pickled, lockstep's "world is unusable", and an interrupt (pytest-timeout, Ctrl-C) fail the test
+before it is published. A new report format is a plugin implementing this hook and
+`pytest_harness_write_reports`; the per-rank JUnit files (`harness.junit.JUnitReport`) are built
+that way. See docs/architecture.md for a worked example.
 """
 
 from __future__ import annotations

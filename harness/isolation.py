@@ -81,5 +81,7 @@ class TestIsolation:
             os.environ.update(self._environ)
         if os.getcwd() != self._cwd:
             os.chdir(self._cwd)
+        # Both counters only grow over the worker's life, so ranks that report equal values have
+        # issued as many default-group collectives and created as many groups as each other.
         default_group = c10d._get_default_group()
         return default_group._get_sequence_number_for_group(), c10d._world.group_count

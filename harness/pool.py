@@ -79,6 +79,8 @@ class _RankProcess:
             return None
 
     def kill(self) -> None:
+        # The rank leads its own session and process group (start_new_session), so one killpg
+        # also ends whatever the test started in it; wait() reaps the rank so no zombie stays.
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -149,6 +151,8 @@ class WorkerPool:
                 stderr=err,
                 env=env,
             )
+        # Close our copies of the rank's ends at once: the rank must be the only holder of the
+        # result pipe's write end, or its death would not show as EOF (see `run`).
         os.close(parent_to_child[0])
         os.close(child_to_parent[1])
         proc = _RankProcess(
@@ -249,6 +253,8 @@ class WorkerPool:
     def _dump_stacks(self, procs: list[_RankProcess], wait_s: float = 2.0) -> dict[int, str]:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
         for proc in procs:
+            # Empty the file first: the rank holds it in append mode, so its dump starts at
+            # offset 0 and a non-zero size below means this dump has begun.
             open(proc.files.stacks, "w").close()
             try:
                 os.kill(proc.popen.pid, signal.SIGUSR1)

@@ -130,6 +130,8 @@ class HarnessSession:
             expected,
             unfinished_collectives(execution.traces),
         )
+        # Ranks first, reports second: `_report` ends in pytest's outcome exception, and the
+        # next test must find its pool already kept or discarded.
         self.after_test(item, execution)
         if divergence is not None or verdict.outcome == "failed":
             self._write_trace(item, execution.traces, divergence)

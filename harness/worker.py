@@ -41,6 +41,8 @@ class _OutputCapture:
     """Points fds 1 and 2 at the rank's files; C-level output (gloo, NCCL) is captured too."""
 
     def __init__(self, files: RankFiles) -> None:
+        # O_APPEND: after `reset` truncates a file, the next write lands at offset 0 instead of
+        # at the old offset (which would leave a hole of NULs before each test's output).
         for fd, path in ((1, files.stdout), (2, files.stderr)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             os.dup2(target, fd)
@@ -52,6 +54,7 @@ class _OutputCapture:
         sys.stderr.flush()
 
     def reset(self) -> None:
+        """Start a test's output from empty files (the parent reads them whole after the test)."""
         self.flush()
         os.ftruncate(1, 0)
         os.ftruncate(2, 0)
