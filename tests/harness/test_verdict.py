@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from test_divergence import rec
+
 from harness.messages import RankLoss, RankOutcome
 from harness.tracefile import CollectiveRecord, last_unfinished
 from harness.verdict import decide, world_reusable
@@ -12,19 +16,7 @@ def outcome(rank: int, status: str = "passed", sync_state: tuple[int, int] = (3,
 
 
 def record(rank: int, index: int, completed: bool = True, skipped: bool = False) -> CollectiveRecord:
-    return CollectiveRecord(
-        rank=rank,
-        index=index,
-        seq=index,
-        op="all_reduce",
-        group=(0, 1),
-        shapes=((4,),),
-        dtypes=("float32",),
-        numel=4,
-        label="",
-        skipped=skipped,
-        completed=completed,
-    )
+    return replace(rec(rank, index, index, op="all_reduce", numel=4), completed=completed, skipped=skipped)
 
 
 def test_one_outcome_from_n_ranks() -> None:
