@@ -11,12 +11,10 @@ parent-side, is spelled with `Status`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal
 
 Status = Literal["passed", "failed", "skipped", "xfailed"]
 """The outcome of one test on one rank, of the whole test (the verdict), and of its report entries."""
-
-STATUSES: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ The harness builds these from the verdict and the ranks' results and hands each 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from harness.messages import RankLoss, RankResult, Status
@@ -58,7 +59,7 @@ class DistributedTestResult:
     torchrun only this process's own rank (each rank's process writes its own files)."""
 
 
-def uniform_cases(ranks: range | tuple[int, ...], status: Status, message: str, text: str = "") -> dict[int, RankCase]:
+def uniform_cases(ranks: Iterable[int], status: Status, message: str, text: str = "") -> dict[int, RankCase]:
     """The same case for every rank: for verdicts reached before any rank ran (skips, start-up failures)."""
     return {rank: RankCase(status, 0.0, message, text) for rank in ranks}
 
