@@ -148,8 +148,12 @@ class ShardingSpec:
 
     def needed_capabilities(self, form: ApiForm) -> set[Capability]:
         """Every capability this spec uses, so an adapter can refuse before touching the model."""
-        needed = {Capability.for_form(form)}
-        needed |= {Capability.for_strategy(s) for s in self.strategies()}
+        return {Capability.for_form(form)} | self.feature_capabilities()
+
+    def feature_capabilities(self) -> set[Capability]:
+        """What this spec uses besides the API form: what a scenario requires before it builds
+        anything, whichever forms the backend has."""
+        needed = {Capability.for_strategy(s) for s in self.strategies()}
         if self.auto_wrap_classes:
             needed.add(Capability.AUTO_WRAP)
         if self.param_dtype is not None:

@@ -9,6 +9,7 @@ says why.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     require,
+    require_all,
 )
 
 # A forward through a sharded model against the same computation unsharded: same values, same
@@ -43,6 +45,9 @@ FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 STEP_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
 LOCAL_BATCH = 2
 
+param_offload_axis = pytest.mark.parametrize(
+    "param_offload", [False, True], ids=["no_param_offload", "param_offload"]
+)
 _STATE_DICT_CAPABILITY = {
     StateDictKind.FULL: Capability.FULL_STATE_DICT,
     StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
@@ -63,20 +68,21 @@ def _layout_spec(layout: str) -> ShardingSpec:
 
 
 @pytest.mark.world_size([2, 4])
+@param_offload_axis
 @pytest.mark.parametrize("layout", ["root", "submodules", "mixed"])
 def test_full_state_dict(
-    backend: BackendAdapter, layout: str, rank: int, device: torch.device
+    backend: BackendAdapter, layout: str, param_offload: bool, rank: int, device: torch.device
 ) -> None:
     """The full state dict equals the unsharded model's and reloads into a zeroed sharded model.
 
     Keys are the original FQNs, values equal bit for bit; after loading into a sharded copy
     whose parameters and buffers were zeroed, its full state dict is the original again and its
-    forward matches the unsharded model's.
+    forward matches the unsharded model's. ``param_offload``: the shards live on CPU, so saving
+    gathers from and loading writes into the offloaded copies.
     """
     require(backend, Capability.FULL_STATE_DICT)
-    spec = _layout_spec(layout)
-    for strategy in sorted(spec.strategies(), key=lambda s: s.name):
-        require(backend, Capability.for_strategy(strategy))
+    spec = dataclasses.replace(_layout_spec(layout), offload_params=param_offload)
+    require_all(backend, spec.feature_capabilities())
     local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
@@ -87,7 +93,7 @@ def test_full_state_dict(
         expected_output = local(*inputs)
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {layout} layout"
+        where = f"rank {rank}: {form.value}, {layout} layout, param_offload={param_offload}"
         saved = backend.shard(copy.deepcopy(local), spec, form)
         state = backend.state_dict(saved, StateDictKind.FULL)
         _assert_plain(state, where)
@@ -180,24 +186,30 @@ def test_save_load_flow(
 
 
 @pytest.mark.world_size([2, 4])
+@param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 def test_optim_state_dict_round_trip(
-    backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device
+    backend: BackendAdapter, kind: StateDictKind, param_offload: bool, rank: int,
+    device: torch.device,
 ) -> None:
     """Optimizer state survives get -> load into a fresh model and optimizer -> get.
 
     The optimizer state dict is keyed by the original parameter FQNs; the one read back after
     loading equals the saved one bit for bit; one more Adam step on the original and on the
-    restored pair gives the same parameters.
+    restored pair gives the same parameters. ``param_offload``: shards and Adam's state on CPU.
     """
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, _STATE_DICT_CAPABILITY[kind])
-    spec = ShardingSpec(auto_wrap_classes=(fixtures.Unit,))
+    spec = ShardingSpec(auto_wrap_classes=(fixtures.Unit,), offload_params=param_offload)
+    require_all(backend, spec.feature_capabilities())
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {kind.value} optimizer state dict"
+        where = (
+            f"rank {rank}: {form.value}, {kind.value} optimizer state dict, "
+            f"param_offload={param_offload}"
+        )
         loss_model = fixtures.build(model_cls, current_seed(), device, dim=16)
         param_fqns = {name for name, _ in loss_model.named_parameters()}
         trained = backend.shard(loss_model, spec, form)

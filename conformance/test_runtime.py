@@ -60,9 +60,16 @@ ITERATIONS = 5
 LOCAL_BATCH = 2
 
 
-def _spec(wrap: str, strategy: ShardingStrategy, world_size: int, device: torch.device) -> ShardingSpec:
+def _spec(
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    device: torch.device,
+    param_offload: bool = False,
+) -> ShardingSpec:
     """auto: every ``Unit`` is its own unit, then the root. manual: ``unit2`` by FQN, then the
-    root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes."""
+    root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes.
+    ``param_offload``: sharded parameters (and the optimizer step) live on CPU."""
     return ShardingSpec(
         strategy=strategy,
         auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
@@ -72,7 +79,10 @@ def _spec(wrap: str, strategy: ShardingStrategy, world_size: int, device: torch.
             if strategy is ShardingStrategy.HYBRID_SHARD
             else None
         ),
+        offload_params=param_offload,
     )
+
+
 
 
 def _plan(optimizer: str, iterations: int = ITERATIONS) -> fixtures.TrainingPlan:
@@ -93,8 +103,15 @@ def _shown(backend: BackendAdapter, sharded: nn.Module, *, grads: bool) -> dict[
     return shown
 
 
+# (optimizer, param_offload): the seed's Adam, scale-sensitive SGD, and SGD over CPU-offloaded
+# shards (the optimizer then steps the CPU copies, which the next all-gather must pick up).
+TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
+
+
 @pytest.mark.world_size([2, 4])
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"]
+)
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 @pytest.mark.parametrize("wrap", ["auto", "manual"])
 def test_training(
@@ -102,6 +119,7 @@ def test_training(
     wrap: str,
     strategy: ShardingStrategy,
     optimizer: str,
+    param_offload: bool,
     world_size: int,
     rank: int,
     device: torch.device,
@@ -114,10 +132,10 @@ def test_training(
     with SGD; the first with Adam, whose steps already differ by reduction-order noise).
     Every difference is reported by name with its size.
     """
-    require(backend, Capability.for_strategy(strategy))
     require(backend, Capability.FULL_STATE_DICT)
     plan = _plan(optimizer)
-    spec = _spec(wrap, strategy, world_size, device)
+    spec = _spec(wrap, strategy, world_size, device, param_offload)
+    require_all(backend, spec.feature_capabilities())
     oracle = fixtures.train_oracle(
         fixtures.build(fixtures.CompositeModel, plan.seed, device),
         plan,
@@ -176,30 +194,34 @@ def test_training(
         )
 
 
-TRAINED_STEPS = 3
+TRAINED_STEPS = 2
 
 
 @pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
+@pytest.mark.parametrize("wrap", ["auto", "manual"])
 def test_unshard_after_training(
     backend: BackendAdapter,
+    wrap: str,
     strategy: ShardingStrategy,
+    param_offload: bool,
     world_size: int,
     rank: int,
     device: torch.device,
 ) -> None:
     """After every SGD step, an unshard shows the oracle's parameters on every rank.
 
-    Auto-wrapped units under a sharded root, three steps of plain SGD; after each step a
-    read-only ``unshard()`` of the whole model must show, on every rank, the parameters the
-    single-process oracle has after that step. A shard one rank failed to update, or a full
-    view one rank assembled from stale data, shows here even when state dicts (gathered by
-    another code path) look right.
+    Units as in test_training, two steps of plain SGD; after each step a read-only
+    ``unshard()`` of the whole model must show, on every rank, the parameters the
+    single-process oracle has after that step. A shard one rank failed to update, an
+    offloaded copy the device buffer was not refreshed from, or a full view one rank assembled
+    from stale data shows here even when state dicts (gathered by another code path) look right.
     """
-    require(backend, Capability.for_strategy(strategy))
     require_all(backend, unshard_capabilities())
     plan = _plan("sgd", TRAINED_STEPS)
-    spec = _spec("auto", strategy, world_size, device)
+    spec = _spec(wrap, strategy, world_size, device, param_offload)
+    require_all(backend, spec.feature_capabilities())
     oracle = fixtures.train_oracle(
         fixtures.build(fixtures.CompositeModel, plan.seed, device), plan,
         world_size=world_size, device=device,

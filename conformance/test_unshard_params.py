@@ -176,11 +176,7 @@ def _sharded_models(
     device: torch.device,
 ) -> Iterator[tuple[ApiForm, nn.Module]]:
     """A freshly built and sharded ``model_cls`` for every form the backend has."""
-    for capability in sorted(
-        spec.needed_capabilities(ApiForm.WRAPPER) - {Capability.WRAPPER},
-        key=lambda c: list(Capability).index(c),
-    ):
-        require(backend, capability)  # skip before building anything
+    require_all(backend, spec.feature_capabilities())  # skip before building anything
     for form in backend.forms():
         model = fixtures.build(model_cls, current_seed(), device)
         yield form, backend.shard(model, spec, form)
