@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from conformance import registry
 from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, ShardingSpec, declared_fqn
@@ -59,14 +60,30 @@ def _chunks(outputs: list[torch.Tensor], group_size: int) -> list[torch.Tensor] 
     return None
 
 
+def _completed_work() -> Any:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future)
+
+
 def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int], None]) -> trace.Interceptor:
     """An interceptor that issues every collective in ``ops`` and then ``corrupt``s its
-    outputs (``corrupt(outputs, group size)``), on every rank alike."""
+    floating-point outputs (``corrupt(outputs, group size)``), on every rank alike. Integer
+    outputs (a backend's own order checks) are left alone: the mutation is about values.
+
+    An async call is completed here and answered with an already completed work: gloo copies
+    an async reduce-scatter's result into the output again at every ``wait()``, which would
+    undo a corruption made before the caller's own wait.
+    """
 
     def run(call: trace.CollectiveCall) -> Any:
         result = call.issue()
+        outputs = [t for t in call.output_tensors(result) if t.is_floating_point()]
         with torch.no_grad():
-            corrupt(call.output_tensors(result), len(call.record.group))
+            if outputs:
+                corrupt(outputs, len(call.record.group))
+        if call.async_op and not call.functional and result is not None:
+            return _completed_work()
         return result
 
     def intercept(record: trace.CollectiveRecord) -> trace.Runner | None:
@@ -143,7 +160,7 @@ def _keep_shards_stale(sharded: nn.Module) -> None:
                 if local.shape == value.shape:
                     local.copy_(value)
 
-    _step_hooks.append(torch.optim.optimizer.register_optimizer_step_post_hook(restore))
+    _step_hooks.append(register_optimizer_step_post_hook(restore))
 
 
 def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:

@@ -27,8 +27,12 @@ from conformance import registry
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SESSION_TIMEOUT_S = 600
+# A mutant that made ranks disagree fails in seconds instead of the default 30 s per hang.
+COLLECTIVE_TIMEOUT_S = 10
 TRAINING = "conformance/test_runtime.py::test_training[{backend}-ws2-auto-FULL_SHARD-sgd]"
-AFTER_TRAINING = "conformance/test_runtime.py::test_unshard_after_training[{backend}-ws2-FULL_SHARD]"
+AFTER_TRAINING = (
+    "conformance/test_runtime.py::test_unshard_after_training[{backend}-ws2-auto-FULL_SHARD-no_param_offload]"
+)
 # The scenarios that must catch each mutation (every one of them must fail).
 CATCHERS: dict[str, tuple[str, ...]] = {
     "sum_grads": (TRAINING,),
@@ -69,7 +73,7 @@ def inner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[s
         "-c", str(REPO / "pyproject.toml"), "--rootdir", str(REPO), "-p", "no:cacheprovider",
         "--reports-dir", str(directory / "reports"),
         "--expectations-dir", str(directory / "expectations"),
-        f"--junitxml={junit}", "-q",
+        f"--junitxml={junit}", "-q", f"--collective-timeout={COLLECTIVE_TIMEOUT_S}",
         *[arg for selection in _selections() for arg in ("--backend", selection)],
     ]
     python_path = os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")]))
