@@ -119,9 +119,14 @@ def test_full_state_dict(
 
 @pytest.mark.world_size([2, 4])
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
-@pytest.mark.parametrize("ignore", [False, True], ids=["none-ignored", "ignored"])
+@pytest.mark.parametrize(
+    ("ignore", "param_offload"),
+    [(False, False), (True, False), (False, True)],
+    ids=["none-ignored", "ignored", "none-ignored-param_offload"],
+)
 def test_save_load_flow(
-    backend: BackendAdapter, kind: StateDictKind, ignore: bool, rank: int, device: torch.device
+    backend: BackendAdapter, kind: StateDictKind, ignore: bool, param_offload: bool, rank: int,
+    device: torch.device,
 ) -> None:
     """Save a trained tied-weight transformer, load it into a fresh sharded model, match.
 
@@ -130,14 +135,17 @@ def test_save_load_flow(
     kinds of state dict under their original FQNs, as plain full tensors, and round-trip like
     the rest. Before training, the (gathered) state dict equals the unsharded model's; after
     one SGD step, a model built from another seed, sharded alike, zeroed and loaded, holds the
-    saved state bit for bit and computes the same forward.
+    saved state bit for bit and computes the same forward. ``param_offload``: the same flow
+    with CPU-offloaded shards (saved from and loaded into the offloaded copies).
     """
     require(backend, _STATE_DICT_CAPABILITY[kind])
-    if ignore:
-        require(backend, Capability.IGNORED_MODULES)
     model_cls = fixtures.TiedTransformer
     ignored = model_cls.IGNORABLE_MODULES if ignore else ()
-    spec = ShardingSpec(auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored)
+    spec = ShardingSpec(
+        auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored,
+        offload_params=param_offload,
+    )
+    require_all(backend, spec.feature_capabilities())
     local = fixtures.build(model_cls, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
@@ -150,7 +158,10 @@ def test_save_load_flow(
     )
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {kind.value} state dict, ignored={list(ignored)}"
+        where = (
+            f"rank {rank}: {form.value}, {kind.value} state dict, ignored={list(ignored)}, "
+            f"param_offload={param_offload}"
+        )
         saved = backend.shard(copy.deepcopy(local), spec, form)
         state = backend.state_dict(saved, kind)
         _assert_kind(state, kind, local, ignored_params, where)

@@ -104,6 +104,17 @@ def _shown(backend: BackendAdapter, sharded: nn.Module, *, grads: bool) -> dict[
     return shown
 
 
+strategy_axis = pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
+wrap_axis = pytest.mark.parametrize("wrap", ["auto", "manual"])
+
+
+def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) -> fixtures.OracleRun:
+    return fixtures.train_oracle(
+        fixtures.build(fixtures.CompositeModel, plan.seed, device), plan,
+        world_size=world_size, device=device,
+    )
+
+
 # (optimizer, param_offload): the seed's Adam, scale-sensitive SGD, and SGD over CPU-offloaded
 # shards (the optimizer then steps the CPU copies, which the next all-gather must pick up).
 TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
@@ -113,8 +124,8 @@ TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 @pytest.mark.parametrize(
     ("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"]
 )
-@pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
-@pytest.mark.parametrize("wrap", ["auto", "manual"])
+@strategy_axis
+@wrap_axis
 def test_training(
     backend: BackendAdapter,
     wrap: str,
@@ -137,12 +148,7 @@ def test_training(
     plan = _plan(optimizer)
     spec = _spec(wrap, strategy, world_size, device, param_offload)
     require_all(backend, spec.feature_capabilities())
-    oracle = fixtures.train_oracle(
-        fixtures.build(fixtures.CompositeModel, plan.seed, device),
-        plan,
-        world_size=world_size,
-        device=device,
-    )
+    oracle = _oracle(plan, world_size, device)
     oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
     shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
     grad_iterations = range(ITERATIONS) if optimizer == "sgd" else range(1)
@@ -202,8 +208,8 @@ TRAINED_STEPS = 2
 
 @pytest.mark.world_size([2, 4])
 @pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
-@pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
-@pytest.mark.parametrize("wrap", ["auto", "manual"])
+@strategy_axis
+@wrap_axis
 def test_unshard_after_training(
     backend: BackendAdapter,
     wrap: str,
@@ -225,10 +231,7 @@ def test_unshard_after_training(
     plan = _plan("sgd", TRAINED_STEPS)
     spec = _spec(wrap, strategy, world_size, device, param_offload)
     require_all(backend, spec.feature_capabilities())
-    oracle = fixtures.train_oracle(
-        fixtures.build(fixtures.CompositeModel, plan.seed, device), plan,
-        world_size=world_size, device=device,
-    )
+    oracle = _oracle(plan, world_size, device)
     tolerance = PARAM_TOLERANCE["sgd"]
     problems: list[str] = []  # asserted once every form has run (see test_training)
     for form in backend.forms():
@@ -253,7 +256,7 @@ def test_unshard_after_training(
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("wrap", ["auto", "manual"])
+@wrap_axis
 def test_unshard_reshard_order(
     backend: BackendAdapter, wrap: str, rank: int, device: torch.device
 ) -> None:

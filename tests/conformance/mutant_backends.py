@@ -8,9 +8,10 @@ context), or by corrupting the collectives it issues through the harness's colle
 it after every test). ``tests/conformance/test_mutants.py`` runs the scenarios that must catch
 each mutation and checks that they fail naming a parameter and the size of its difference.
 
-The classes are module attributes named ``<backend>__<mutation>`` (``torch_fsdp2__sum_grads``),
-selectable as ``--backend mutant_backends:torch_fsdp2__sum_grads`` with this directory on
-``PYTHONPATH``; their ``name`` is ``<backend>+<mutation>``, which has no expectations file.
+The classes are also module attributes named ``<backend>__<mutation>``
+(``torch_fsdp2__sum_grads``), so a whole run can use one: ``--backend
+mutant_backends:torch_fsdp2__sum_grads`` with this directory on ``PYTHONPATH`` (and an empty
+``--expectations-dir``: their ``name`` is ``<backend>+<mutation>``, which has no file).
 """
 
 from __future__ import annotations
@@ -134,12 +135,13 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-# Global optimizer hooks of earlier stale-shard mutants, removed when the next mutant is built
-# (every test of a mutant session builds one), so one test's hook never acts in the next.
+# Global optimizer hooks of stale-shard mutants: removed when the next mutant is built and by
+# whoever ran the mutant (remove_step_hooks), so one test's hook never acts in the next.
 _step_hooks: list[Any] = []
 
 
-def _remove_step_hooks() -> None:
+def remove_step_hooks() -> None:
+    """Remove the stale-shard optimizer hooks registered so far."""
     while _step_hooks:
         _step_hooks.pop().remove()
 
@@ -173,7 +175,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
 
         def __init__(self, env: BackendEnv) -> None:
             super().__init__(env)
-            _remove_step_hooks()
+            remove_step_hooks()
             self._as_sharded: dict[str, torch.Tensor] = {}
 
         def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

@@ -1,40 +1,38 @@
 """The suite catches broken backends: every mutation of ``mutant_backends`` fails its scenarios.
 
-One inner pytest session (the repository's own configuration, an empty expectations
-directory) runs, for each built-in backend, the scenarios that must catch each mutation, plus
-the same scenarios on the unmutated backend as the control: a mutant's failure then shows the
-mutation, not a broken session or adapter. Each mutant must fail every scenario listed for it,
-with a message naming a parameter and the size of its difference. Scenarios run at world size 2
-with FULL_SHARD over auto-wrapped units (reduce-scatter and all-gather both in use); only the
-listed node ids run, not the suite per mutant.
+For each built-in backend and each mutation, the scenarios that must catch the mutation run in
+the ranks, called directly with the mutant adapter (no inner session, no extra pool): each must
+fail, on at least one rank, with a message naming a parameter and the size of its difference.
+Scenarios run at world size 2 with FULL_SHARD over auto-wrapped units (reduce-scatter and
+all-gather both in use), so a mutant costs about what one scenario costs. The unmutated
+backends pass the same scenarios in the suite itself (``conformance/test_runtime.py``), which
+is what makes the failures here the mutation's.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import re
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import fixtures
 import mutant_backends
 from conformance import registry
+from conformance import test_runtime as runtime  # a module: its tests are not collected here
+from conformance.protocol import BackendAdapter, BackendEnv, ShardingStrategy
 
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-SESSION_TIMEOUT_S = 600
-# A mutant that made ranks disagree fails in seconds instead of the default 30 s per hang.
-COLLECTIVE_TIMEOUT_S = 10
-TRAINING = "conformance/test_runtime.py::test_training[{backend}-ws2-auto-FULL_SHARD-sgd]"
-AFTER_TRAINING = (
-    "conformance/test_runtime.py::test_unshard_after_training[{backend}-ws2-auto-FULL_SHARD-no_param_offload]"
-)
+Scenario = Callable[..., None]
+SCENARIO_ARGS = {"wrap": "auto", "strategy": ShardingStrategy.FULL_SHARD, "param_offload": False}
+TRAINING = ("test_training[ws2-auto-FULL_SHARD-sgd]",
+            functools.partial(runtime.test_training, optimizer="sgd", **SCENARIO_ARGS))
+AFTER_TRAINING = ("test_unshard_after_training[ws2-auto-FULL_SHARD-no_param_offload]",
+                  functools.partial(runtime.test_unshard_after_training, **SCENARIO_ARGS))
 # The scenarios that must catch each mutation (every one of them must fail).
-CATCHERS: dict[str, tuple[str, ...]] = {
+CATCHERS: dict[str, tuple[tuple[str, Scenario], ...]] = {
     "sum_grads": (TRAINING,),
     "doubled_reduce_scatter": (TRAINING,),
     "swapped_all_gather": (TRAINING, AFTER_TRAINING),
@@ -42,95 +40,49 @@ CATCHERS: dict[str, tuple[str, ...]] = {
     "stale_shard": (TRAINING, AFTER_TRAINING),
     "stale_unshard_view": (AFTER_TRAINING,),
 }
-CONTROLS = (TRAINING, AFTER_TRAINING)
-BACKENDS = tuple(registry.BUILTIN)
 PARAMETERS = frozenset(name for name, _ in fixtures.CompositeModel(dim=4).named_parameters())
 # "  unit2.out.bias: max abs difference 0.0123 (relative 0.5) at index (3,)"
 DIFFERENCE = re.compile(r"^\s+(?P<name>[\w.]+): max abs difference (?P<size>[0-9.e+-]+)", re.M)
 assert set(CATCHERS) == set(mutant_backends.MUTATIONS), "every mutation needs its catchers"
 
 
-def _node_ids() -> list[str]:
-    ids = [node.format(backend=backend) for backend in BACKENDS for node in CONTROLS]
-    for backend in BACKENDS:
-        for mutation, nodes in CATCHERS.items():
-            ids += [node.format(backend=mutant_backends.selection(backend, mutation)) for node in nodes]
-    return ids
-
-
-def _selections() -> list[str]:
-    return [*BACKENDS, *(mutant_backends.selection(b, m) for b in BACKENDS for m in CATCHERS)]
-
-
-@pytest.fixture(scope="module")
-def inner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
-    """Run the inner session once: test name (function[params]) -> (outcome, failure text)."""
-    directory = tmp_path_factory.mktemp("mutants")
-    (directory / "expectations").mkdir()  # raw outcomes: no expected failures
-    junit = directory / "junit.xml"
-    command = [
-        sys.executable, "-m", "pytest", *_node_ids(),
-        "-c", str(REPO / "pyproject.toml"), "--rootdir", str(REPO), "-p", "no:cacheprovider",
-        "--reports-dir", str(directory / "reports"),
-        "--expectations-dir", str(directory / "expectations"),
-        f"--junitxml={junit}", "-q", f"--collective-timeout={COLLECTIVE_TIMEOUT_S}",
-        *[arg for selection in _selections() for arg in ("--backend", selection)],
-    ]
-    python_path = os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")]))
+def _failure(scenario: Scenario, adapter: BackendAdapter, **kwargs: object) -> str | None:
+    """The scenario's assertion message on this rank, or None when it passed here."""
     try:
-        result = subprocess.run(
-            command, cwd=REPO, env={**os.environ, "PYTHONPATH": python_path}, text=True,
-            capture_output=True, timeout=SESSION_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the mutant session ran over {SESSION_TIMEOUT_S}s:\n{expired.stdout}")
-    output = result.stdout[-20000:] + result.stderr[-5000:]
-    assert junit.exists(), f"the mutant session wrote no JUnit report:\n{output}"
-    results = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        skipped = case.find("skipped")
-        if failure is not None:
-            results[case.get("name")] = ("failed", f"{failure.get('message', '')}\n{failure.text or ''}")
-        elif skipped is not None:
-            results[case.get("name")] = ("skipped", skipped.get("message", ""))
-        else:
-            results[case.get("name")] = ("passed", "")
-    expected = len(_node_ids())
-    assert len(results) == expected, f"{len(results)} of {expected} tests reported:\n{output}"
-    return results
-
-
-def _name(node: str) -> str:
-    return node.split("::", 1)[1]
-
-
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_unmutated_backends_pass(inner_results: dict[str, tuple[str, str]], backend_name: str) -> None:
-    for node in CONTROLS:
-        outcome, text = inner_results[_name(node.format(backend=backend_name))]
-        assert outcome == "passed", f"the control {node.format(backend=backend_name)} {outcome}:\n{text}"
+        scenario(backend=adapter, **kwargs)
+    except AssertionError as error:
+        return str(error)
+    return None
 
 
 # Not named `backend`: the conformance plugin parametrizes every test taking that argument.
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("mutation", list(CATCHERS))
-@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("backend_name", list(registry.BUILTIN))
 def test_mutant_fails_naming_parameter_and_difference(
-    inner_results: dict[str, tuple[str, str]], backend_name: str, mutation: str
+    backend_name: str, mutation: str, rank: int, world_size: int, device: torch.device
 ) -> None:
-    selection = mutant_backends.selection(backend_name, mutation)
-    for node in CATCHERS[mutation]:
-        test = _name(node.format(backend=selection))
-        outcome, text = inner_results[test]
-        assert outcome == "failed", (
-            f"{test}: a backend with {mutant_backends.MUTATIONS[mutation]} {outcome}"
-        )
+    mutant_cls = mutant_backends.mutant(registry.load(backend_name), mutation)
+    failures = {}
+    try:
+        for name, scenario in CATCHERS[mutation]:
+            adapter = mutant_cls(BackendEnv(rank, world_size, device))
+            failures[name] = _failure(scenario, adapter, world_size=world_size, rank=rank, device=device)
+    finally:
+        mutant_backends.remove_step_hooks()  # a stale-shard hook must not outlive this test
+    per_rank: list[dict[str, str | None]] = [{} for _ in range(world_size)]
+    dist.all_gather_object(per_rank, failures)
+
+    what = f"{backend_name} with {mutant_backends.MUTATIONS[mutation]}"
+    for name, _ in CATCHERS[mutation]:
+        texts = [found[name] for found in per_rank if found[name] is not None]
+        assert texts, f"{name} passed on every rank for {what}"
         named = [
-            (found["name"], float(found["size"])) for found in DIFFERENCE.finditer(text)
+            (found["name"], float(found["size"]))
+            for text in texts for found in DIFFERENCE.finditer(text)
             if found["name"] in PARAMETERS
         ]
         assert named and all(size > 0 for _, size in named), (
-            f"{test}: the failure names no parameter with the size of its difference:\n{text[-4000:]}"
+            f"{name} failed for {what} without naming a parameter and its difference:\n"
+            + "\n".join(texts)[-4000:]
         )
