@@ -26,7 +26,8 @@ it); one that fails differently stays a failure. The reference backend may list 
 
 *Stale* entries describe nothing the run checked: their scenario matches no collected test
 although the entry's file was collected whole, or their test was skipped in a run the entry's
-``when`` describes. Deselected tests (``-k``, node ids) are not stale. The conformance plugin
+``when`` describes. Deselected tests (``-k``, node ids) and tests skipped because the machine
+lacks the devices (``--device cuda`` with too few GPUs) do not make an entry stale. The conformance plugin
 reports stale entries, and ``--strict-expectations`` makes them fail the run.
 """
 

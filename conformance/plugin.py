@@ -153,9 +153,13 @@ def pytest_runtest_makereport(
     if report.when == "call" or report.failed or report.skipped:
         _record(item, selection, report)
     if report.skipped and not getattr(report, "wasxfail", None):
-        item.config.stash[_RUN].note_skipped(
-            selection, scenario, run_context(item), _skip_reason(report) or "skipped"
-        )
+        context = run_context(item)
+        # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
+        # the entry: only skips of a test that had its devices make an entry stale.
+        if context.device is not None or context.world_size is None:
+            item.config.stash[_RUN].note_skipped(
+                selection, scenario, context, _skip_reason(report) or "skipped"
+            )
     return report
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest_plugins = ["pytester"]
 
 SCENARIO = """
 import pytest
+import torch
 
 @pytest.mark.parametrize("mode", ["a"])
 def test_case(backend, mode):
@@ -83,6 +85,7 @@ def test_reference_expectations_are_refused(pytester: pytest.Pytester) -> None:
 
 STALE_SCENARIOS = """
 import pytest
+import torch
 
 @pytest.mark.parametrize("mode", ["a", "b"])
 def test_case(backend, mode):
@@ -152,5 +155,27 @@ def test_deselected_tests_are_not_stale(pytester: pytest.Pytester) -> None:
 def test_a_node_id_selection_calls_nothing_stale(pytester: pytest.Pytester) -> None:
     result = run_stale(pytester, "--strict-expectations", "test_scenario.py::test_case[torch-fsdp1-a]")
     result.assert_outcomes(xfailed=1)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "stale expect" not in result.stdout.str()
+
+
+def test_a_test_skipped_for_lack_of_devices_is_not_stale(pytester: pytest.Pytester) -> None:
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs: nothing is skipped for lack of them")
+    pytester.makepyfile(test_scenario="""
+import pytest
+import torch
+
+@pytest.mark.world_size(2)
+def test_case(backend):
+    assert False, "planned failure"
+""")
+    write_entries(pytester, "test_scenario.py::test_case")
+    result = pytester.runpytest(
+        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--backend", "torch-fsdp1",
+        "--expectations-dir", str(pytester.path / "expectations"), "--device", "cuda",
+        "--reports-dir", str(pytester.path / "reports"), "--strict-expectations",
+    )
+    result.assert_outcomes(skipped=1)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert "stale expect" not in result.stdout.str()
