@@ -23,6 +23,7 @@ from harness import current_seed
 from torch.distributed.tensor import DTensor
 
 import fixtures
+from fixtures.compare import EXACT, Tolerance, describe_difference, differences
 from conformance.protocol import (
     BackendAdapter,
     Capability,
@@ -42,7 +43,7 @@ FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 # run the same program; only accelerator kernels that reorder sums may differ, and an ulp in a
 # gradient moves an Adam update by ~1e-9 here. A lost or mis-keyed optimizer state changes the
 # update by the order of lr = 1e-2.
-STEP_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
 param_offload_axis = pytest.mark.parametrize(
@@ -178,12 +179,11 @@ def test_save_load_flow(
             fixtures.build(model_cls, current_seed() + 1, device), spec, form
         )
         _zero_local_storage(target)
-        _assert_all_zero(_gathered(backend.state_dict(target, kind), device), where)
+        _assert_stored_zero(backend.state_dict(target, kind), where, device)
         backend.load_state_dict(target, checkpoint, kind)
-        _assert_same_state(
-            _gathered(backend.state_dict(target, kind), device),
-            _gathered(backend.state_dict(saved, kind), device),
-            f"{where}: loaded model vs the trained model it was saved from",
+        _assert_stores_alike(
+            backend.state_dict(target, kind), backend.state_dict(saved, kind),
+            f"{where}: loaded model vs the trained model it was saved from", device,
         )
         inputs = batch(iteration=1)
         with torch.no_grad():
@@ -244,24 +244,18 @@ def test_optim_state_dict_round_trip(
         backend.load_optim_state_dict(
             restored, restored_optim, copy.deepcopy(optim_checkpoint), kind
         )
-        _assert_same_tree(
+        _assert_stores_alike(
             backend.optim_state_dict(restored, restored_optim, kind), optim_checkpoint,
-            where, device,
+            f"{where}: optimizer state read back after loading", device,
         )
 
         _train_step(trained, optim, loss_model, 2, rank, device)
         _train_step(restored, restored_optim, loss_model, 2, rank, device)
-        after, expected = (
-            _gathered(backend.state_dict(m, kind), device) for m in (trained, restored)
+        _assert_stores_alike(
+            backend.state_dict(restored, kind), backend.state_dict(trained, kind),
+            f"{where}: parameters after one more step, restored vs original model+optimizer",
+            device, STEP_TOLERANCE,
         )
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                after[name], value, **STEP_TOLERANCE,
-                msg=lambda m, name=name: (
-                    f"{where}: {name} after one more step differs between the original and the "
-                    f"restored model+optimizer\n{m}"
-                ),
-            )
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -381,7 +375,7 @@ def _assert_same_state(
             f"{tuple(want.shape)}"
         )
         assert torch.equal(got.detach().cpu(), want.detach().cpu()), (
-            f"{where}: {name}: {_describe_difference(got, want)}"
+            f"{where}: {name}: {describe_difference(got, want)}"
         )
 
 
@@ -391,35 +385,65 @@ def _assert_all_zero(state: Mapping[str, torch.Tensor], where: str) -> None:
     assert not nonzero, f"{where}: still nonzero after zeroing every rank's storage: {nonzero}"
 
 
-def _assert_same_tree(actual: Any, expected: Any, where: str, device: torch.device) -> None:
-    """Nested dicts/lists equal; tensors (gathered when sharded) bit for bit."""
-    if isinstance(expected, Mapping):
-        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), (
-            f"{where}: keys {sorted(map(str, actual))} differ from {sorted(map(str, expected))}"
-        )
-        for key in sorted(expected, key=str):
-            _assert_same_tree(actual[key], expected[key], f"{where} / {key}", device)
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
-            f"{where}: {actual!r} differs from {expected!r}"
-        )
-        for index, (got, want) in enumerate(zip(actual, expected)):
-            _assert_same_tree(got, want, f"{where} / {index}", device)
-    elif isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {actual!r} is not a tensor"
-        got, want = _full(actual, device), _full(expected, device)
-        assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), (
-            f"{where}: {_describe_difference(got, want)}"
-        )
+def _stored(value: Any) -> torch.Tensor:
+    """What this rank stores of a state-dict value: a DTensor's local tensor, a ShardedTensor's
+    local shards (flattened, in order), or the plain tensor itself."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if hasattr(value, "local_shards"):
+        shards = [shard.tensor.reshape(-1) for shard in value.local_shards()]
+        dtype = value.metadata().tensor_properties.dtype
+        return torch.cat(shards) if shards else torch.empty(0, dtype=dtype)
+    return value
+
+
+def _leaves(tree: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf of nested dicts/lists by its path ("state / unit1.inp.weight / exp_avg")."""
+    if isinstance(tree, Mapping):
+        items = [(str(key), tree[key]) for key in sorted(tree, key=str)]
+    elif isinstance(tree, (list, tuple)):
+        items = [(str(index), item) for index, item in enumerate(tree)]
     else:
-        assert actual == expected, f"{where}: {actual!r} differs from {expected!r}"
+        return {path: tree}
+    leaves: dict[str, Any] = {}
+    for key, item in items:
+        leaves.update(_leaves(item, f"{path} / {key}" if path else key))
+    return leaves
 
 
-def _describe_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    got, want = got.detach().cpu(), want.detach().cpu()
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} differs from {tuple(want.shape)}"
-    if got.numel() == 1:
-        return f"{got.item()} differs from {want.item()}"
-    difference = (got.double() - want.double()).abs().max().item()
-    return f"differs (max abs difference {difference:.3g})"
+def _fail_together(problems: list[str], where: str, device: torch.device) -> None:
+    """Assert on every rank at once that no rank found a problem (one all-reduce), so a rank
+    that found none does not run on into collectives its failed peer never issues."""
+    found = torch.tensor([len(problems)], device=device)
+    dist.all_reduce(found)
+    here = "\n  ".join(problems) if problems else "none on this rank (see the other ranks)"
+    assert found.item() == 0, f"{where}: {found.item()} differences over all ranks; here:\n  {here}"
+
+
+def _assert_stores_alike(
+    actual: Any, expected: Any, where: str, device: torch.device,
+    tolerance: Tolerance = EXACT,
+) -> None:
+    """Two state dicts (or optimizer state dicts) of the same kind and layout hold the same
+    values: every rank compares what it stores of each value, so no value is gathered, and a
+    value stored differently (another shape or layout) counts as a difference."""
+    got, want = _leaves(actual), _leaves(expected)
+    problems = [f"missing {key}" for key in sorted(want.keys() - got.keys())]
+    problems += [f"unexpected {key}" for key in sorted(got.keys() - want.keys())]
+    tensors_got, tensors_want = {}, {}
+    for key in sorted(want.keys() & got.keys()):
+        if isinstance(want[key], torch.Tensor):
+            if not isinstance(got[key], torch.Tensor):
+                problems.append(f"{key}: {got[key]!r} is not a tensor")
+                continue
+            tensors_got[key], tensors_want[key] = _stored(got[key]), _stored(want[key])
+        elif got[key] != want[key]:
+            problems.append(f"{key}: {got[key]!r} differs from {want[key]!r}")
+    problems += differences(tensors_got, tensors_want, tolerance)
+    _fail_together(problems, where, device)
+
+
+def _assert_stored_zero(state: Mapping[str, Any], where: str, device: torch.device) -> None:
+    """Every rank's stored part of every value is zero (the zeroing took effect everywhere)."""
+    nonzero = sorted(name for name, value in state.items() if torch.count_nonzero(_stored(value)))
+    _fail_together([f"{name} is not zero" for name in nonzero], where, device)
