@@ -84,8 +84,6 @@ def _spec(
     )
 
 
-
-
 def _plan(optimizer: str, iterations: int = ITERATIONS) -> fixtures.TrainingPlan:
     return fixtures.TrainingPlan(
         seed=current_seed(), iterations=iterations, batch_size=LOCAL_BATCH,

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from conformance.protocol import BackendAdapter, Capability, ShardEvent, StateDictKind, submodule
+from conformance.protocol import BackendAdapter, ShardEvent, StateDictKind, submodule
 
 # Path components wrappers insert between a module and its children: for finding a unit by its
 # original FQN (not for judging names: scenarios strip only an adapter's WRAPPER_COMPONENTS).

@@ -27,7 +27,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from conformance import registry
-from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, ShardingSpec, declared_fqn
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    ShardingSpec,
+    declared_fqn,
+)
 from harness import trace
 
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter_tensor", "reduce_scatter", "funcol.reduce_scatter"})

@@ -15,13 +15,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn as nn
-from harness import current_seed
 
 import engine
 import fixtures
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
 from conformance.test_divergence import training_step
+from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]
 PROOFS: dict[tuple[str, Capability], Proof] = {}
@@ -61,7 +61,8 @@ def _fsdp1_has_no_composable_form(rank: int, world_size: int, device: torch.devi
 
 @proves("torch-fsdp1", Capability.CPU_OFFLOAD)
 def _fsdp1_cannot_offload_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
-    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     assert "pin_memory" not in inspect.signature(CPUOffload).parameters
     model = FSDP(_two_linears(device), cpu_offload=CPUOffload(offload_params=True), device_id=device)

@@ -9,8 +9,8 @@ import pytest
 from conformance import expectations
 from conformance.expectations import (
     Condition,
-    ExpectedFailure,
     Expectations,
+    ExpectedFailure,
     Judgement,
     RunContext,
     RunRecord,

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 import fixtures
-from fixtures.compare import EXACT, Tolerance, assert_tensors_close, describe_difference, differences
+from fixtures.compare import (
+    EXACT,
+    Tolerance,
+    assert_tensors_close,
+    describe_difference,
+    differences,
+)
 
 CPU = torch.device("cpu")
 MODELS = [

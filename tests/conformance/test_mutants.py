@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import conformance.test_runtime as runtime  # a module, so its tests are not collected here
 import fixtures
-import mutant_backends
+import mutant_backends  # tests/conformance/mutant_backends.py
 from conformance import registry
-from conformance import test_runtime as runtime  # a module: its tests are not collected here
 from conformance.protocol import BackendAdapter, BackendEnv, ShardingStrategy
 
 Scenario = Callable[..., None]
@@ -42,7 +42,7 @@ CATCHERS: dict[str, tuple[tuple[str, Scenario], ...]] = {
 }
 PARAMETERS = frozenset(name for name, _ in fixtures.CompositeModel(dim=4).named_parameters())
 # "  unit2.out.bias: max abs difference 0.0123 (relative 0.5) at index (3,)"
-DIFFERENCE = re.compile(r"^\s+(?P<name>[\w.]+): max abs difference (?P<size>[0-9.e+-]+)", re.M)
+DIFFERENCE = re.compile(r"^\s+(?P<name>[\w.]+): max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
 assert set(CATCHERS) == set(mutant_backends.MUTATIONS), "every mutation needs its catchers"
 
 

@@ -126,8 +126,10 @@ def test_stale_entries_are_reported_and_fail_a_strict_run(pytester: pytest.Pytes
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([
         "*stale expectations*",
-        "torch-fsdp1: test_scenario.py::test_case[[]b[]]: its test was skipped "
-        "(unsupported: planned: the backend lacks it)",
+        (
+            "torch-fsdp1: test_scenario.py::test_case[[]b[]]: its test was skipped "
+            "(unsupported: planned: the backend lacks it)"
+        ),
         "torch-fsdp1: test_scenario.py::test_case[[]gone[]]: matches no collected test",
         "2 stale expected-failure entries: remove or fix them; --strict-expectations fails the run",
     ])
