@@ -102,6 +102,14 @@ class FlatLayout:
         """`info`'s original-shaped view into an unsharded flat buffer."""
         return flat[info.offset : info.offset + info.numel].view(info.shape)
 
+    def sharded_view(self, chunk: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """This rank's part of `info` inside a chunk-sized tensor: 1-D (possibly empty), or the
+        original shape when one rank holds everything (the chunk is then the whole buffer)."""
+        if self.shard_size == 1:
+            return self.full_view(chunk, info)
+        a, b = self.local_range(info)
+        return chunk[a:b]
+
     @property
     def fqns(self) -> tuple[str, ...]:
         return tuple(p.fqn for p in self.params)

@@ -87,8 +87,8 @@ def test_reduce_scatter_is_mean_of_rank_gradients_chunked(rank, world_size, devi
         expected_chunk = torch.zeros(unit.layout.chunk, dtype=dtype)
         start = unit.layout.chunk_start
         expected_chunk[: unit.layout.valid_in_chunk] = mean[start : start + unit.layout.valid_in_chunk]
-        for info, param in zip(unit.layout.params, unit.sharded_params):
-            expected = unit.sharded_view(expected_chunk, info)
+        for info, param in zip(unit.layout.params, unit.optimizer_params):
+            expected = unit.layout.sharded_view(expected_chunk, info)
             torch.testing.assert_close(param.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
 
     check()

@@ -28,7 +28,7 @@ def test_writeback(rank, world_size, device, strategy, offload, mixed):
     for writeback, check_outer in itertools.product([True, False], [True, False]):
         model = nested(device, strategy=strategy, offload_params=offload, mixed_precision=mixed)
         outer, inner = engine.units(model)
-        param = (outer if check_outer else inner).sharded_params[0]
+        param = (outer if check_outer else inner).optimizer_params[0]
         with torch.no_grad():
             param.fill_(rank + 2)
         with engine.unshard_params(model, writeback=writeback), torch.no_grad():
