@@ -94,6 +94,26 @@ def test_reduce_scatter_is_mean_of_rank_gradients_chunked(rank, world_size, devi
     check()
 
 
+@pytest.mark.world_size([1, 2, 4])
+def test_flat_gradient_is_this_ranks_chunk_of_the_mean_with_zero_padding(rank, world_size, device):
+    @SETTINGS
+    @given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))
+    def check(shape_list, dtype, seed):
+        model = engine.fully_shard(module_with(values(shape_list, dtype, seed, device)), use_orig_params=False)
+        unit = engine.units(model)[0]
+        (flat,) = model.parameters()
+        assert flat is unit.flat_param and flat.shape == (unit.layout.chunk,)
+        grads = flat_grads(shape_list, dtype, seed, world_size)
+        inject_and_reduce(unit, grads, rank, device)
+        mean = torch.stack(grads).mean(0)
+        expected = torch.zeros(unit.layout.chunk, dtype=dtype)
+        start, valid = unit.layout.chunk_start, unit.layout.valid_in_chunk
+        expected[:valid] = mean[start : start + valid]
+        torch.testing.assert_close(flat.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
+
+    check()
+
+
 @pytest.mark.world_size([2, 4])
 def test_hybrid_shard_equals_full_shard_over_the_world(rank, world_size, device):
     @settings(derandomize=True, max_examples=8, deadline=None, database=None)

@@ -24,9 +24,12 @@ def nested(device, **options) -> engine.ShardedModule:
 @pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
 @pytest.mark.parametrize("offload", [False, True], ids=["gpu_params", "offload"])
 @pytest.mark.parametrize("mixed", [None, FP16], ids=["fp32", "fp16"])
-def test_writeback(rank, world_size, device, strategy, offload, mixed):
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
+def test_writeback(rank, world_size, device, strategy, offload, mixed, use_orig_params):
     for writeback, check_outer in itertools.product([True, False], [True, False]):
-        model = nested(device, strategy=strategy, offload_params=offload, mixed_precision=mixed)
+        model = nested(
+            device, strategy=strategy, offload_params=offload, mixed_precision=mixed, use_orig_params=use_orig_params
+        )
         outer, inner = engine.units(model)
         param = (outer if check_outer else inner).optimizer_params[0]
         with torch.no_grad():
