@@ -13,8 +13,9 @@ Schedule of one training step (what runs when, and what may be in flight):
   complete (post-accumulate hook) its reduction is issued asynchronously and U reshards.
 * At most one prefetch per direction is in flight; a prefetched unit that is never used stays
   gathered until backward ends (or the root forward ends without a backward) and reshards then.
-* At most `REDUCTIONS_IN_FLIGHT` reductions are in flight: issuing another completes the oldest
-  first, which bounds the unsharded gradients alive at once.  Autograd's final callback
+* At most `REDUCTIONS_IN_FLIGHT` reductions are in flight while backward computes: a new one
+  is issued at once (its gradient exists already), then the oldest beyond the bound is
+  completed, which bounds the unsharded gradients alive at once.  Autograd's final callback
   completes the rest and reshards every unit.
 
 Every rank issues the same collectives in the same order as long as every rank runs the same
@@ -145,7 +146,7 @@ class RootState:
                     self.exec_order.before_unshard(self.order, index, position, unit.device)
                 unit.unshard(async_op=True)
                 if self.forward_prefetch:
-                    self._prefetch(Direction.FORWARD, self._forward_candidate(position))
+                    self._prefetch(Direction.FORWARD, unit, self._forward_candidate(position))
                 unit.wait_for_unshard()
         except BaseException:
             self._abort()
@@ -179,14 +180,15 @@ class RootState:
         self._reshard_all()
 
     # ------------------------------------------------------------------ prefetch
-    def _prefetch(self, direction: Direction, unit: Optional[ShardedUnit]) -> None:
-        """Issue `unit`'s all-gather now unless it is gathered or another prefetch in this
-        direction is still in flight (at most one each: two gathered units beyond the one
-        computing would cost memory without hiding more latency)."""
+    def _prefetch(self, direction: Direction, current: ShardedUnit, unit: Optional[ShardedUnit]) -> None:
+        """Issue `unit`'s all-gather now, while `current` is about to compute, unless it is
+        gathered already or another prefetch in this direction is still in flight (at most one
+        each: more gathered units cost memory without hiding more latency).  The previous
+        prefetch of `current` itself is being consumed right now, so it does not count."""
         if unit is None or unit.is_unsharded or not unit.has_params:
             return
         previous = self._prefetched[direction]
-        if previous is not None and previous.has_pending_gather:
+        if previous is not None and previous is not current and previous.has_pending_gather:
             return
         unit.unshard(async_op=True)
         self._prefetched[direction] = unit
@@ -211,7 +213,7 @@ class RootState:
                 unit.backward_prepared = True
                 unit.unshard(async_op=True)
                 if self.backward_prefetch:
-                    self._prefetch(Direction.BACKWARD, self._backward_candidate(unit))
+                    self._prefetch(Direction.BACKWARD, unit, self._backward_candidate(unit))
                 unit.wait_for_unshard()
 
         return hook
