@@ -85,10 +85,6 @@ class Pending:
         self._device = buffers[0].device
         self._buffers: Optional[tuple[torch.Tensor, ...]] = buffers
 
-    @property
-    def waited(self) -> bool:
-        return self._buffers is None
-
     def wait(self) -> None:
         if self._buffers is None:
             return

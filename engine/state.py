@@ -103,8 +103,7 @@ def resolve_root(module: nn.Module) -> "RootState":
 class RootState:
     """State shared by all units under the module the engine was last applied to."""
 
-    def __init__(self, module: nn.Module, units: list[ShardedUnit], options: ShardingOptions) -> None:
-        self.module = module
+    def __init__(self, units: list[ShardedUnit], options: ShardingOptions) -> None:
         self.units = units
         self.phase = Phase.IDLE
         self.forward_root: Optional[ShardedUnit] = None
@@ -306,7 +305,7 @@ def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
     for submodule in list(_root_of_module.keys()):
         if submodule in names:
             del _root_of_module[submodule]
-    root = RootState(module, units, options)
+    root = RootState(units, options)
     for unit in units:
         unit.root = root
     _root_of_module[module] = root

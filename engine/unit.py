@@ -31,7 +31,7 @@ import torch.nn as nn
 from . import collectives
 from .config import ShardingStrategy
 from .flat_param import FlatLayout, ParamInfo, maybe_wrap
-from .params import FlatParams, OriginalParams
+from .params import FlatParams, OriginalParams, ParamExposure
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class ShardedUnit:
         padding = self.layout.padded_numel - self.layout.numel if not self.aliases_shard else 0
         self._split_sizes = [info.numel for info in params] + ([padding] if padding else [])
         self._grad_hook_registered = False
-        self.exposure: OriginalParams | FlatParams = (
+        self.exposure: ParamExposure = (
             OriginalParams(self.layout, self.shard)
             if flat_param_owner is None
             else FlatParams(self.layout, self.shard, flat_param_owner, self._full)

@@ -34,14 +34,12 @@ def stack() -> nn.Sequential:
 class _LoggedPending:
     def __init__(self, pending: collectives.Pending, log: list[Event], kind: str, name: str) -> None:
         self._pending, self._log, self._kind, self._name = pending, log, kind, name
-
-    @property
-    def waited(self) -> bool:
-        return self._pending.waited
+        self._waited = False
 
     def wait(self) -> None:
-        if not self._pending.waited:
+        if not self._waited:
             self._log.append(("wait", self._kind, self._name))
+            self._waited = True
         self._pending.wait()
 
     def abandon(self) -> None:
