@@ -43,31 +43,18 @@ class Shown(enum.Enum):
 Snapshot = tuple[Shown, list[torch.Tensor]]
 
 
-class OriginalParams:
-    """`use_orig_params=True`: the optimizer sees one nn.Parameter per original parameter."""
+class _Exposure:
+    """What both modes share: the state machine of what modules show; `_apply` does the showing."""
 
-    flat = False
+    layout: FlatLayout
+    _idle: list[torch.Tensor]  # what the IDLE state shows
 
-    def __init__(self, layout: FlatLayout, shard: torch.Tensor) -> None:
-        self.layout = layout
-        # Views of the master shard: the optimizer's in-place updates land in the shard itself.
-        self.params = [
-            nn.Parameter(layout.sharded_view(shard, info), requires_grad=info.requires_grad)
-            for info in layout.params
-        ]
-        self._state = Shown.IDLE
-        self._shown: list[torch.Tensor] = list(self.params)
-        self._install(self.params)
-
-    # -- what modules show ------------------------------------------------------------------
-    def optimizer_params(self) -> list[nn.Parameter]:
-        return list(self.params)
-
-    def requires_grad(self) -> list[bool]:
-        return [param.requires_grad for param in self.params]
+    def _start(self, idle: list[torch.Tensor]) -> None:
+        self._idle = idle
+        self._show(Shown.IDLE, idle)
 
     def show_idle(self) -> None:
-        self._show(Shown.IDLE, self.params)
+        self._show(Shown.IDLE, self._idle)
 
     def show_compute(self, views: list[torch.Tensor]) -> None:
         self._show(Shown.COMPUTE, views)
@@ -82,11 +69,35 @@ class OriginalParams:
         self._show(*snapshot)
 
     def _show(self, state: Shown, tensors: list[torch.Tensor]) -> None:
+        self._apply(state, tensors)
         self._state, self._shown = state, list(tensors)
-        self._install(tensors)
 
-    def _install(self, tensors: list[torch.Tensor]) -> None:
-        # Assigning into an existing key keeps the module's registration order.
+    def _apply(self, state: Shown, tensors: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class OriginalParams(_Exposure):
+    """`use_orig_params=True`: the optimizer sees one nn.Parameter per original parameter."""
+
+    def __init__(self, layout: FlatLayout, shard: torch.Tensor) -> None:
+        self.layout = layout
+        # Views of the master shard: the optimizer's in-place updates land in the shard itself.
+        self.params = [
+            nn.Parameter(layout.sharded_view(shard, info), requires_grad=info.requires_grad)
+            for info in layout.params
+        ]
+        self._start(list(self.params))
+
+    # -- what modules show ------------------------------------------------------------------
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.params)
+
+    def requires_grad(self) -> list[bool]:
+        return [param.requires_grad for param in self.params]
+
+    def _apply(self, state: Shown, tensors: list[torch.Tensor]) -> None:
+        # Every state lives in `_parameters`; assigning into an existing key keeps the module's
+        # registration order.
         for info, tensor in zip(self.layout.params, tensors):
             for ref in info.refs:
                 ref.module._parameters[ref.name] = tensor
@@ -134,15 +145,13 @@ class OriginalParams:
                 param.grad.copy_(self.layout.sharded_view(chunk, info))
 
 
-class FlatParams:
+class FlatParams(_Exposure):
     """`use_orig_params=False`: the optimizer sees one flat nn.Parameter per unit.
 
     The flat parameter *is* the master shard (same storage): the optimizer updates the shard
     in place.  It is registered as ``_flat_param`` on `owner` (the unit's module, or the module a
     wrapper wraps).  Original parameters leave ``module._parameters`` and become plain attributes.
     """
-
-    flat = True
 
     def __init__(self, layout: FlatLayout, shard: torch.Tensor, owner: nn.Module, full: torch.Tensor) -> None:
         flags = {info.requires_grad for info in layout.params}
@@ -172,12 +181,10 @@ class FlatParams:
         freed = storage.size() == 0
         if freed:
             storage.resize_(detached.numel() * detached.element_size())
-        self._idle_views = [maybe_wrap(info, layout.full_view(detached, info)) for info in layout.params]
+        idle_views = [maybe_wrap(info, layout.full_view(detached, info)) for info in layout.params]
         if freed:
             storage.resize_(0)
-        self._state = Shown.IDLE
-        self._shown: list[torch.Tensor] = list(self._idle_views)
-        self._set_attributes(self._idle_views)
+        self._start(idle_views)
 
     # -- what modules show ------------------------------------------------------------------
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -186,27 +193,11 @@ class FlatParams:
     def requires_grad(self) -> list[bool]:
         return [self.flat_param.requires_grad] * len(self.layout.params)
 
-    def show_idle(self) -> None:
-        self._show(Shown.IDLE, self._idle_views)
-
-    def show_compute(self, views: list[torch.Tensor]) -> None:
-        self._show(Shown.COMPUTE, views)
-
-    def show_full(self, params: list[nn.Parameter]) -> None:
-        self._show(Shown.FULL, params)
-
-    def snapshot(self) -> Snapshot:
-        return self._state, list(self._shown)
-
-    def restore(self, snapshot: Snapshot) -> None:
-        self._show(*snapshot)
-
-    def _show(self, state: Shown, tensors: list[torch.Tensor]) -> None:
+    def _apply(self, state: Shown, tensors: list[torch.Tensor]) -> None:
         if state is Shown.FULL:
             self._register_originals(tensors)
         else:
             self._set_attributes(tensors)
-        self._state, self._shown = state, list(tensors)
 
     def _set_attributes(self, tensors: list[torch.Tensor]) -> None:
         for info, tensor in zip(self.layout.params, tensors):
