@@ -112,6 +112,12 @@ def step_rank(rank: int, world: int, init_file: str, device_type: str, model_nam
               steps: int, queue) -> None:
     """Median step time (s) and peak memory (MiB) of one configuration, max over ranks."""
     device = _init(rank, world, init_file, device_type)
+    # Every configuration imports the same modules, so peak RSS compares what the backends
+    # allocate rather than how much code they load.
+    import engine  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: F401
+
     torch.manual_seed(0)
     model, block, make_input = build_model(model_name)
     sharded = shard(config, model.to(device), block, device)
@@ -172,24 +178,21 @@ def collective_rank(rank: int, world: int, init_file: str, device_type: str, mod
         for grad, chunk in zip(grads, chunks):
             collectives._reduce_scatter_single(chunk, grad, group=group)
 
-    def timed(run: Callable[[], None]) -> float:
-        samples = []
-        for index in range(WARMUP + steps):
+    # Alternate the two passes sample by sample, so both see the same machine load.
+    engine_times, raw_times = [], []
+    for index in range(WARMUP + 3 * steps):
+        for run, samples in ((engine_pass, engine_times), (raw_pass, raw_times)):
             sharded.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
             run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples[WARMUP:])
-
-    # Interleave so both see the same machine load.
-    engine_times, raw_times = [], []
-    for _ in range(3):
-        engine_times.append(timed(engine_pass))
-        raw_times.append(timed(raw_pass))
-    stats = torch.tensor([min(engine_times), min(raw_times), sum(g.numel() for g in grads) * 4 / 2**20])
+            if index >= WARMUP:
+                samples.append(time.perf_counter() - start)
+    stats = torch.tensor(
+        [statistics.median(engine_times), statistics.median(raw_times), sum(g.numel() for g in grads) * 4 / 2**20]
+    )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         queue.put(stats.tolist())
