@@ -1,4 +1,5 @@
 """The trivial distributed test both sides of bench/harness_overhead.py run."""
+
 import torch
 import torch.distributed as dist
 

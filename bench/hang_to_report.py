@@ -6,6 +6,7 @@ barrier. The difference is the time the harness needs to turn the hang into a fa
 
     python bench/hang_to_report.py [--collective-timeout 5] [--straggler-grace 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,27 @@ def session_seconds(hang: bool, collective_timeout: float, grace: float) -> tupl
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         started = time.perf_counter()
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "no:cacheprovider", "-q",
-             "--rootdir", scratch, f"--collective-timeout={collective_timeout}",
-             f"--straggler-grace={grace}", "test_body.py"],
-            cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "harness.plugin",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "--rootdir",
+                scratch,
+                f"--collective-timeout={collective_timeout}",
+                f"--straggler-grace={grace}",
+                "test_body.py",
+            ],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         return time.perf_counter() - started, result.stdout
 
 
@@ -49,9 +67,11 @@ def main() -> None:
     baseline, _ = session_seconds(False, args.collective_timeout, args.straggler_grace)
     hung, output = session_seconds(True, args.collective_timeout, args.straggler_grace)
     assert "rank 1 Python stacks" in output, output
-    print(f"hang -> failed test with per-rank stacks: {hung - baseline:.1f} s "
-          f"(collective timeout {args.collective_timeout:g} s + straggler grace {args.straggler_grace:g} s; "
-          f"bound collective timeout + 15 s)")
+    print(
+        f"hang -> failed test with per-rank stacks: {hung - baseline:.1f} s "
+        f"(collective timeout {args.collective_timeout:g} s + straggler grace {args.straggler_grace:g} s; "
+        f"bound collective timeout + 15 s)"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ rendezvous, run, tear down.
 
     python bench/harness_overhead.py [--warm-tests 200] [--fresh-tests 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,18 @@ def warm_ms_per_test(world_size: int, tests: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         pool = WorkerPool(PoolKey(world_size, "cpu", 30.0), run_dir, (), "bench")
         pool.start()
-        task = TestTask(nodeid="bench::trivial_test", module_name="_trivial",
-                        module_file=str(ROOT / "bench" / "_trivial.py"), qualname="trivial_test",
-                        call_kwargs={}, rank_fixture_names=("rank",), params={}, seed=0, options={},
-                        sys_path=list(sys.path))
+        task = TestTask(
+            nodeid="bench::trivial_test",
+            module_name="_trivial",
+            module_file=str(ROOT / "bench" / "_trivial.py"),
+            qualname="trivial_test",
+            call_kwargs={},
+            rank_fixture_names=("rank",),
+            params={},
+            seed=0,
+            options={},
+            sys_path=list(sys.path),
+        )
         try:
             for _ in range(5):  # first collectives open gloo connections: not per-test cost
                 assert decide(pool.run(task, 60, 5)).outcome == "passed"
@@ -51,8 +60,9 @@ def warm_ms_per_test(world_size: int, tests: int) -> float:
 def _fresh_rank(rank: int, world_size: int, init_file: str) -> None:
     from _trivial import trivial_test
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     trivial_test(rank)
     dist.destroy_process_group()
 
@@ -62,8 +72,9 @@ def fresh_ms_per_test(world_size: int, tests: int) -> float:
     for _ in range(tests):
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
-            mp.start_processes(_fresh_rank, args=(world_size, os.path.join(scratch, "init")), nprocs=world_size,
-                               start_method="spawn")
+            mp.start_processes(
+                _fresh_rank, args=(world_size, os.path.join(scratch, "init")), nprocs=world_size, start_method="spawn"
+            )
             samples.append((time.perf_counter() - started) * 1000)
     return statistics.median(samples)
 
@@ -77,8 +88,10 @@ def main() -> None:
     for world_size in (2, 4):
         warm = warm_ms_per_test(world_size, args.warm_tests)
         fresh = fresh_ms_per_test(world_size, args.fresh_tests)
-        lines.append(f"harness overhead ws{world_size}: warm {warm:.2f} ms/test, fresh {fresh:.0f} ms/test, "
-                     f"ratio Y/X = {fresh / warm:.0f}")
+        lines.append(
+            f"harness overhead ws{world_size}: warm {warm:.2f} ms/test, fresh {fresh:.0f} ms/test, "
+            f"ratio Y/X = {fresh / warm:.0f}"
+        )
         print(lines[-1], flush=True)
 
 

@@ -8,6 +8,7 @@ Spawns 2 gloo ranks. Two measurements:
 
     python bench/trace_overhead.py [--iterations 400] [--record-calls 20000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from harness import trace  # noqa: E402
+from harness import trace
+from harness.collective_ops import C10D_SPECS
 
 ELEMENTS = 1024 * 1024 // 4  # 1 MB of float32 per rank
 BLOCKS = 8
@@ -40,11 +42,12 @@ def _mean_us(fn, calls: int) -> float:
 
 def recording_cost_us(calls: int, trace_path: str) -> float:
     """Wrapper cost per call: traced no-op minus bare no-op, while a test records to a file."""
+
     def no_op(output_tensor, input_tensor, group=None, async_op=False):
         return None
 
-    spec = trace._C10D_SPECS["all_gather_into_tensor"]  # also the spec of all_gather_single
-    traced = trace._make_wrapper(spec, no_op, trace._param_positions(no_op))
+    spec = C10D_SPECS["all_gather_into_tensor"]  # also the spec of all_gather_single
+    traced = trace.wrap(no_op, spec)
     output, data = torch.empty(2 * ELEMENTS), torch.ones(ELEMENTS)
     trace.begin_test(trace_path)
     try:
@@ -76,18 +79,20 @@ def all_gather_us(iterations: int, trace_path: str) -> tuple[float, float]:
 
 def _rank(rank: int, world_size: int, work_dir: str, iterations: int, record_calls: int) -> None:
     store = dist.FileStore(os.path.join(work_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
     trace.install()
     trace_path = os.path.join(work_dir, f"trace-{rank}.jsonl")
     plain_us, traced_us = all_gather_us(iterations, trace_path)
     dist.barrier()
     if rank == 0:
         cost_us = recording_cost_us(record_calls, trace_path)
-        print(f"trace overhead: {cost_us:.1f} us/collective, {100 * cost_us / plain_us:.2f}% of a 1 MB "
-              f"gloo all_gather")
-        print(f"  1 MB all_gather_into_tensor, 2 ranks: untraced {plain_us:.0f} us, traced {traced_us:.0f} us "
-              f"(end-to-end difference {traced_us - plain_us:+.0f} us, noisy)")
+        print(f"trace overhead: {cost_us:.1f} us/collective, {100 * cost_us / plain_us:.2f}% of a 1 MB gloo all_gather")
+        print(
+            f"  1 MB all_gather_into_tensor, 2 ranks: untraced {plain_us:.0f} us, traced {traced_us:.0f} us "
+            f"(end-to-end difference {traced_us - plain_us:+.0f} us, noisy)"
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -132,6 +132,14 @@ def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
     return args
 
 
+def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
+    """Per-rank reports group the scenarios by backend (JUnit: one suite per backend)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "backend" not in callspec.params:
+        return {}
+    return {"backend": str(callspec.params["backend"])}
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     matrix = session.config.stash.get(_MATRIX, None)
     if matrix is None or not matrix.cells:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 
 class ShardingStrategy(enum.Enum):
@@ -31,6 +32,8 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "SHARD_GRAD_OP"  # like FULL_SHARD but keep params unsharded forward->backward
     NO_SHARD = "NO_SHARD"  # replicate everything, all-reduce grads (DDP-like)
     HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a shard group, replicate across groups
+    # Params and grads replicated (grads all-reduced), only optimizer state sharded (ZeRO-1).
+    SHARD_OPTIM_STATE = "SHARD_OPTIM_STATE"
 
 
 class ApiForm(enum.Enum):
@@ -75,6 +78,11 @@ class Capability(enum.Enum):
     INTROSPECT_UNSHARDED = "introspection: is a unit's storage unsharded"
     INTROSPECT_UNIT_FQNS = "introspection: FQNs managed by each unit"
     INTROSPECT_EVENTS = "introspection: unshard/reshard event order"
+    # Structural features of a ShardingSpec (see ShardingSpec and docs/writing-an-adapter.md).
+    UNITS = "sharding units below the root (auto-wrap classes or manual units)"
+    UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
+    MIXED_STRATEGIES = "per-unit strategy overrides (several strategies in one model)"
+    SHARD_OPTIM_STATE = "strategy SHARD_OPTIM_STATE"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
@@ -172,6 +180,9 @@ class BackendEnv:
     rank: int
     world_size: int
     device: torch.device
+    # This rank's index among the ranks of its host (torchrun's LOCAL_RANK); None when the
+    # caller does not know it. Libraries that read LOCAL_RANK (DeepSpeed) take it from here.
+    local_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,10 @@ class ShardEvent:
 
     kind: str  # "unshard" or "reshard"
     unit: str
+
+
+# Builds the optimizer for an iterable of parameters, e.g. functools.partial(torch.optim.Adam, lr=1e-2).
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class BackendAdapter(abc.ABC):
@@ -304,6 +319,107 @@ class BackendAdapter(abc.ABC):
         require(self, Capability.INTROSPECT_EVENTS)
         raise AssertionError(f"{type(self).__name__} declares INTROSPECT_EVENTS but lacks it")
 
+    # -- training loop (optional hooks; the defaults are plain torch) ----------------------
+    # A scenario that trains calls only these, in this order (docs/writing-an-adapter.md,
+    # "The training-loop contract"):
+    #
+    #     optim = backend.make_optimizer(sharded, factory)   # once, before the first forward
+    #     for each iteration:
+    #         backend.zero_grad(sharded, optim)
+    #         loss = loss_of(sharded(*inputs))
+    #         backend.backward(sharded, loss)
+    #         backend.step(sharded, optim)
+    #
+    # A backend that owns its training loop (DeepSpeed builds the optimizer into its engine and
+    # runs engine.backward / engine.step) overrides them; nothing global is patched.
+
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer that trains ``model``: called once, after :meth:`shard`, before the
+        first forward. Default: ``factory(model.parameters())``.
+
+        A backend that must own the optimizer builds it from ``factory`` here. The result is
+        an opaque handle to scenarios: they pass it back to :meth:`zero_grad`, :meth:`step`
+        and the optimizer state dict methods, and call nothing on it themselves.
+        """
+        return factory(model.parameters())
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (a scalar computed from ``model``'s output) and leave the
+        reduced gradients where the backend keeps them. Default: ``loss.backward()``."""
+        loss.backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Apply one optimizer step with the current gradients. Default: ``optimizer.step()``."""
+        optimizer.step()
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients before the next backward. Default:
+        ``optimizer.zero_grad(set_to_none=True)``."""
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- storage: what this rank holds of a parameter --------------------------------------
+    # ``fqn`` names a parameter of the module shard() returned, as original_fqn() gives its
+    # name in ``model.named_parameters()`` (flat parameters keep their own names). None of
+    # these issue a collective, so a scenario may call them on some ranks only.
+
+    def named_parameter(self, model: nn.Module, fqn: str) -> nn.Parameter:
+        """The parameter object of ``model`` that :meth:`original_fqn` names ``fqn``."""
+        names = []
+        for name, param in model.named_parameters(remove_duplicate=False):
+            original = self.original_fqn(name)
+            if original == fqn:
+                return param
+            names.append(original)
+        raise KeyError(f"{type(self).__name__}: no parameter {fqn!r}; the sharded model has {names}")
+
+    def local_shard(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        """A detached copy of what this rank stores of parameter ``fqn``.
+
+        In the backend's own layout: any shape, empty where this rank stores nothing of it,
+        padding included where the backend pads. Default: the parameter itself, or its
+        local shard when it is a DTensor. Under DeepSpeed ZeRO-3 ``param`` is an empty
+        placeholder and the shard lives elsewhere, which is why scenarios ask here.
+        """
+        return _local_tensor(self.named_parameter(model, fqn)).detach().clone()
+
+    def set_local_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        """Overwrite this rank's stored part of ``fqn`` with ``value`` (shaped like
+        :meth:`local_shard`'s result), everywhere the backend keeps it (a master copy an
+        optimizer holds included), so later gathers and steps see it."""
+        _copy_into(_local_tensor(self.named_parameter(model, fqn)), value, fqn)
+
+    def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
+        """A detached copy of this rank's stored gradient of ``fqn`` (layout as
+        :meth:`local_shard`), or None when this rank stores no gradient for it.
+        Default: ``param.grad`` or its DTensor local shard."""
+        grad = self.named_parameter(model, fqn).grad
+        return None if grad is None else _local_tensor(grad).detach().clone()
+
+    def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        """Overwrite this rank's stored gradient of ``fqn`` (which must exist) with ``value``."""
+        grad = self.named_parameter(model, fqn).grad
+        if grad is None:
+            raise ValueError(
+                f"{fqn}: this rank stores no gradient to overwrite (run a backward first)"
+            )
+        _copy_into(_local_tensor(grad), value, f"{fqn} gradient")
+
+    # -- collective labels and lifetime ------------------------------------------------------
+    def collective_label(self) -> str | None:
+        """What the collective being issued right now carries (e.g. ``"unit1.inp.weight,
+        unit1.inp.bias"``), or None to leave it to the harness (the running module's FQN).
+
+        The rank fixture registers this with the harness's collective trace for the duration
+        of each test, so the divergence diff names what two same-shaped collectives moved.
+        Called inside every traced collective: cheap, no collectives, no exceptions.
+        """
+        return None
+
+    def close(self) -> None:
+        """Called once after each test body (passed or not), before the harness destroys
+        the process groups the test created. Drop what the backend caches across models
+        (e.g. process groups a library keeps in module globals). Default: nothing."""
+
 
 def require(backend: BackendAdapter, capability: Capability) -> None:
     """Skip the running test as ``unsupported: <capability>: <reason>`` unless supported.
@@ -337,3 +453,56 @@ def innermost_first(fqns: tuple[str, ...]) -> list[str]:
     same order.
     """
     return sorted(dict.fromkeys(fqns), key=lambda fqn: -(fqn.count(".") + 1) if fqn else 0)
+
+
+def require_unshard_options(
+    backend: BackendAdapter,
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+    with_grads: bool = False,
+) -> None:
+    """Skip as unsupported unless ``backend`` offers every :meth:`BackendAdapter.unshard`
+    option asked for (an adapter's unshard() and a scenario call this alike)."""
+    for wanted, capability in (
+        (writeback, Capability.UNSHARD_WRITEBACK),
+        (rank0_only, Capability.UNSHARD_RANK0_ONLY),
+        (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
+        (not recurse, Capability.UNSHARD_NON_RECURSIVE),
+        (with_grads, Capability.UNSHARD_WITH_GRADS),
+    ):
+        if wanted:
+            require(backend, capability)
+
+
+def structural_capabilities(spec: ShardingSpec) -> set[Capability]:
+    """The capabilities a spec's structure needs: units, an unmanaged root, mixed strategies.
+
+    Kept apart from :meth:`ShardingSpec.needed_capabilities` so it can be merged into it in
+    one line; until then an adapter that lacks one of these requires them itself.
+    """
+    needed: set[Capability] = set()
+    if spec.auto_wrap_classes or spec.manual_units:
+        needed.add(Capability.UNITS)
+    if not spec.shard_root:
+        needed.add(Capability.UNMANAGED_ROOT)
+    if len(spec.strategies()) > 1:
+        needed.add(Capability.MIXED_STRATEGIES)
+    return needed
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if value.shape != target.shape:
+        raise ValueError(
+            f"{what}: this rank stores shape {tuple(target.shape)}, got a value of shape "
+            f"{tuple(value.shape)} (write what local_shard / local_grad_shard returned, modified)"
+        )
+    with torch.no_grad():
+        target.copy_(value)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from harness import RankContext, rank_fixture
+from collections.abc import Iterator
+
+from harness import RankContext, rank_fixture, register_label_provider
 
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
 
 
 @rank_fixture
-def backend(ctx: RankContext) -> BackendAdapter:
-    """The adapter for this test's backend, built fresh for every test in every rank."""
+def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
+    """The adapter for this test's backend, built fresh for every test in every rank.
+
+    For the test's duration the adapter's ``collective_label`` names the collectives in the
+    harness's trace; afterwards its ``close`` runs (before the harness destroys the test's
+    process groups) and the label provider is removed.
+    """
     selection = ctx.params.get("backend")
     if selection is None:
         raise LookupError(
@@ -18,4 +25,16 @@ def backend(ctx: RankContext) -> BackendAdapter:
             "conformance.plugin (root conftest pytest_plugins) so --backend applies"
         )
     adapter_cls = registry.load(selection)
-    return adapter_cls(BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device))
+    adapter = adapter_cls(
+        BackendEnv(
+            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank
+        )
+    )
+    unregister = register_label_provider(adapter.collective_label)
+    try:
+        yield adapter
+    finally:
+        try:
+            adapter.close()
+        finally:
+            unregister()

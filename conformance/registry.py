@@ -8,6 +8,7 @@ Built-in names win over entry points of the same name.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from importlib.metadata import entry_points
 
 from conformance.protocol import BackendAdapter
@@ -22,22 +23,41 @@ BUILTIN: dict[str, str] = {
     "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
 }
 
+# Built-in adapters for libraries this project does not depend on: listed (and part of ``all``)
+# only where the library is importable. name -> (library module, adapter target, how to install).
+OPTIONAL_BUILTIN: dict[str, tuple[str, str, str]] = {
+    "deepspeed": (
+        "deepspeed",
+        "conformance.adapters.deepspeed:DeepSpeedAdapter",
+        "DS_BUILD_OPS=0 pip install 'fsdp-conformance[deepspeed]'",
+    ),
+}
+
 
 class BackendSelectionError(ValueError):
     """A --backend value that names nothing loadable; the message says what would work."""
+
+
+def _builtin_targets() -> dict[str, str]:
+    """Built-in names -> targets: the always-present ones, then the optional ones installed here."""
+    targets = dict(BUILTIN)
+    for name, (library, target, _install) in OPTIONAL_BUILTIN.items():
+        if importlib.util.find_spec(library) is not None:
+            targets[name] = target
+    return targets
 
 
 def _entry_point_targets() -> dict[str, str]:
     return {
         ep.name: ep.value
         for ep in entry_points(group=ENTRY_POINT_GROUP)
-        if ep.name not in BUILTIN
+        if ep.name not in BUILTIN and ep.name not in OPTIONAL_BUILTIN
     }
 
 
 def known_names() -> list[str]:
     """Every name ``--backend`` accepts besides ``all`` and ``module:attr``."""
-    return [*BUILTIN, *sorted(_entry_point_targets())]
+    return [*_builtin_targets(), *sorted(_entry_point_targets())]
 
 
 def _is_target(selection: str) -> bool:
@@ -57,6 +77,12 @@ def select(requested: list[str]) -> list[str]:
         for selection in expanded:
             if _is_target(selection):
                 load(selection)
+            elif selection in OPTIONAL_BUILTIN and selection not in names:
+                library, _target, install = OPTIONAL_BUILTIN[selection]
+                raise BackendSelectionError(
+                    f"backend {selection!r} needs the {library!r} package, which is not installed "
+                    f"here; install it with: {install}"
+                )
             elif selection not in names:
                 raise BackendSelectionError(
                     f"unknown backend {selection!r}; known backends: {', '.join(names)} "
@@ -72,7 +98,7 @@ def target_of(selection: str) -> str:
     """The ``module:attr`` an accepted selection points to."""
     if _is_target(selection):
         return selection
-    target = BUILTIN.get(selection) or _entry_point_targets().get(selection)
+    target = _builtin_targets().get(selection) or _entry_point_targets().get(selection)
     if target is None:
         raise BackendSelectionError(
             f"unknown backend {selection!r}; known backends: {', '.join(known_names())}"

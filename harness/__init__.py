@@ -2,11 +2,13 @@
 
 Public API for test authors: the `world_size` and `fresh_world` markers, the rank-side fixtures
 `rank`, `world_size`, `device`, and `rank_fixture` / `RankContext` to add more. Backends name the
-collectives they issue (for the cross-rank trace diff) with `register_label_provider`.
+collectives they issue (for the cross-rank trace diff) with `register_label_provider`. Report
+formats plug in through the hooks of `harness.hookspecs`.
 """
-from harness.fixtures import RankContext, rank_fixture
+
 from harness.isolation import current_seed, seed_everything
-from harness.trace import register_label_provider
+from harness.labels import register_label_provider
+from harness.rank_fixtures import RankContext, rank_fixture
 
 
 def rank_seed(offset: int = 0) -> int:

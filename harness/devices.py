@@ -3,6 +3,7 @@
 N ranks get cuda:0..N-1 with NCCL when this machine has at least N GPUs; otherwise CPU with
 gloo. GPUs are reserved with machine-wide file locks so two pytest sessions never share one.
 """
+
 from __future__ import annotations
 
 import os

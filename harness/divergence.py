@@ -5,16 +5,18 @@ that group must agree on op, label, dtypes and (unless the op allows uneven size
 member must have issued it. Point-to-point ops are matched per direction instead: the k-th send from
 a to b against the k-th receive on b from a (element count and dtype). Calls a fault skipped were
 never issued: they are left out of the comparison and named in the report. Collectives are numbered
-from 1 in reports (record fields `index`/`seq` are 0-based). Of all disagreements, the one reached first is reported: the one no
-other precedes, where A precedes B when a rank involved in both reached A earlier in its own trace
-(a rank-local order is all there is; later disagreements are usually consequences of the first).
+from 1 in reports (record fields `index`/`seq` are 0-based). Of all disagreements, the one reached
+first is reported: the one no other precedes, where A precedes B when a rank involved in both
+reached A earlier in its own trace (a rank-local order is all there is; later disagreements are
+usually consequences of the first).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from harness.trace import CollectiveRecord
+from harness.tracefile import CollectiveRecord, last_unfinished
 
 __all__ = ["Divergence", "first_divergence", "format_trace_table", "unfinished_collectives"]
 
@@ -39,8 +41,7 @@ class Divergence:
     def reached_at(self) -> dict[int, int]:
         """Per involved rank, its trace position at this disagreement (stopped ranks: one past their last)."""
         positions = {rank: record.index for rank, record in self.issued.items()}
-        positions.update({rank: (record.index + 1 if record is not None else 0)
-                          for rank, record in self.last.items()})
+        positions.update({rank: (record.index + 1 if record is not None else 0) for rank, record in self.last.items()})
         return positions
 
     def precedes(self, other: Divergence) -> bool:
@@ -51,11 +52,12 @@ class Divergence:
     def describe(self) -> str:
         records = self.issued.values()
         # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
-        show_shapes = (len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1)
+        show_shapes = len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1
         if self.last:
             stopped = "; ".join(self._describe_stop(rank, last) for rank, last in sorted(self.last.items()))
-            issued = ", ".join(f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}"
-                               for rank in sorted(self.issued))
+            issued = ", ".join(
+                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}" for rank in sorted(self.issued)
+            )
             return f"{self.where}: {stopped} ({issued})"
         classes: dict[str, list[int]] = {}
         for rank in sorted(self.issued):
@@ -89,21 +91,21 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     members = set(world_ranks)
     recorded = {rank: traces.get(rank, []) for rank in world_ranks}
     candidates = [*_group_divergences(recorded, members), *_p2p_divergences(recorded, members)]
-    return min(candidates, default=None, key=lambda d: (
-        sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where))
+    return min(
+        candidates,
+        default=None,
+        key=lambda d: (sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where),
+    )
 
 
 def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | None:
     """Where each rank was stuck: its last collective that never returned (a hang or crash
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
     every recorded collective returned."""
-    stuck = []
-    for rank, records in sorted(traces.items()):
-        unfinished = [r for r in records if not r.completed and not r.skipped]
-        if unfinished:
-            record = unfinished[-1]
-            stuck.append(f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: "
-                         f"{_describe(record, False)}")
+    stuck = [
+        f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: {_describe(record, False)}"
+        for rank, record in sorted(last_unfinished(traces).items())
+    ]
     return "; ".join(stuck) or None
 
 
@@ -114,19 +116,33 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     for rank in sorted(traces):
         rows = [header]
         for record in traces[rank]:
-            where = f"->{record.peer}" if record.is_send else (
-                f"<-{record.peer}" if record.is_p2p else _ranks_list(record.group))
+            where = (
+                f"->{record.peer}"
+                if record.is_send
+                else (f"<-{record.peer}" if record.is_p2p else _ranks_list(record.group))
+            )
             status = "done" if record.completed else "NOT RETURNED"
             if record.skipped:
                 status = "skipped"
             if record.fault:
                 status += f" (fault: {record.fault})"
-            rows.append((str(record.index + 1), where, str(record.seq + 1), record.op, record.label or "-",
-                         str(record.numel), ",".join(record.dtypes) or "-",
-                         " ".join(_shape(s) for s in record.shapes) or "-", status))
+            rows.append(
+                (
+                    str(record.index + 1),
+                    where,
+                    str(record.seq + 1),
+                    record.op,
+                    record.label or "-",
+                    str(record.numel),
+                    ",".join(record.dtypes) or "-",
+                    " ".join(_shape(s) for s in record.shapes) or "-",
+                    status,
+                )
+            )
         widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
-        lines = ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-                 for row in rows]
+        lines = [
+            "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows
+        ]
         sections.append(f"rank {rank}: {len(traces[rank])} collectives\n" + "\n".join(line.rstrip() for line in lines))
     return "\n\n".join(sections) + "\n"
 
@@ -169,16 +185,23 @@ def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, k
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
         stopped = len(present) < len(sequences)
         if stopped or len({key(record) for record in present.values()}) > 1:
-            last = {rank: (records[-1] if records else None)
-                    for rank, records in sequences.items() if position >= len(records)}
-            skipped = {rank: found for rank, records in sequences.items()
-                       if (found := _skipped_before(recorded[rank], records, position)) is not None}
+            last = {
+                rank: (records[-1] if records else None)
+                for rank, records in sequences.items()
+                if position >= len(records)
+            }
+            skipped = {
+                rank: found
+                for rank, records in sequences.items()
+                if (found := _skipped_before(recorded[rank], records, position)) is not None
+            }
             return Divergence(where.format(position + 1), position + 1, present, last, skipped)
     return None
 
 
-def _skipped_before(recorded: list[CollectiveRecord], issued: list[CollectiveRecord],
-                    position: int) -> CollectiveRecord | None:
+def _skipped_before(
+    recorded: list[CollectiveRecord], issued: list[CollectiveRecord], position: int
+) -> CollectiveRecord | None:
     """A skipped call between the rank's issued calls number `position` - 1 and `position` (0-based)."""
     after = issued[position - 1].index if 0 < position <= len(issued) else -1
     before = issued[position].index if position < len(issued) else float("inf")

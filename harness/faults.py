@@ -25,6 +25,7 @@ descriptions on every rank: the harness reads it to treat the test as "divergenc
 `clear()` disarms everything and forgets the descriptions (the harness calls it between tests).
 The collective a fault acts on carries the fault's description in its trace record.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,7 +66,8 @@ class Fault:
     def describe(self) -> str:
         counted = f"{self.op} collective" if self.op else "collective"
         detail = {
-            "delay": f" by {self.seconds:g}s", "corrupt": f" (output += {self.delta:g})",
+            "delay": f" by {self.seconds:g}s",
+            "corrupt": f" (output += {self.delta:g})",
             "exit": f" (exit code {self.exit_code})",
         }.get(self.action, "")
         return f"rank {self.rank}: {self.action} {counted} #{self.at + 1}{detail}"
@@ -73,8 +75,9 @@ class Fault:
     def __enter__(self) -> Fault:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _disarm(self)
 
     def _runner(self, record: trace.CollectiveRecord) -> trace.Runner:
@@ -100,8 +103,10 @@ class Fault:
         result = call.issue()
         outputs = call.output_tensors(result)
         if not outputs:
-            raise ValueError(f"cannot corrupt {call.record.op}: it has no output tensors "
-                             f"(fault {self.describe()!r}); pick a tensor collective with op=...")
+            raise ValueError(
+                f"cannot corrupt {call.record.op}: it has no output tensors "
+                f"(fault {self.describe()!r}); pick a tensor collective with op=..."
+            )
         with torch.no_grad():
             for tensor in outputs:
                 tensor.add_(self.delta)
@@ -123,8 +128,16 @@ _armed: list[Fault] = []
 _descriptions: list[str] = []
 
 
-def inject(*, rank: int, at: int, action: str, op: str | None = None, seconds: float = 0.0,
-           delta: float = 1.0, exit_code: int = 1) -> Fault:
+def inject(
+    *,
+    rank: int,
+    at: int,
+    action: str,
+    op: str | None = None,
+    seconds: float = 0.0,
+    delta: float = 1.0,
+    exit_code: int = 1,
+) -> Fault:
     """Arm a fault on the collective `rank` issues after `at` matching ones (only `op` ones count if given).
 
     Call it on every rank. Returns the armed `Fault`; use it with `with` to disarm it on exit,
@@ -133,8 +146,10 @@ def inject(*, rank: int, at: int, action: str, op: str | None = None, seconds: f
     if action not in ACTIONS:
         raise ValueError(f"unknown fault action {action!r}; use one of {', '.join(ACTIONS)}")
     if op is not None and op not in trace.KNOWN_OPS:
-        raise ValueError(f"unknown op {op!r}; use a canonical name such as 'all_reduce', "
-                         f"'all_gather_into_tensor' (see harness.trace.KNOWN_OPS)")
+        raise ValueError(
+            f"unknown op {op!r}; use a canonical name such as 'all_reduce', "
+            f"'all_gather_into_tensor' (see harness.trace.KNOWN_OPS)"
+        )
     if at < 0 or rank < 0:
         raise ValueError(f"rank and at must be >= 0, got rank={rank}, at={at}")
     if action == "delay" and seconds <= 0:

@@ -1,7 +1,19 @@
-"""Hooks other plugins implement to extend the harness (registered by harness.plugin)."""
+"""Hooks other plugins implement to extend the harness (registered by `harness.plugin`).
+
+Reports: a distributed test's result reaches `pytest_harness_test_result` once, with every rank's
+case, whoever decided it: the ranks, the trace diff, or the parent before any rank ran (a skip for
+missing GPUs, a world that could not start). Not yet (issue #16): an argument that cannot be
+pickled, lockstep's "world is unusable", and an interrupt (pytest-timeout, Ctrl-C) fail the test
+before it is published. A new report format is a plugin implementing this hook and
+`pytest_harness_write_reports`; the per-rank JUnit files (`harness.junit.JUnitReport`) are built
+that way. See docs/architecture.md for a worked example.
+"""
+
 from __future__ import annotations
 
 import pytest
+
+from harness.reports import DistributedTestResult
 
 
 def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
@@ -11,3 +23,27 @@ def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
     list is appended.
     """
     raise NotImplementedError  # a hook specification: pytest collects the implementations
+
+
+def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
+    """Properties that sort this test into a report suite, besides its world size and device.
+
+    E.g. the conformance plugin returns {"backend": "torch-fsdp2"}. Every implementation's dict is
+    merged; tests with equal properties (and world size, device) share a suite, and the values
+    name it (JUnit: `<values>-ws<N>-<device>-rank<r>`, properties listed on the suite).
+    """
+    raise NotImplementedError
+
+
+def pytest_harness_test_result(item: pytest.Item, result: DistributedTestResult) -> None:
+    """One distributed test's verdict and every rank's case, once per test, before pytest reports it."""
+    raise NotImplementedError
+
+
+def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
+    """The session is over: write what was collected; return the paths written.
+
+    Called once, at the terminal summary when distributed tests ran (the paths are listed
+    there), otherwise when pytest unconfigures.
+    """
+    raise NotImplementedError

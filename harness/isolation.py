@@ -3,6 +3,7 @@
 A warm worker runs many tests; each must start from the same state a fresh process would
 give it, or results would depend on test order.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.distributed.device_mesh as device_mesh
-
+import torch.distributed.distributed_c10d as c10d
 
 _current_seed = 0
 
@@ -81,5 +81,7 @@ class TestIsolation:
             os.environ.update(self._environ)
         if os.getcwd() != self._cwd:
             os.chdir(self._cwd)
+        # Both counters only grow over the worker's life, so ranks that report equal values have
+        # issued as many default-group collectives and created as many groups as each other.
         default_group = c10d._get_default_group()
         return default_group._get_sequence_number_for_group(), c10d._world.group_count

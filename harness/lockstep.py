@@ -7,6 +7,7 @@ their outcomes and traces over a separate gloo group, so every rank reaches the 
 a failure on one rank fails that test everywhere instead of leaving the others hanging.
 Each rank writes its own `rank-<r>.xml`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,16 +20,10 @@ import torch
 import torch.distributed as dist
 
 from harness.devices import DevicePlan, plan_devices, rank_device
-from harness.messages import TestTask
-from harness.pool import RankLoss, RankResult
+from harness.messages import RankLoss, RankResult, TestTask
 from harness.runner import TestRunner
-from harness.session import Execution, HarnessSession, _read_trace
-from harness.trace import CollectiveRecord
-
-
-def launched_by_torchrun() -> bool:
-    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+from harness.session import Execution, HarnessSession
+from harness.tracefile import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
 class LockstepSession(HarnessSession):
@@ -52,11 +47,12 @@ class LockstepSession(HarnessSession):
         # Outcomes travel on their own gloo group: the default one may be wedged by the test.
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.trace_path = os.path.join(tempfile.mkdtemp(prefix="fsdp-harness-lockstep-"), "trace")
-        self.runner = TestRunner(self.rank, self.world_size, local_rank, device, rank_fixture_modules,
-                                 self.label_providers, self.trace_path)
+        self.runner = TestRunner(
+            self.rank, self.world_size, local_rank, device, rank_fixture_modules, self.label_providers, self.trace_path
+        )
         self.unusable_since: str | None = None
 
-    def ranks_reported(self, world_size: int) -> range:
+    def own_ranks(self, world_size: int) -> range:
         return range(self.rank, self.rank + 1)
 
     def plan(self, world_size: int) -> DevicePlan:
@@ -67,23 +63,27 @@ class LockstepSession(HarnessSession):
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
 
-    def check_same_selection(self, nodeids: list[str]) -> None:
+    def collected(self, nodeids: list[str]) -> None:
         """Ranks that collected different tests would pair the wrong bodies: refuse to start."""
         digest = hashlib.sha256("\n".join(nodeids).encode()).hexdigest()
         digests: list[str | None] = [None] * self.world_size
         dist.all_gather_object(digests, digest, group=self.control)
         if len(set(digests)) != 1:
             raise pytest.UsageError(
-                "ranks collected different tests (" + ", ".join(f"rank {r}: {d[:8]}" for r, d in
-                                                                enumerate(digests) if d) +
-                "); run the same pytest command and the same checkout on every node")
+                "ranks collected different tests ("
+                + ", ".join(f"rank {r}: {d[:8]}" for r, d in enumerate(digests) if d)
+                + "); run the same pytest command and the same checkout on every node"
+            )
 
     def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
         if self.unusable_since is not None:
-            pytest.fail(f"the torchrun world is unusable since {self.unusable_since} left a collective "
-                        "unfinished; relaunch to run the remaining tests", pytrace=False)
+            pytest.fail(
+                f"the torchrun world is unusable since {self.unusable_since} left a collective "
+                "unfinished; relaunch to run the remaining tests",
+                pytrace=False,
+            )
         outcome = self.runner.run(task)
-        records = _read_trace(self.trace_path)
+        records = read_trace_or_empty(self.trace_path)
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, (outcome, records), group=self.control)
@@ -95,6 +95,8 @@ class LockstepSession(HarnessSession):
             return Execution(results, {}, {self.rank: records})
         results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}
         traces = {rank: entry[1] for rank, entry in enumerate(gathered) if entry is not None}
-        if any(not record.completed for trace in traces.values() for record in trace):
+        # A collective left unfinished on any rank has wedged the default group for good (the
+        # pool would restart here; a torchrun world cannot): later tests fail fast instead.
+        if last_unfinished(traces):
             self.unusable_since = item.nodeid
         return Execution(results, {}, traces)

@@ -1,14 +1,20 @@
-"""Typed messages between the pytest parent and its rank workers.
+"""The vocabulary between the pytest parent and its ranks, and the one status type both use.
 
-The parent and a worker talk over a pair of pipes with pickled instances of these classes and
-nothing else, so the whole protocol is visible in this one module.
+A warm worker and the parent talk over a pair of pipes with pickled instances of the message
+classes here and nothing else (`WorkerConfig` -> `WorkerReady`, then `TestTask` -> `RankOutcome`
+per test, `Shutdown` at the end). Under torchrun the ranks exchange `RankOutcome`s among
+themselves instead. A rank that gives no outcome at all (died, hung, unreachable) is a
+`RankLoss`, made by whoever noticed; `RankResult` is either. Every verdict, rank-side or
+parent-side, is spelled with `Status`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-RankStatus = Literal["passed", "failed", "skipped", "xfailed"]
+Status = Literal["passed", "failed", "skipped", "xfailed"]
+"""The outcome of one test on one rank, of the whole test (the verdict), and of its report entries."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,11 @@ class TestTask:
     module_name: str
     module_file: str
     qualname: str
-    call_kwargs: dict[str, Any]
+    call_kwargs: dict[str, object]
     rank_fixture_names: tuple[str, ...]
-    params: dict[str, Any]
+    params: dict[str, object]
     seed: int
-    options: dict[str, Any]
+    options: dict[str, object]
     sys_path: list[str]
 
 
@@ -58,17 +64,39 @@ class RankOutcome:
     """What one rank reports after running a task.
 
     `sync_state` is (default-group collective sequence number, process groups created so far):
-    when every rank reports the same pair, no collective is left half-issued and the pool can
-    be reused even after a failure.
+    when every rank reports the same pair, no collective is left half-issued (see
+    `harness.verdict.world_reusable`).
     """
 
     rank: int
-    status: RankStatus
+    status: Status
     duration_s: float
     summary: str = ""
     traceback: str = ""
     sync_state: tuple[int, int] = (0, 0)
     injected_faults: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RankLoss:
+    """A rank that gave no outcome: it died, hung and was killed, or could not be reached."""
+
+    rank: int
+    cause: str
+    """Completes "rank <r> ...", e.g. "was killed by SIGKILL (9)"."""
+    stacks: str = ""
+    """The rank's Python stacks when it hung (faulthandler), else empty."""
+
+    status: ClassVar[Status] = "failed"
+    duration_s: ClassVar[float] = 0.0
+
+    @property
+    def summary(self) -> str:
+        return f"rank {self.rank} {self.cause}"
+
+
+RankResult = RankOutcome | RankLoss
+"""Either way, `.rank`, `.status`, `.summary` and `.duration_s` are there."""
 
 
 @dataclass(frozen=True)

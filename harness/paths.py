@@ -1,4 +1,5 @@
 """Where each rank's side files live inside a pool's private run directory."""
+
 from __future__ import annotations
 
 import os

@@ -4,23 +4,26 @@ Selection, parametrization and reporting stay in the parent, so `-k`, `-x`, `--l
 pytest-timeout and `--junitxml` keep working; only the body of a test marked
 `@pytest.mark.world_size(N)` is shipped to the N ranks of a warm pool.
 """
+
 from __future__ import annotations
 
 import atexit
 import importlib
 import os
-import sys
 import tempfile
 import types
 from typing import Any
 
 import pytest
 
-from harness import fixtures, hookspecs, lockstep
+from harness import hookspecs, rank_fixtures, repro
 from harness.devices import DEVICE_CHOICES
-from harness.session import REPRO_CACHE_KEY, HarnessSession, PoolSession
+from harness.junit import JUnitReport
+from harness.pool_session import PoolSession
+from harness.session import HarnessSession, session_properties
 
 _SESSION = pytest.StashKey["HarnessSession"]()
+_JUNIT_PLUGIN = "harness-junit"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -29,36 +32,68 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("harness", "distributed test harness (warm rank pools)")
-    group.addoption("--device", choices=DEVICE_CHOICES, default="auto",
-                    help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
-                         "auto: cuda when enough GPUs exist (default)")
+    group.addoption(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
+        "auto: cuda when enough GPUs exist (default)",
+    )
     group.addoption("--seed", type=int, default=1234, help="seed every rank gets before each test")
-    group.addoption("--collective-timeout", type=float, default=30.0,
-                    help="process-group timeout in seconds: a rank stuck in a collective fails after it")
-    group.addoption("--test-timeout", type=float, default=120.0,
-                    help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed")
-    group.addoption("--straggler-grace", type=float, default=5.0,
-                    help="seconds the other ranks get to finish once one rank has failed")
-    group.addoption("--repro", metavar="NODEID", default=None,
-                    help="re-run a distributed test that failed earlier with the same seed, world size, device, "
-                         "timeouts and backend, and print its collective traces")
-    group.addoption("--show-traces", action="store_true",
-                    help="print every rank's collective trace after each distributed test")
+    group.addoption(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="process-group timeout in seconds: a rank stuck in a collective fails after it",
+    )
+    group.addoption(
+        "--test-timeout",
+        type=float,
+        default=120.0,
+        help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed",
+    )
+    group.addoption(
+        "--straggler-grace",
+        type=float,
+        default=5.0,
+        help="seconds the other ranks get to finish once one rank has failed",
+    )
+    group.addoption(
+        "--repro",
+        metavar="NODEID",
+        default=None,
+        help="re-run a distributed test that failed earlier with the same seed, world size, device, "
+        "timeouts and plugin options (e.g. --backend), and print its collective traces",
+    )
+    group.addoption(
+        "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
+    )
     group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
-    parser.addini("rank_fixture_modules", type="linelist", default=[],
-                  help="modules that register rank-side fixtures with harness.rank_fixture")
-    parser.addini("collective_label_providers", type="linelist", default=[],
-                  help="module:attr callables returning a label (e.g. unit FQNs) for the collective being issued")
+    parser.addini(
+        "rank_fixture_modules",
+        type="linelist",
+        default=[],
+        help="modules that register rank-side fixtures with harness.rank_fixture",
+    )
+    parser.addini(
+        "collective_label_providers",
+        type="linelist",
+        default=[],
+        help="module:attr callables returning a label (e.g. unit FQNs) for the collective being issued",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
-        _reexec_repro(config, config.option.repro)
-    config.addinivalue_line("markers", "world_size(n): run the test body on n ranks (an int, or a list to "
-                                       "parametrize over world sizes)")
+        repro.reexec_recorded(config, config.option.repro)
+    config.addinivalue_line(
+        "markers", "world_size(n): run the test body on n ranks (an int, or a list to parametrize over world sizes)"
+    )
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
-    config.addinivalue_line("markers", "expect_divergence: ranks issue different collectives on purpose; "
-                                       "the trace diff does not fail the test")
+    config.addinivalue_line(
+        "markers",
+        "expect_divergence: ranks issue different collectives on purpose; the trace diff does not fail the test",
+    )
     for name in ("collective_timeout", "test_timeout", "straggler_grace"):
         value = getattr(config.option, name)
         if value <= 0:
@@ -70,16 +105,30 @@ def pytest_configure(config: pytest.Config) -> None:
         except ImportError as error:
             raise pytest.UsageError(
                 f"rank_fixture_modules lists {module!r}, which cannot be imported ({error}); "
-                "fix the module name in the ini file or make the module importable") from error
+                "fix the module name in the ini file or make the module importable"
+            ) from error
     _register_placeholders(config)
     reports_dir = _reports_dir(config)
     session: HarnessSession
-    if lockstep.launched_by_torchrun():
-        session = lockstep.LockstepSession(config, modules, reports_dir)
+    if _launched_by_torchrun():
+        # Imported only here: a pool parent never loads the rank-side runner, nor through it
+        # the module that patches torch.distributed.
+        from harness.lockstep import LockstepSession
+
+        session = LockstepSession(config, modules, reports_dir)
     else:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
     atexit.register(session.kill_all)
+    # The built-in report, registered like any other report plugin (as pytest registers junitxml).
+    config.pluginmanager.register(
+        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config)), _JUNIT_PLUGIN
+    )
+
+
+def _launched_by_torchrun() -> bool:
+    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def reports_dir(config: pytest.Config) -> str:
@@ -87,38 +136,14 @@ def reports_dir(config: pytest.Config) -> str:
     return config.stash[_SESSION].reports_dir
 
 
-def _reexec_repro(config: pytest.Config, nodeid: str) -> None:
-    """Replace this process with the recorded command of an earlier failure of `nodeid`."""
-    cache = getattr(config, "cache", None)
-    recorded = cache.get(REPRO_CACHE_KEY, {}) if cache is not None else {}
-    if nodeid not in recorded:
-        known = "\n  ".join(sorted(recorded)) or "(none: run the suite first; needs the cacheprovider plugin)"
-        raise pytest.UsageError(f"--repro: no recorded failure of {nodeid!r}; failures recorded:\n  {known}")
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.stop_global_capturing()
-    os.chdir(config.rootpath)
-    os.execv(sys.executable, [sys.executable, "-m", "pytest", *_session_args(config.invocation_params.args),
-                              *recorded[nodeid], "--show-traces", "-rA"])
-
-
-def _session_args(args: tuple[str, ...]) -> list[str]:
-    """The invocation's plugin and ini arguments (-p, -c, -o, --rootdir), which a re-run needs too."""
-    kept: list[str] = []
-    for index, arg in enumerate(args):
-        if arg in ("-p", "-c", "-o", "--rootdir") and index + 1 < len(args):
-            kept += [arg, args[index + 1]]
-        elif arg.startswith(("--rootdir=", "-p", "-o", "-c")) and arg not in ("-p", "-o", "-c"):
-            kept.append(arg)
-    return kept
-
-
 def _register_placeholders(config: pytest.Config) -> None:
     """Parent-side stand-ins for rank fixtures, so pytest's fixture resolution is satisfied."""
     holder = types.ModuleType("harness_rank_fixture_placeholders")
-    for name in fixtures.registered_names():
+    for name in rank_fixtures.registered_names():
+
         def placeholder(_name: str = name) -> str:
             return f"<rank-side fixture {_name}>"
+
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
     config.pluginmanager.register(holder, "harness-rank-fixture-placeholders")
 
@@ -133,7 +158,8 @@ def _reports_dir(config: pytest.Config) -> str:
     except OSError as error:
         raise pytest.UsageError(
             f"reports directory {directory!r} is not writable ({error.strerror}); "
-            "pass --reports-dir with a writable path") from None
+            "pass --reports-dir with a writable path"
+        ) from None
     return directory
 
 
@@ -187,8 +213,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     harness_session = session.config.stash.get(_SESSION, None)
-    if isinstance(harness_session, lockstep.LockstepSession):
-        harness_session.check_same_selection([item.nodeid for item in session.items])
+    if harness_session is not None:
+        harness_session.collected([item.nodeid for item in session.items])
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -196,7 +222,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if session is not None and session.dispatched:
         files = session.finish()
         terminalreporter.write_line(
-            f"harness: {session.summary()}; per-rank JUnit: {', '.join(os.path.relpath(f) for f in files)}")
+            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}"
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -204,5 +231,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if session is not None:
         session.finish()
         session.kill_all()
-
-
+    junit = config.pluginmanager.get_plugin(_JUNIT_PLUGIN)
+    if junit is not None:
+        config.pluginmanager.unregister(junit)

@@ -5,6 +5,7 @@ The pool owns process lifetimes and nothing else: it knows nothing about pytest.
 the rank started. The parent hosts the rendezvous store on an OS-assigned loopback port, so
 concurrent sessions on one machine never collide.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness.devices import DeviceKind, GpuReservation
-from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
+from harness.messages import RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
 
 SESSION_ENV = "FSDP_HARNESS_SESSION"
@@ -31,18 +32,6 @@ class PoolKey:
     world_size: int
     device_kind: DeviceKind
     collective_timeout_s: float
-
-
-@dataclass
-class RankLoss:
-    """A rank that gave no outcome: it died or had to be killed."""
-
-    rank: int
-    cause: str
-    stacks: str = ""
-
-
-RankResult = RankOutcome | RankLoss
 
 
 class PoolStartError(RuntimeError):
@@ -74,8 +63,9 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class _RankProcess:
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes], to_rank: Connection, from_rank: Connection,
-                 files: RankFiles) -> None:
+    def __init__(
+        self, rank: int, popen: subprocess.Popen[bytes], to_rank: Connection, from_rank: Connection, files: RankFiles
+    ) -> None:
         self.rank = rank
         self.popen = popen
         self.to_rank = to_rank
@@ -89,6 +79,8 @@ class _RankProcess:
             return None
 
     def kill(self) -> None:
+        # The rank leads its own session and process group (start_new_session), so one killpg
+        # also ends whatever the test started in it; wait() reaps the rank so no zombie stays.
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -101,8 +93,14 @@ class _RankProcess:
 class WorkerPool:
     """N warm ranks of one (world size, device, timeout) kind."""
 
-    def __init__(self, key: PoolKey, run_dir: str, rank_fixture_modules: tuple[str, ...], session_tag: str,
-                 label_providers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        key: PoolKey,
+        run_dir: str,
+        rank_fixture_modules: tuple[str, ...],
+        session_tag: str,
+        label_providers: tuple[str, ...] = (),
+    ) -> None:
         self.key = key
         self.run_dir = run_dir
         self._rank_fixture_modules = rank_fixture_modules
@@ -111,10 +109,6 @@ class WorkerPool:
         self._ranks: list[_RankProcess] = []
         self._store: dist.TCPStore | None = None
         self._gpus: GpuReservation | None = None
-
-    @property
-    def pids(self) -> list[int]:
-        return [proc.popen.pid for proc in self._ranks]
 
     def rank_files(self, rank: int) -> RankFiles:
         return RankFiles(self.run_dir, rank)
@@ -142,8 +136,14 @@ class WorkerPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
         with open(files.stdout, "wb") as out, open(files.stderr, "wb") as err:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "harness.worker", str(parent_to_child[0]), str(child_to_parent[1]),
-                 str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "harness.worker",
+                    str(parent_to_child[0]),
+                    str(child_to_parent[1]),
+                    str(os.getpid()),
+                ],
                 pass_fds=(parent_to_child[0], child_to_parent[1]),
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
@@ -151,24 +151,33 @@ class WorkerPool:
                 stderr=err,
                 env=env,
             )
+        # Close our copies of the rank's ends at once: the rank must be the only holder of the
+        # result pipe's write end, or its death would not show as EOF (see `run`).
         os.close(parent_to_child[0])
         os.close(child_to_parent[1])
-        proc = _RankProcess(rank, popen, Connection(parent_to_child[1], readable=False),
-                            Connection(child_to_parent[0], writable=False), files)
+        proc = _RankProcess(
+            rank,
+            popen,
+            Connection(parent_to_child[1], readable=False),
+            Connection(child_to_parent[0], writable=False),
+            files,
+        )
         assert self._store is not None
-        proc.to_rank.send(WorkerConfig(
-            rank=rank,
-            world_size=self.key.world_size,
-            local_rank=rank,
-            device_kind=self.key.device_kind,
-            store_host="127.0.0.1",
-            store_port=self._store.port,
-            collective_timeout_s=self.key.collective_timeout_s,
-            run_dir=self.run_dir,
-            sys_path=list(sys.path),
-            rank_fixture_modules=self._rank_fixture_modules,
-            label_providers=self._label_providers,
-        ))
+        proc.to_rank.send(
+            WorkerConfig(
+                rank=rank,
+                world_size=self.key.world_size,
+                local_rank=rank,
+                device_kind=self.key.device_kind,
+                store_host="127.0.0.1",
+                store_port=self._store.port,
+                collective_timeout_s=self.key.collective_timeout_s,
+                run_dir=self.run_dir,
+                sys_path=list(sys.path),
+                rank_fixture_modules=self._rank_fixture_modules,
+                label_providers=self._label_providers,
+            )
+        )
         return proc
 
     def _await_ready(self, timeout_s: float) -> None:
@@ -197,6 +206,11 @@ class WorkerPool:
         usually leaves its peers blocked in a collective, and waiting for the collective
         timeout would only delay the report.
         """
+        # How a rank's death is noticed: the parent waits on the ranks' result pipes, and the
+        # write end of a rank's pipe is held only by that rank, so its death shows as EOF at
+        # once (then `exit_code` says how it died). A grandchild that inherited the fd (a test
+        # that forked) keeps the pipe open after the rank died: then only the deadline or the
+        # straggler grace ends the wait, and the rank is reported hung.
         results: dict[int, RankResult] = {}
         pending: dict[Connection, _RankProcess] = {}
         for proc in self._ranks:
@@ -227,8 +241,10 @@ class WorkerPool:
             waited = time.monotonic() - started
             for proc in pending.values():
                 if failed_at is not None and failed_at + straggler_grace_s < deadline:
-                    cause = (f"hung: still running {waited:.1f} s into the test, "
-                             f"{straggler_grace_s:.0f} s after another rank failed")
+                    cause = (
+                        f"hung: still running {waited:.1f} s into the test, "
+                        f"{straggler_grace_s:.0f} s after another rank failed"
+                    )
                 else:
                     cause = f"hung: no result within the {deadline_s:.0f} s test deadline"
                 results[proc.rank] = RankLoss(proc.rank, cause, stacks.get(proc.rank, ""))
@@ -237,6 +253,8 @@ class WorkerPool:
     def _dump_stacks(self, procs: list[_RankProcess], wait_s: float = 2.0) -> dict[int, str]:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
         for proc in procs:
+            # Empty the file first: the rank holds it in append mode, so its dump starts at
+            # offset 0 and a non-zero size below means this dump has begun.
             open(proc.files.stacks, "w").close()
             try:
                 os.kill(proc.popen.pid, signal.SIGUSR1)

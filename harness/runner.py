@@ -4,6 +4,7 @@ It imports the test module (with pytest's assertion rewriting), resolves rank fi
 body in per-test isolation and the collective trace, and turns whatever happened into a
 `RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,17 +13,19 @@ import importlib.util
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from harness import faults, fixtures, trace
+from harness import faults, rank_fixtures, trace
 from harness.isolation import TestIsolation
-from harness.messages import RankOutcome, TestTask
+from harness.labels import load_label_providers
+from harness.messages import RankOutcome, Status, TestTask
 
 
 def import_test_module(name: str, file: str) -> ModuleType:
@@ -71,24 +74,19 @@ def format_failure(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, tb))
 
 
-def load_label_providers(specs: tuple[str, ...]) -> None:
-    """Register `module:attr` callables that name the unit behind each collective."""
-    for spec in specs:
-        module_name, _, attr = spec.partition(":")
-        try:
-            provider = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as error:
-            raise RuntimeError(f"collective label provider {spec!r} cannot be loaded ({error}); "
-                               "fix the 'collective_label_providers' ini option") from error
-        trace.register_label_provider(provider)
-
-
 class TestRunner:
     """Executes tasks for one rank; holds what must persist across tests (isolation baseline)."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 rank_fixture_modules: tuple[str, ...], label_providers: tuple[str, ...],
-                 trace_path: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        rank_fixture_modules: tuple[str, ...],
+        label_providers: tuple[str, ...],
+        trace_path: str,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -101,7 +99,12 @@ class TestRunner:
 
     def run(self, task: TestTask) -> RankOutcome:
         started = time.perf_counter()
-        status, summary, failure = "passed", "", ""
+        status: Status = "passed"
+        summary, failure = "", ""
+        # Order matters. Isolation brackets everything; the trace brackets the body and the rank
+        # fixtures' setup and teardown (their collectives belong to the test, and a fixture that
+        # diverges is found like a body that does). Faults are read and disarmed in `finally`,
+        # whatever the body did, so a fault armed but not fired never reaches the next test.
         self.isolation.enter(task.seed)
         trace.begin_test(self.trace_path)
         try:
@@ -109,10 +112,16 @@ class TestRunner:
                 for module in self.rank_fixture_modules:
                     importlib.import_module(module)
                 test = resolve_callable(task)
-                ctx = fixtures.RankContext(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                                           device=self.device, params=task.params, options=task.options)
+                ctx = rank_fixtures.RankContext(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    device=self.device,
+                    params=task.params,
+                    options=task.options,
+                )
                 kwargs = dict(task.call_kwargs)
-                kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
+                kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
                 test(**kwargs)
         except pytest.skip.Exception as skip:
             status, summary = "skipped", skip.msg
@@ -128,6 +137,12 @@ class TestRunner:
             injected = faults.active_faults()
             faults.clear()
         sync_state = self.isolation.exit()
-        return RankOutcome(rank=self.rank, status=status,  # type: ignore[arg-type]
-                           duration_s=time.perf_counter() - started, summary=summary, traceback=failure,
-                           sync_state=sync_state, injected_faults=injected)
+        return RankOutcome(
+            rank=self.rank,
+            status=status,
+            duration_s=time.perf_counter() - started,
+            summary=summary,
+            traceback=failure,
+            sync_state=sync_state,
+            injected_faults=injected,
+        )

@@ -1,5 +1,6 @@
 """Helpers for testing pytest sessions that run distributed tests (the self-tests use them; so
 can authors of plugins and adapters built on the harness)."""
+
 from __future__ import annotations
 
 import re

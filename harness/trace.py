@@ -1,9 +1,10 @@
-"""Per-rank collective trace: every collective a rank issues during a test, streamed to a file.
+"""Rank side of the collective trace: wraps torch.distributed's entry points and records each call.
 
 Why a trace: torch's own checks catch a divergent collective only when op, shape or dtype differ.
 A *same-shape* mismatch (rank 0 all-gathers layer1 while rank 1 all-gathers layer2) silently
-corrupts weights. Recording what each rank issued, with a semantic label, lets the parent diff
-the ranks after the test (`harness.divergence`), even after a rank was SIGKILLed or hung.
+corrupts weights. Recording what each rank issued, with a semantic label (`harness.labels`), lets
+the parent diff the ranks after the test (`harness.divergence`), even after a rank was SIGKILLed
+or hung. The records and their file are `harness.tracefile`; the parent reads only that module.
 
 Where the trace hooks in (and why there):
   * The Python entry points of `torch.distributed.distributed_c10d` (re-exported as
@@ -25,23 +26,21 @@ Where the trace hooks in (and why there):
 A collective that is implemented by calling another traced entry point (e.g.
 `all_gather_into_tensor` delegating to `all_gather_single`, `all_gather_object` using
 `all_gather`) is recorded once, as the outermost call, thanks to a per-thread re-entrancy flag.
-Aliases are recorded under one canonical name so ranks that spell an op differently compare equal.
-Under `torch.compile` tracing the wrappers step aside and call the original function, so Dynamo
-still sees the functions it knows.
+Aliases are recorded under one canonical name (`harness.collective_ops`) so ranks that spell an
+op differently compare equal. Under `torch.compile` tracing the wrappers step aside and call the
+original function, so Dynamo still sees the functions it knows.
 
-Each record is one line of JSON appended with a single `os.write` before the collective is issued
-(a rank that hangs or aborts inside it still shows it), followed by a short `{"done": index}` line
-when the call returns (for async ops: when the call returned its Work, not when the work finished).
+The wrapper is also the one interception point for fault injection: `set_interceptor` installs a
+callback that sees each record first and may issue the call its own way (`harness.faults`).
 """
+
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,194 +48,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.nn.modules.module as nn_module
+
+from harness import labels
+from harness.collective_ops import (
+    BROADCAST_COALESCED,
+    BROADCAST_COALESCED_PARAMS,
+    C10D_SPECS,
+    FUNCOL_SPECS,
+    KNOWN_OPS,
+    OpSpec,
+)
+from harness.labels import register_label_provider
+from harness.tracefile import P2P_SEND_OPS, CollectiveRecord, done_line, record_line
 
 __all__ = [
+    "KNOWN_OPS",
     "CollectiveCall",
     "CollectiveRecord",
-    "KNOWN_OPS",
+    "Interceptor",
+    "Runner",
     "begin_test",
     "end_test",
     "install",
     "is_installed",
-    "read_trace",
     "register_label_provider",
     "set_interceptor",
+    "wrap",
 ]
-
-
-@dataclass(slots=True)
-class CollectiveRecord:
-    """One collective as issued by one rank.
-
-    index: position in this rank's trace of the current test (0-based).
-    seq: position among this rank's collectives on the same group (same global ranks), 0-based;
-         for point-to-point ops, position among this rank's ops in the same direction between the pair.
-    group: global ranks of the process group.  peer: the other side of a send/recv (global rank).
-    shapes/dtypes/numel: the tensors every member must agree on (the op's inputs; see `_SPECS`).
-    uneven: the op legitimately lets shapes differ across ranks (all_to_all with splits).
-    fault: description of a fault injected on this call; skipped: the call was never issued.
-    completed: the call returned (false for the call a rank was stuck in or died in).
-    """
-
-    rank: int
-    index: int
-    seq: int
-    op: str
-    group: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    numel: int
-    label: str
-    peer: int | None = None
-    uneven: bool = False
-    fault: str = ""
-    skipped: bool = False
-    completed: bool = False
-
-    @property
-    def is_p2p(self) -> bool:
-        return self.op in _P2P_SEND_OPS or self.op in _P2P_RECV_OPS
-
-    @property
-    def is_send(self) -> bool:
-        return self.op in _P2P_SEND_OPS
-
-    def to_json(self) -> str:
-        data = {
-            "rank": self.rank, "index": self.index, "seq": self.seq, "op": self.op,
-            "group": self.group, "shapes": self.shapes, "dtypes": self.dtypes,
-            "numel": self.numel, "label": self.label,
-        }
-        if self.peer is not None:
-            data["peer"] = self.peer
-        if self.uneven:
-            data["uneven"] = True
-        if self.fault:
-            data["fault"] = self.fault
-        if self.skipped:
-            data["skipped"] = True
-        return json.dumps(data, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
-        return cls(
-            rank=data["rank"], index=data["index"], seq=data["seq"], op=data["op"],
-            group=tuple(data["group"]), shapes=tuple(tuple(s) for s in data["shapes"]),
-            dtypes=tuple(data["dtypes"]), numel=data["numel"], label=data["label"],
-            peer=data.get("peer"), uneven=data.get("uneven", False), fault=data.get("fault", ""),
-            skipped=data.get("skipped", False),
-        )
-
-
-@dataclass(frozen=True)
-class _OpSpec:
-    """How to read one entry point's arguments.
-
-    inputs: parameters holding the tensors all members must agree on (recorded shapes/dtypes).
-    outputs: parameters the op writes into; a functional op (`functional=True`) returns its output.
-    uneven_when: parameters that, when not None, let input shapes differ across ranks.
-    peer: (global-rank parameter, group-rank parameter) of a point-to-point op.
-    """
-
-    op: str
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    group: str = "group"
-    functional: bool = False
-    always_uneven: bool = False
-    uneven_when: tuple[str, ...] = ()
-    peer: tuple[str, str] | None = None
-
-
-_P2P_SEND_OPS = frozenset({"send", "isend", "send_object_list"})
-_P2P_RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
-
-_GATHER_INTO_TENSOR = _OpSpec("all_gather_into_tensor", ("input_tensor",), ("output_tensor",))
-_REDUCE_SCATTER_TENSOR = _OpSpec("reduce_scatter_tensor", ("input",), ("output",))
-_SEND = dict(inputs=("tensor",), peer=("dst", "group_dst"))
-_RECV = dict(inputs=("tensor",), outputs=("tensor",), peer=("src", "group_src"))
-
-# torch.distributed.distributed_c10d entry points, by attribute name.
-_C10D_SPECS: dict[str, _OpSpec] = {
-    "all_reduce": _OpSpec("all_reduce", ("tensor",), ("tensor",)),
-    "all_reduce_coalesced": _OpSpec("all_reduce_coalesced", ("tensors",), ("tensors",)),
-    "broadcast": _OpSpec("broadcast", ("tensor",), ("tensor",)),
-    "reduce": _OpSpec("reduce", ("tensor",), ("tensor",)),
-    "all_gather": _OpSpec("all_gather", ("tensor",), ("tensor_list",)),
-    "all_gather_single": _GATHER_INTO_TENSOR,
-    "all_gather_into_tensor": _GATHER_INTO_TENSOR,
-    "_all_gather_base": _GATHER_INTO_TENSOR,
-    "all_gather_coalesced": _OpSpec("all_gather_coalesced", ("input_tensor_list",), ("output_tensor_lists",)),
-    "reduce_scatter": _OpSpec("reduce_scatter", ("input_list",), ("output",)),
-    "reduce_scatter_single": _REDUCE_SCATTER_TENSOR,
-    "reduce_scatter_tensor": _REDUCE_SCATTER_TENSOR,
-    "_reduce_scatter_base": _REDUCE_SCATTER_TENSOR,
-    "all_to_all": _OpSpec("all_to_all", ("input_tensor_list",), ("output_tensor_list",), always_uneven=True),
-    "all_to_all_single": _OpSpec("all_to_all_single", ("input",), ("output",),
-                                 uneven_when=("output_split_sizes", "input_split_sizes")),
-    "barrier": _OpSpec("barrier"),
-    "monitored_barrier": _OpSpec("monitored_barrier"),
-    "send": _OpSpec("send", **_SEND),
-    "isend": _OpSpec("isend", **_SEND),
-    "recv": _OpSpec("recv", **_RECV),
-    "irecv": _OpSpec("irecv", **_RECV),
-    "all_gather_object": _OpSpec("all_gather_object"),
-    "gather_object": _OpSpec("gather_object"),
-    "broadcast_object_list": _OpSpec("broadcast_object_list"),
-    "scatter_object_list": _OpSpec("scatter_object_list"),
-    "send_object_list": _OpSpec("send_object_list", peer=("dst", "group_dst")),
-    "recv_object_list": _OpSpec("recv_object_list", peer=("src", "group_src")),
-    "scatter": _OpSpec("scatter", ("tensor",), ("tensor",)),
-    "gather": _OpSpec("gather", ("tensor",), ("gather_list",)),
-}
-
-# torch.distributed._broadcast_coalesced is a C++ builtin without an inspectable signature.
-_BROADCAST_COALESCED = _OpSpec("broadcast_coalesced", ("tensors",), ("tensors",), group="process_group")
-_BROADCAST_COALESCED_PARAMS = ("process_group", "tensors", "buffer_size", "src")
-
-_FUNCOL_GATHER = _OpSpec("funcol.all_gather", ("self",), functional=True)
-_FUNCOL_REDUCE_SCATTER = _OpSpec("funcol.reduce_scatter", ("self",), functional=True)
-_FUNCOL_ALL_TO_ALL = _OpSpec("funcol.all_to_all_single", ("self",), functional=True,
-                             uneven_when=("output_split_sizes", "input_split_sizes"))
-_FUNCOL_GATHER_COALESCED = _OpSpec("funcol.all_gather_coalesced", ("self",), functional=True)
-_FUNCOL_RS_COALESCED = _OpSpec("funcol.reduce_scatter_coalesced", ("inputs",), functional=True)
-
-# torch.distributed._functional_collectives entry points (DTensor, user code).
-_FUNCOL_SPECS: dict[str, _OpSpec] = {
-    "all_gather_single": _FUNCOL_GATHER,
-    "all_gather_single_autograd": _FUNCOL_GATHER,
-    "all_gather_tensor": _FUNCOL_GATHER,
-    "all_gather_tensor_autograd": _FUNCOL_GATHER,
-    "all_gather_tensor_inplace": _OpSpec("funcol.all_gather", ("input_tensor",), ("output_tensor",)),
-    "all_gather_inplace": _OpSpec("funcol.all_gather", ("tensor",), ("tensor_list",)),
-    "reduce_scatter_single": _FUNCOL_REDUCE_SCATTER,
-    "reduce_scatter_single_autograd": _FUNCOL_REDUCE_SCATTER,
-    "reduce_scatter_tensor": _FUNCOL_REDUCE_SCATTER,
-    "reduce_scatter_tensor_autograd": _FUNCOL_REDUCE_SCATTER,
-    "reduce_scatter_tensor_inplace": _OpSpec("funcol.reduce_scatter", ("input",), ("output",)),
-    "all_reduce": _OpSpec("funcol.all_reduce", ("self",), functional=True),
-    "all_reduce_inplace": _OpSpec("funcol.all_reduce", ("tensor",), ("tensor",)),
-    "all_reduce_coalesced": _OpSpec("funcol.all_reduce_coalesced", ("self",), functional=True),
-    "all_gather_single_coalesced": _FUNCOL_GATHER_COALESCED,
-    "all_gather_into_tensor_coalesced": _FUNCOL_GATHER_COALESCED,
-    "reduce_scatter_single_coalesced": _FUNCOL_RS_COALESCED,
-    "reduce_scatter_tensor_coalesced": _FUNCOL_RS_COALESCED,
-    "all_to_all_single": _FUNCOL_ALL_TO_ALL,
-    "all_to_all_single_autograd": _FUNCOL_ALL_TO_ALL,
-    "all_to_all_inplace": _OpSpec("funcol.all_to_all_single", ("input",), ("output",),
-                                  uneven_when=("output_split_sizes", "input_split_sizes")),
-    "broadcast": _OpSpec("funcol.broadcast", ("self",), functional=True),
-    "permute_tensor": _OpSpec("funcol.permute_tensor", ("self",), functional=True),
-}
-
-KNOWN_OPS: frozenset[str] = frozenset(
-    spec.op for spec in (*_C10D_SPECS.values(), *_FUNCOL_SPECS.values(), _BROADCAST_COALESCED)
-)
-"""Every op name a record can carry (canonical names; aliases are folded)."""
-
-# Segments that wrappers insert into module paths; dropped so labels read like the user's FQNs.
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 @dataclass
@@ -246,37 +84,36 @@ class CollectiveCall:
     record: CollectiveRecord
     issue: Callable[[], Any]
     """Issues the real collective and returns its result."""
-    _spec: _OpSpec
-    _params: dict[str, Any] = field(repr=False)
-
-    @property
-    def functional(self) -> bool:
-        return self._spec.functional
+    spec: OpSpec
+    params: dict[str, Any] = field(repr=False)
+    """The call's output parameters and `async_op`, by name."""
 
     @property
     def async_op(self) -> bool:
-        return bool(self._params.get("async_op"))
+        return bool(self.params.get("async_op"))
 
     def output_tensors(self, result: Any) -> list[torch.Tensor]:
         """The tensors this collective wrote, given `issue()`'s result; waits for async work first."""
-        if self._spec.functional:
+        if self.spec.functional:
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
             return [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in _flatten_tensors(result)]
         if self.async_op and result is not None:
             result.wait()
-        return _flatten_tensors(*(self._params.get(name) for name in self._spec.outputs))
+        return _flatten_tensors(*(self.params.get(name) for name in self.spec.outputs))
 
     def skipped_result(self) -> Any:
         """What the caller gets back when the collective is not issued at all."""
-        if self._spec.functional:
+        if self.spec.functional:
             raise ValueError(
                 f"cannot skip functional collective {self.record.op}: its caller needs the result "
-                "tensor; inject 'delay', 'corrupt', 'raise', 'exit' or 'hang' instead")
+                "tensor; inject 'delay', 'corrupt', 'raise', 'exit' or 'hang' instead"
+            )
         if self.async_op:
             future: torch.futures.Future = torch.futures.Future()
             future.set_result(None)
             return torch._C._distributed_c10d._create_work_from_future(future)
-        if self._spec.op in ("recv", "irecv"):
+        if self.spec.op in ("recv", "irecv"):
             return self.record.peer if self.record.peer is not None else -1
         return None
 
@@ -286,10 +123,9 @@ Interceptor = Callable[[CollectiveRecord], "Runner | None"]
 
 
 class _ThreadState(threading.local):
-    """Per-thread state: the stack of running module forwards and the re-entrancy flag."""
+    """Per-thread re-entrancy flag: a traced call made inside another is not recorded again."""
 
     def __init__(self) -> None:
-        self.modules: list[torch.nn.Module] = []
         self.busy = False
 
 
@@ -304,18 +140,17 @@ class _TestState:
 
 
 _thread = _ThreadState()
-_lock = threading.Lock()
+_lock = threading.Lock()  # index and seq numbering: collectives may be issued from several threads
 _test: _TestState | None = None
 _interceptor: Interceptor | None = None
-_label_providers: list[Callable[[], str | None]] = []
 _group_ranks_cache: dict[Any, tuple[int, ...]] = {}
-_child_path_cache: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, str | None]] = {}
 _dtype_names: dict[torch.dtype, str] = {}
 _installed = False
 _is_compiling = torch.compiler.is_compiling
 
 
 # ----------------------------------------------------------------------------------- public API
+
 
 def install() -> None:
     """Wrap every collective entry point of this process (idempotent) and start tracking module
@@ -327,25 +162,23 @@ def install() -> None:
 
     replacements: dict[int, _Replacement] = {}
 
-    def add(owner: Any, name: str, spec: _OpSpec, positions: dict[str, int] | None = None) -> None:
+    def add(owner: Any, name: str, spec: OpSpec, positions: dict[str, int] | None = None) -> None:
         original = getattr(owner, name, None)
         if original is None:
             return
         known = replacements.get(id(original))
         if known is None:
-            wrapper = _make_wrapper(spec, original, positions if positions is not None else _param_positions(original))
+            wrapper = wrap(original, spec, positions)
             known = replacements[id(original)] = _Replacement(original, wrapper, {getattr(original, "__name__", name)})
         known.names.add(name)
 
-    for name, spec in _C10D_SPECS.items():
+    for name, spec in C10D_SPECS.items():
         add(c10d, name, spec)
-    add(dist, "_broadcast_coalesced", _BROADCAST_COALESCED,
-        {p: i for i, p in enumerate(_BROADCAST_COALESCED_PARAMS)})
-    for name, spec in _FUNCOL_SPECS.items():
+    add(dist, "_broadcast_coalesced", BROADCAST_COALESCED, {p: i for i, p in enumerate(BROADCAST_COALESCED_PARAMS)})
+    for name, spec in FUNCOL_SPECS.items():
         add(funcol, name, spec)
     _rebind_everywhere(replacements)
-    nn_module.register_module_forward_pre_hook(_push_module)
-    nn_module.register_module_forward_hook(_pop_module, always_call=True)
+    labels.track_module_forwards()
     _installed = True
 
 
@@ -357,8 +190,10 @@ def begin_test(trace_path: str) -> None:
     """Start recording into `trace_path` (created or truncated); ends any test still open."""
     global _test
     end_test()
+    # O_APPEND: every record is one write at the end of the file, whole or (if the rank is
+    # killed mid-write) cut short at the very end, never interleaved (see harness.tracefile).
     fd = os.open(trace_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-    _thread.modules.clear()
+    labels.reset()
     _test = _TestState(fd)
 
 
@@ -368,22 +203,9 @@ def end_test() -> None:
     test, _test = _test, None
     if test is not None:
         os.close(test.fd)
+    # A later test may create a group whose Python object reuses a destroyed one's id.
     _group_ranks_cache.clear()
-    _child_path_cache.clear()
-
-
-def register_label_provider(provider: Callable[[], str | None]) -> Callable[[], None]:
-    """Add a source of semantic labels (e.g. a backend adapter naming the FQNs being gathered).
-
-    The first provider returning a non-None string labels the collective; otherwise the label is the
-    FQN of the innermost running module forward. Returns a function that removes the provider.
-    """
-    _label_providers.append(provider)
-
-    def remove() -> None:
-        if provider in _label_providers:
-            _label_providers.remove(provider)
-    return remove
+    labels.reset()
 
 
 def set_interceptor(interceptor: Interceptor | None) -> None:
@@ -397,33 +219,13 @@ def set_interceptor(interceptor: Interceptor | None) -> None:
     _interceptor = interceptor
 
 
-def read_trace(path: str) -> list[CollectiveRecord]:
-    """Records of one rank's trace file; a last line cut short by a killed rank is ignored."""
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    records: dict[int, CollectiveRecord] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line:
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # no trailing newline: the write was cut short
-                continue
-            raise ValueError(f"{path}:{number}: corrupt trace line {line[:80]!r}") from None
-        if "done" in data:
-            if data["done"] in records:
-                records[data["done"]].completed = True
-        else:
-            record = CollectiveRecord.from_json(data)
-            records[record.index] = record
-    return sorted(records.values(), key=lambda r: r.index)
+def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = None) -> Callable:
+    """A drop-in replacement for `original` that records (and lets an interceptor take over) each call.
 
-
-# ------------------------------------------------------------------------------------ recording
-
-def _make_wrapper(spec: _OpSpec, original: Callable, positions: dict[str, int]) -> Callable:
-    """A drop-in replacement for `original` that records (and lets faults intercept) each call."""
+    `positions` maps parameter names to positions, for callables without an inspectable signature.
+    """
+    if positions is None:
+        positions = _param_positions(original)
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -440,21 +242,28 @@ def _make_wrapper(spec: _OpSpec, original: Callable, positions: dict[str, int]) 
                 return original(*args, **kwargs)
             runner = _interceptor(record) if _interceptor is not None else None
             test = _test
+            # The record goes to disk before the collective is issued: a rank that hangs or dies
+            # inside it still shows it, without a "done" line (the trace file's completeness rule).
             if test is not None:
-                os.write(test.fd, (record.to_json() + "\n").encode())
+                os.write(test.fd, record_line(record))
             if runner is None:
                 result = original(*args, **kwargs)
             else:
                 call = CollectiveCall(record, lambda: original(*args, **kwargs), spec, params.as_dict(spec))
                 result = runner(call)
+            # Only if the same test is still recording: end_test() may have closed the fd (and
+            # a later test reused the number) while this call was blocked in another thread.
             if test is not None and test is _test:
-                os.write(test.fd, b'{"done":%d}\n' % record.index)
+                os.write(test.fd, done_line(record.index))
             return result
         finally:
             thread.busy = False
 
     traced.__trace_original__ = original  # type: ignore[attr-defined]
     return traced
+
+
+# ------------------------------------------------------------------------------------ recording
 
 
 class _Params:
@@ -471,15 +280,16 @@ class _Params:
             return self.args[position]
         return self.kwargs.get(name)
 
-    def as_dict(self, spec: _OpSpec) -> dict[str, Any]:
+    def as_dict(self, spec: OpSpec) -> dict[str, Any]:
         names = {*spec.outputs, "async_op"}
         return {name: self.get(name) for name in names}
 
 
-def _build_record(spec: _OpSpec, params: _Params) -> CollectiveRecord | None:
+def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
     """The record for this call, or None when this rank is not a member of the call's group."""
     if spec.op.startswith("funcol."):
         import torch.distributed._functional_collectives as funcol
+
         if funcol._are_we_tracing():
             return None
         group = _funcol_group_ranks(params.get(spec.group))
@@ -493,10 +303,10 @@ def _build_record(spec: _OpSpec, params: _Params) -> CollectiveRecord | None:
     numel = sum(t.numel() for t in tensors)
     uneven = spec.always_uneven or any(params.get(name) is not None for name in spec.uneven_when)
     peer = _peer(spec, params, group) if spec.peer else None
-    label = _current_label()
+    label = labels.current_label()
     with _lock:
         test = _test
-        if test is None:
+        if test is None:  # only an interceptor is listening (faults under torchrun): no numbering
             index, seq, rank = -1, -1, dist.get_rank()
         else:
             if test.rank is None:
@@ -505,13 +315,25 @@ def _build_record(spec: _OpSpec, params: _Params) -> CollectiveRecord | None:
             index = test.next_index
             test.next_index += 1
             if spec.peer:
-                key: tuple = ("p2p", rank, peer) if spec.op in _P2P_SEND_OPS else ("p2p", peer, rank)
+                # Both ends of a pair count the same stream: sends a->b on a, receives from a on b.
+                key: tuple = ("p2p", rank, peer) if spec.op in P2P_SEND_OPS else ("p2p", peer, rank)
             else:
                 key = group
             seq = test.seq_by_key.get(key, 0)
             test.seq_by_key[key] = seq + 1
-    return CollectiveRecord(rank=rank, index=index, seq=seq, op=spec.op, group=group, shapes=shapes,
-                            dtypes=dtypes, numel=numel, label=label, peer=peer, uneven=uneven)
+    return CollectiveRecord(
+        rank=rank,
+        index=index,
+        seq=seq,
+        op=spec.op,
+        group=group,
+        shapes=shapes,
+        dtypes=dtypes,
+        numel=numel,
+        label=label,
+        peer=peer,
+        uneven=uneven,
+    )
 
 
 def _flatten_tensors(*values: Any) -> list[torch.Tensor]:
@@ -564,7 +386,7 @@ def _funcol_group_ranks(group: Any) -> tuple[int, ...] | None:
     return _c10d_group_ranks(group.get_group())  # 1-D DeviceMesh
 
 
-def _peer(spec: _OpSpec, params: _Params, group: tuple[int, ...]) -> int | None:
+def _peer(spec: OpSpec, params: _Params, group: tuple[int, ...]) -> int | None:
     assert spec.peer is not None
     global_name, group_name = spec.peer
     peer = params.get(global_name)
@@ -574,61 +396,14 @@ def _peer(spec: _OpSpec, params: _Params, group: tuple[int, ...]) -> int | None:
     return peer
 
 
-# --------------------------------------------------------------------------------------- labels
-
-def _push_module(module: torch.nn.Module, _inputs: Any) -> None:
-    _thread.modules.append(module)
-
-
-def _pop_module(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-    modules = _thread.modules
-    if modules and modules[-1] is module:
-        modules.pop()
-        return
-    for position in range(len(modules) - 1, -1, -1):  # unbalanced after an exception elsewhere
-        if modules[position] is module:
-            del modules[position]
-            return
-
-
-def _current_label() -> str:
-    for provider in _label_providers:
-        label = provider()
-        if label is not None:
-            return label
-    return _module_label(_thread.modules)
-
-
-def _module_label(modules: list[torch.nn.Module]) -> str:
-    """FQN of the innermost running module relative to the outermost one, wrapper segments dropped."""
-    parts: list[str] = []
-    for parent, child in zip(modules, modules[1:]):
-        if parent is child:
-            continue
-        path = _child_path(parent, child)
-        if path is None:  # called from outside its parent's tree: name it from here on by type
-            parts = [type(child).__name__]
-        elif path:
-            parts.append(path)
-    return ".".join(seg for part in parts for seg in part.split(".") if seg not in _WRAPPER_SEGMENTS)
-
-
-def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
-    key = (id(parent), id(child))
-    cached = _child_path_cache.get(key)
-    if cached is not None and cached[0]() is parent and cached[1]() is child:
-        return cached[2]
-    path = next((name for name, sub in parent.named_modules(remove_duplicate=False) if sub is child), None)
-    _child_path_cache[key] = (weakref.ref(parent), weakref.ref(child), path)
-    return path
-
-
 # ------------------------------------------------------------------------------------- patching
+
 
 def _param_positions(function: Callable) -> dict[str, int]:
     parameters = inspect.signature(function).parameters.values()
     return {
-        p.name: i for i, p in enumerate(parameters)
+        p.name: i
+        for i, p in enumerate(parameters)
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     }
 

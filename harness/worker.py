@@ -4,6 +4,7 @@ Started by the pool as `python -m harness.worker FD_IN FD_OUT` in its own sessio
 can kill it with everything it started). Its stdout/stderr go to per-rank files the parent reads
 after each test, so output survives even a rank that dies.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,6 +41,8 @@ class _OutputCapture:
     """Points fds 1 and 2 at the rank's files; C-level output (gloo, NCCL) is captured too."""
 
     def __init__(self, files: RankFiles) -> None:
+        # O_APPEND: after `reset` truncates a file, the next write lands at offset 0 instead of
+        # at the old offset (which would leave a hole of NULs before each test's output).
         for fd, path in ((1, files.stdout), (2, files.stderr)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             os.dup2(target, fd)
@@ -51,6 +54,7 @@ class _OutputCapture:
         sys.stderr.flush()
 
     def reset(self) -> None:
+        """Start a test's output from empty files (the parent reads them whole after the test)."""
         self.flush()
         os.ftruncate(1, 0)
         os.ftruncate(2, 0)
@@ -66,8 +70,15 @@ class RankWorker:
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         self.device = rank_device(config.device_kind, config.local_rank)
         self._join_world()
-        self.runner = TestRunner(config.rank, config.world_size, config.local_rank, self.device,
-                                 config.rank_fixture_modules, config.label_providers, self.files.trace)
+        self.runner = TestRunner(
+            config.rank,
+            config.world_size,
+            config.local_rank,
+            self.device,
+            config.rank_fixture_modules,
+            config.label_providers,
+            self.files.trace,
+        )
 
     def _join_world(self) -> None:
         cfg = self.config
@@ -103,13 +114,18 @@ def main() -> None:
     worker = RankWorker(config)
     results.send(WorkerReady(rank=config.rank, pid=os.getpid(), device=str(worker.device)))
     while True:
+        # A parent that died closes the pipe: recv raises EOFError and the rank ends here, if
+        # PR_SET_PDEATHSIG has not killed it already.
         message = tasks.recv()
         if isinstance(message, Shutdown):
             break
         results.send(worker.run(message))
+    # Teardown, in this order: leave the process group while every peer is still there to
+    # leave it too (the parent sent Shutdown to all ranks); flush Python's buffers into the
+    # captured fds, since os._exit skips that; then leave without interpreter teardown, where
+    # torch's C++ threads can abort after FSDP ran ("terminate called ..."), which would only
+    # add a misleading line to the rank's stderr. The parent kills what remains after 5 s.
     dist.destroy_process_group()
-    # Skip interpreter teardown: torch's C++ threads can abort there after FSDP ran, which would
-    # only add a misleading "terminate called" line to the rank's stderr.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -4,7 +4,9 @@ reduce-scatter carries, so the harness's trace diff can tell two same-shaped uni
 Without a label a collective issued outside any module forward (FSDP's backward all-gathers
 and reduce-scatters) would be anonymous, and a same-shape swap there would go unseen. Each
 adapter wraps the backend's unshard / reduce entry points once; the wrapper publishes the
-unit's FQNs in a context variable that the trace reads through `current_label`.
+unit's FQNs in a context variable, which the adapter's ``collective_label`` returns. The rank
+fixture registers that method with the harness for each test: nothing here imports the harness
+or registers anything at import.
 """
 from __future__ import annotations
 
@@ -13,13 +15,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from harness import trace
-
 _label: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend_collective_label", default=None)
 _wrapped: set[tuple[int, str]] = set()
 
 
 def current_label() -> str | None:
+    """The FQNs of the unit whose collective is being issued, or None outside a wrapped call."""
     return _label.get()
 
 
@@ -41,6 +42,3 @@ def label_calls(owner: Any, name: str, fqns_of: Callable[..., list[str] | None])
 
     setattr(owner, name, labelled)
     _wrapped.add(key)
-
-
-trace.register_label_provider(current_label)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import engine
+import engine.collectives
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -42,7 +43,16 @@ def _clean(fqn: str) -> str:
 
 class ReferenceAdapter(BackendAdapter):
     name = "reference"
-    CAPABILITIES = frozenset(Capability)
+    CAPABILITIES = frozenset(Capability) - {Capability.SHARD_OPTIM_STATE}
+    UNSUPPORTED_REASONS = {
+        Capability.SHARD_OPTIM_STATE: (
+            "the reference engine's strategies are FSDP's; none shards only optimizer state"
+        ),
+    }
+
+    # -- collective labels (the engine publishes the FQNs of the unit it is gathering) ---------
+    def collective_label(self) -> str | None:
+        return engine.collectives.current_label()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conformance.adapters._labels import label_calls
+from conformance.adapters._labels import current_label, label_calls
 from conformance.adapters._common import (
     CPU_OFFLOAD_NEEDS_ACCELERATOR,
     TorchAdapter,
@@ -82,8 +82,12 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 class TorchFSDP1Adapter(TorchAdapter):
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows.
-    CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE}
+    CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE, Capability.SHARD_OPTIM_STATE}
     UNSUPPORTED_REASONS = {
+        Capability.SHARD_OPTIM_STATE: (
+            "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
+            "parameters, and NO_SHARD replicates optimizer state too"
+        ),
         Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
         Capability.COMPOSABLE: (
             "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
@@ -100,6 +104,10 @@ class TorchFSDP1Adapter(TorchAdapter):
         if self.env.device.type == "cpu":
             return super().capabilities() - {Capability.UNSHARD_OFFLOAD_TO_CPU}
         return super().capabilities()
+
+    # -- collective labels (the unit FQNs published by the wrappers _label_collectives installs)
+    def collective_label(self) -> str | None:
+        return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

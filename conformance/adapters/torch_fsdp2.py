@@ -33,7 +33,7 @@ from conformance.adapters._common import (
     TorchAdapter,
     record_transitions,
 )
-from conformance.adapters._labels import label_calls
+from conformance.adapters._labels import current_label, label_calls
 from conformance.protocol import (
     ApiForm,
     BackendEnv,
@@ -76,8 +76,13 @@ class TorchFSDP2Adapter(TorchAdapter):
         Capability.UNSHARD_RANK0_ONLY,
         Capability.UNSHARD_OFFLOAD_TO_CPU,
         Capability.UNSHARD_WITH_GRADS,
+        Capability.SHARD_OPTIM_STATE,
     }
     UNSUPPORTED_REASONS = {
+        Capability.SHARD_OPTIM_STATE: (
+            "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
+            "parameters, and NO_SHARD replicates optimizer state too"
+        ),
         Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
         Capability.WRAPPER: "fully_shard has no wrapper form; it changes the module in place",
         Capability.FLAT_PARAMETERS: "fully_shard always exposes the original parameters (DTensor)",
@@ -94,6 +99,10 @@ class TorchFSDP2Adapter(TorchAdapter):
         super().__init__(env)
         self._replicate_mesh: DeviceMesh | None = None
         _label_collectives()
+
+    # -- collective labels (the unit FQNs published by the wrappers _label_collectives installs)
+    def collective_label(self) -> str | None:
+        return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

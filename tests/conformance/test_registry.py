@@ -17,6 +17,16 @@ from conformance.protocol import BackendAdapter, Capability
 
 
 @pytest.fixture
+def optional_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two optional built-ins: one whose library is importable here, one whose library is not."""
+    monkeypatch.setattr(registry, "OPTIONAL_BUILTIN", {
+        "present-lib": ("json", "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter", "pip install present"),
+        "absent-lib": ("no_such_library_for_tests", "no_such_library_for_tests.a:A",
+                       "pip install absent-extra"),
+    })
+
+
+@pytest.fixture
 def third_party(monkeypatch: pytest.MonkeyPatch) -> str:
     """Pretend an installed distribution registers 'vendor-fsdp' under our entry-point group."""
     point = EntryPoint(
@@ -58,8 +68,18 @@ def test_select_keeps_order_and_drops_duplicates() -> None:
     assert chosen == ["torch-fsdp2", "torch-fsdp1"]
 
 
-def test_all_expands_to_builtins_and_entry_points(third_party: str) -> None:
-    assert registry.select(["all"]) == ["reference", "torch-fsdp1", "torch-fsdp2", third_party]
+def test_all_expands_to_builtins_and_entry_points(third_party: str, optional_builtins: None) -> None:
+    assert registry.select(["all"]) == ["reference", "torch-fsdp1", "torch-fsdp2", "present-lib", third_party]
+
+
+def test_optional_builtin_is_listed_only_where_its_library_is_installed(optional_builtins: None) -> None:
+    assert "present-lib" in registry.known_names()
+    assert "absent-lib" not in registry.known_names()
+    assert registry.load("present-lib") is TorchFSDP2Adapter
+    with pytest.raises(registry.BackendSelectionError) as error:
+        registry.select(["absent-lib"])
+    assert "needs the 'no_such_library_for_tests' package" in str(error.value)
+    assert "pip install absent-extra" in str(error.value)
 
 
 def test_entry_point_backend_loads(third_party: str) -> None:

@@ -1,4 +1,5 @@
 """Helpers for the harness self-tests: run an inner pytest session and inspect what it left."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import xmlschema
-
 
 SCHEMA = xmlschema.XMLSchema(str(Path(__file__).with_name("junit.xsd")))
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +44,19 @@ class InnerSession:
 
     def command(self, *args: str, cache: bool = False) -> list[str]:
         no_cache = [] if cache else ["-p", "no:cacheprovider"]
-        return [sys.executable, "-m", "pytest", "-p", "harness.plugin", *no_cache,
-                "--rootdir", str(self.directory), "-o", "rank_fixture_modules=", *args]
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "harness.plugin",
+            *no_cache,
+            "--rootdir",
+            str(self.directory),
+            "-o",
+            "rank_fixture_modules=",
+            *args,
+        ]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -54,12 +65,24 @@ class InnerSession:
         return env
 
     def run(self, *args: str, timeout: float = 600, cache: bool = False) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(*args, cache=cache), cwd=self.directory, env=self.env(), text=True,
-                              capture_output=True, timeout=timeout)
+        return subprocess.run(
+            self.command(*args, cache=cache),
+            cwd=self.directory,
+            env=self.env(),
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(self.command(*args), cwd=self.directory, env=self.env(), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            self.command(*args),
+            cwd=self.directory,
+            env=self.env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
 
     def junit(self, rank: int) -> Path:
         return self.directory / "reports" / "junit" / f"rank-{rank}.xml"

@@ -1,21 +1,41 @@
 """first_divergence / format_trace_table on fabricated traces, plus one real 2-rank same-shape mismatch."""
+
 from __future__ import annotations
 
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from test_trace import spawn_ranks
 
 from harness import trace
 from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
-from harness.trace import CollectiveRecord
-from test_trace import spawn_ranks
+from harness.tracefile import CollectiveRecord
 
 
-def rec(rank: int, index: int, seq: int, op: str = "all_gather_into_tensor", label: str = "",
-        numel: int = 36, group: tuple[int, ...] = (0, 1), **extra) -> CollectiveRecord:
-    return CollectiveRecord(rank=rank, index=index, seq=seq, op=op, group=group, shapes=((numel,),),
-                            dtypes=("float32",), numel=numel, label=label, completed=True, **extra)
+def rec(
+    rank: int,
+    index: int,
+    seq: int,
+    op: str = "all_gather_into_tensor",
+    label: str = "",
+    numel: int = 36,
+    group: tuple[int, ...] = (0, 1),
+    **extra,
+) -> CollectiveRecord:
+    return CollectiveRecord(
+        rank=rank,
+        index=index,
+        seq=seq,
+        op=op,
+        group=group,
+        shapes=((numel,),),
+        dtypes=("float32",),
+        numel=numel,
+        label=label,
+        completed=True,
+        **extra,
+    )
 
 
 def test_identical_traces_have_no_divergence():
@@ -32,24 +52,38 @@ def test_same_shape_different_label_is_reported_with_both_sides():
     assert divergence is not None
     assert divergence.describe() == (
         "collective #2 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
-        "rank 1 all_gather_into_tensor [layer2.0.weight, layer2.2.weight] 36 float32")
+        "rank 1 all_gather_into_tensor [layer2.0.weight, layer2.2.weight] 36 float32"
+    )
 
 
 def test_unfinished_collectives_name_where_each_rank_was_stuck():
     done = {r: [rec(r, 0, 0, op="all_reduce", numel=4)] for r in (0, 1)}
     assert unfinished_collectives(done) is None
-    stuck = {0: [*done[0], replace(rec(0, 1, 1, label="layer2"), completed=False)],
-             1: [*done[1], replace(rec(1, 1, 1, label="layer2", fault="hang at collective #2"), completed=False)]}
+    stuck = {
+        0: [*done[0], replace(rec(0, 1, 1, label="layer2"), completed=False)],
+        1: [*done[1], replace(rec(1, 1, 1, label="layer2", fault="hang at collective #2"), completed=False)],
+    }
     assert unfinished_collectives(stuck) == (
         "rank 0 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32; "
         "rank 1 in collective #2 on group [0, 1]: all_gather_into_tensor [layer2] 36 float32 "
-        "(injected fault: hang at collective #2)")
+        "(injected fault: hang at collective #2)"
+    )
 
 
 def test_shapes_are_shown_when_only_they_differ():
     a = rec(0, 0, 0)
-    b = CollectiveRecord(rank=1, index=0, seq=0, op=a.op, group=a.group, shapes=((6, 6),), dtypes=a.dtypes,
-                         numel=36, label="", completed=True)
+    b = CollectiveRecord(
+        rank=1,
+        index=0,
+        seq=0,
+        op=a.op,
+        group=a.group,
+        shapes=((6, 6),),
+        dtypes=a.dtypes,
+        numel=36,
+        label="",
+        completed=True,
+    )
     text = first_divergence({0: [a], 1: [b]}, [0, 1]).describe()
     assert "shapes [36]" in text and "shapes [6,6]" in text
 
@@ -61,8 +95,10 @@ def test_rank_that_stopped_early_is_named_with_its_last_collective():
     }
     traces[1][-1].completed = False
     text = first_divergence(traces, [0, 1]).describe()
-    assert text == ("collective #8 on group [0, 1]: rank 1 stopped early after #7 all_reduce 4 float32, "
-                    "which never returned (rank 0 issued all_reduce 4 float32)")
+    assert text == (
+        "collective #8 on group [0, 1]: rank 1 stopped early after #7 all_reduce 4 float32, "
+        "which never returned (rank 0 issued all_reduce 4 float32)"
+    )
 
 
 def test_missing_rank_trace_counts_as_issuing_nothing():
@@ -93,52 +129,88 @@ def test_more_than_two_ranks_are_grouped_by_what_they_issued():
     traces = {r: [rec(r, 0, 0, label="b" if r == 1 else "a", group=(0, 1, 2))] for r in range(3)}
     assert first_divergence(traces, [0, 1, 2]).describe() == (
         "collective #1 on group [0, 1, 2]: ranks 0, 2 all_gather_into_tensor [a] 36 float32 vs "
-        "rank 1 all_gather_into_tensor [b] 36 float32")
+        "rank 1 all_gather_into_tensor [b] 36 float32"
+    )
 
 
 def test_uneven_all_to_all_shapes_are_not_a_divergence():
-    a = CollectiveRecord(rank=0, index=0, seq=0, op="all_to_all_single", group=(0, 1), shapes=((3,),),
-                         dtypes=("float32",), numel=3, label="", uneven=True)
-    b = CollectiveRecord(rank=1, index=0, seq=0, op="all_to_all_single", group=(0, 1), shapes=((5,),),
-                         dtypes=("float32",), numel=5, label="", uneven=True)
+    a = CollectiveRecord(
+        rank=0,
+        index=0,
+        seq=0,
+        op="all_to_all_single",
+        group=(0, 1),
+        shapes=((3,),),
+        dtypes=("float32",),
+        numel=3,
+        label="",
+        uneven=True,
+    )
+    b = CollectiveRecord(
+        rank=1,
+        index=0,
+        seq=0,
+        op="all_to_all_single",
+        group=(0, 1),
+        shapes=((5,),),
+        dtypes=("float32",),
+        numel=5,
+        label="",
+        uneven=True,
+    )
     assert first_divergence({0: [a], 1: [b]}, [0, 1]) is None
 
 
 def test_skipped_collective_is_treated_as_not_issued_and_named():
     traces = {
         0: [rec(0, 0, 0, op="all_reduce", numel=4), rec(0, 1, 1)],
-        1: [rec(1, 0, 0, op="all_reduce", numel=4, skipped=True, fault="rank 1: skip collective #1"),
-            rec(1, 1, 1)],
+        1: [rec(1, 0, 0, op="all_reduce", numel=4, skipped=True, fault="rank 1: skip collective #1"), rec(1, 1, 1)],
     }
     text = first_divergence(traces, [0, 1]).describe()
-    assert text == ("collective #1 on group [0, 1]: rank 0 all_reduce 4 float32 vs "
-                    "rank 1 all_gather_into_tensor 36 float32, having skipped all_reduce "
-                    "(injected fault: rank 1: skip collective #1)")
+    assert text == (
+        "collective #1 on group [0, 1]: rank 0 all_reduce 4 float32 vs "
+        "rank 1 all_gather_into_tensor 36 float32, having skipped all_reduce "
+        "(injected fault: rank 1: skip collective #1)"
+    )
 
 
 def test_rank_whose_last_collective_was_skipped_did_not_issue_it():
     fault = "rank 1: skip all_reduce collective #2"
     traces = {
         0: [rec(0, 0, 0, op="all_reduce", numel=4), rec(0, 1, 1, op="all_reduce", numel=4)],
-        1: [rec(1, 0, 0, op="all_reduce", numel=4),
-            rec(1, 1, 1, op="all_reduce", numel=4, skipped=True, fault=fault)],
+        1: [rec(1, 0, 0, op="all_reduce", numel=4), rec(1, 1, 1, op="all_reduce", numel=4, skipped=True, fault=fault)],
     }
     assert first_divergence(traces, [0, 1]).describe() == (
         f"collective #2 on group [0, 1]: rank 1 did not issue it, all_reduce skipped (injected fault: {fault}) "
-        "(rank 0 issued all_reduce 4 float32)")
+        "(rank 0 issued all_reduce 4 float32)"
+    )
 
 
 def test_point_to_point_matches_sends_with_receives_per_direction():
     def p2p(rank, index, op, peer, numel):
-        return CollectiveRecord(rank=rank, index=index, seq=0, op=op, group=(0, 1), shapes=((numel,),),
-                                dtypes=("float32",), numel=numel, label="", peer=peer)
+        return CollectiveRecord(
+            rank=rank,
+            index=index,
+            seq=0,
+            op=op,
+            group=(0, 1),
+            shapes=((numel,),),
+            dtypes=("float32",),
+            numel=numel,
+            label="",
+            peer=peer,
+        )
+
     # Posting order differs between ranks (fine for isend/irecv); sizes match per direction.
-    good = {0: [p2p(0, 0, "isend", 1, 4), p2p(0, 1, "irecv", 1, 2)],
-            1: [p2p(1, 0, "irecv", 0, 4), p2p(1, 1, "isend", 0, 2)]}
+    good = {
+        0: [p2p(0, 0, "isend", 1, 4), p2p(0, 1, "irecv", 1, 2)],
+        1: [p2p(1, 0, "irecv", 0, 4), p2p(1, 1, "isend", 0, 2)],
+    }
     assert first_divergence(good, [0, 1]) is None
     bad = {0: [p2p(0, 0, "send", 1, 4)], 1: [p2p(1, 0, "recv", 0, 8)]}
     assert first_divergence(bad, [0, 1]).describe() == (
-        "p2p #1 from rank 0 to rank 1: rank 0 send 4 float32 vs rank 1 recv 8 float32")
+        "p2p #1 from rank 0 to rank 1: rank 0 send 4 float32 vs rank 1 recv 8 float32"
+    )
 
 
 def test_trace_table_lists_every_record_with_status():
@@ -151,10 +223,12 @@ def test_trace_table_lists_every_record_with_status():
 
 # ------------------------------------------------------------------------------ real 2-rank run
 
+
 def _gather_different_layers(rank: int, world_size: int, out_dir: str) -> None:
     """Both ranks all-gather 36 float32 elements, but from different layers (a silent bug)."""
-    model = torch.nn.ModuleDict({"layer1": torch.nn.Linear(6, 6, bias=False),
-                                 "layer2": torch.nn.Linear(6, 6, bias=False)})
+    model = torch.nn.ModuleDict(
+        {"layer1": torch.nn.Linear(6, 6, bias=False), "layer2": torch.nn.Linear(6, 6, bias=False)}
+    )
     chosen = model["layer1"] if rank == 0 else model["layer2"]
     name = "layer1" if rank == 0 else "layer2"
     remove = trace.register_label_provider(lambda: f"{name}.weight")
@@ -170,4 +244,5 @@ def test_same_shape_divergence_between_real_ranks_is_detected(tmp_path):
     assert divergence is not None
     assert divergence.describe() == (
         "collective #1 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
-        "rank 1 all_gather_into_tensor [layer2.weight] 36 float32")
+        "rank 1 all_gather_into_tensor [layer2.weight] 36 float32"
+    )

@@ -4,6 +4,7 @@ Covers what the issue lists: skipped collective, reordered collectives, same-sha
 every torch check, caught only by the trace diff), size mismatch (gloo aborts), early exit and
 hang; plus the opt-outs (`expect_divergence`, fault injection on a passing test).
 """
+
 from __future__ import annotations
 
 import re
@@ -98,16 +99,16 @@ def test_agreeing_ranks_pass(rank):
 
 EXPECTED = {
     "test_same_shape_swap": r"collective #1 on group \[0, 1\]: rank 0 all_reduce \[layer1\] 36 float32 "
-                            r"vs rank 1 all_reduce \[layer2\] 36 float32",
+    r"vs rank 1 all_reduce \[layer2\] 36 float32",
     "test_skipped_collective": r"collective #2 on group \[0, 1\].*rank 1 (stopped|did not issue)",
     "test_reordered_ops": r"collective #1 on group \[0, 1\]: rank 0 all_reduce .* vs rank 1 broadcast",
     "test_size_mismatch": r"collective #2 on group \[0, 1\]: rank 0 all_reduce \S* ?4 float32 "
-                          r"vs rank 1 all_reduce \S* ?8 float32",
+    r"vs rank 1 all_reduce \S* ?8 float32",
     "test_early_exit": r"collective #2 on group \[0, 1\].*rank 1 stopped",
     "test_hang_at_collective": r"rank 1 hung.*--- rank 1 Python stacks ---.*in _hang.*unfinished collectives: "
-                               r"rank 0 in collective #3 on group \[0, 1\]: all_reduce 4 float32; "
-                               r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 "
-                               r"\(injected fault: ",
+    r"rank 0 in collective #3 on group \[0, 1\]: all_reduce 4 float32; "
+    r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 "
+    r"\(injected fault: ",
 }
 COLLECTIVE_TIMEOUT = 5
 

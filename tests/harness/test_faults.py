@@ -1,4 +1,5 @@
 """harness.faults: argument checks in-process; each action exercised on 2 spawned gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+from test_trace import read_traces, spawn_ranks
 
 from harness import faults
 from harness.divergence import first_divergence
-from test_trace import read_traces, spawn_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -42,15 +43,18 @@ def test_active_faults_lists_injected_faults_until_clear():
 def _skip_then_corrupt(rank: int, world_size: int, out_dir: str) -> None:
     with faults.inject(rank=0, at=0, action="skip"), faults.inject(rank=1, at=0, action="skip"):
         skipped = torch.ones(3)
-        work = dist.all_reduce(skipped, async_op=True)   # neither rank issues it: nobody waits
+        work = dist.all_reduce(skipped, async_op=True)  # neither rank issues it: nobody waits
     assert work.is_completed() and work.wait()
     torch.testing.assert_close(skipped, torch.ones(3))
     faults.inject(rank=1, at=1, action="corrupt", op="all_reduce", delta=10.0)
     first, second = torch.ones(2), torch.ones(2)
     dist.all_reduce(first)
     dist.all_reduce(second)
-    assert faults.active_faults() == ["rank 0: skip collective #1", "rank 1: skip collective #1",
-                                      "rank 1: corrupt all_reduce collective #2 (output += 10)"]
+    assert faults.active_faults() == [
+        "rank 0: skip collective #1",
+        "rank 1: skip collective #1",
+        "rank 1: corrupt all_reduce collective #2 (output += 10)",
+    ]
     torch.testing.assert_close(first, torch.full((2,), 2.0))
     torch.testing.assert_close(second, torch.full((2,), 12.0 if rank == 1 else 2.0))
     faults.inject(rank=0, at=0, action="corrupt", op="funcol.all_reduce")
@@ -65,7 +69,7 @@ def test_skip_is_recorded_and_corrupt_changes_only_the_faulty_rank(tmp_path):
         assert skipped.skipped and skipped.fault == f"rank {rank}: skip collective #1"
     assert [r.fault for r in traces[1][1:]] == ["", "rank 1: corrupt all_reduce collective #2 (output += 10)", ""]
     assert traces[0][-1].op == "funcol.all_reduce" and traces[0][-1].fault.startswith("rank 0: corrupt")
-    assert first_divergence(traces, [0, 1]) is None   # same calls on the wire; only data differs
+    assert first_divergence(traces, [0, 1]) is None  # same calls on the wire; only data differs
 
 
 def _delay(rank: int, world_size: int, out_dir: str) -> None:
@@ -74,7 +78,7 @@ def _delay(rank: int, world_size: int, out_dir: str) -> None:
     faults.inject(rank=0, at=0, action="delay", seconds=0.5)
     start = time.monotonic()
     dist.all_reduce(torch.ones(1))
-    assert time.monotonic() - start >= 0.45   # both ranks wait for the delayed rank
+    assert time.monotonic() - start >= 0.45  # both ranks wait for the delayed rank
 
 
 def test_delay_holds_back_the_collective_on_every_rank(tmp_path):
@@ -94,7 +98,7 @@ def _raise_at_second(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def test_raise_fails_the_faulty_rank_before_issuing(tmp_path):
-    with pytest.raises(mp.ProcessRaisedException):   # rank 1 raised; rank 0 lost its peer
+    with pytest.raises(mp.ProcessRaisedException):  # rank 1 raised; rank 0 lost its peer
         spawn_ranks(_raise_at_second, tmp_path, timeout_s=3.0)
     assert (tmp_path / "raised.txt").read_text().startswith("injected fault: rank 1: raise collective #2")
     traces = read_traces(tmp_path, 2)
@@ -126,7 +130,7 @@ def _hang_in_barrier(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def test_hang_leaves_the_peer_timing_out_and_on_rank_is_listed(tmp_path):
-    with pytest.raises(mp.ProcessRaisedException, match="(?i)timed out|timeout"):
+    with pytest.raises(mp.ProcessRaisedException, match=r"(?i)timed out|timeout"):
         spawn_ranks(_hang_in_barrier, tmp_path, timeout_s=2.0)
     traces = read_traces(tmp_path, 2)
     assert traces[1][0].op == "barrier" and not traces[1][0].completed and traces[1][0].fault

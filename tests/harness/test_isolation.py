@@ -1,4 +1,5 @@
 """Warm ranks are reused, yet each test starts from the state a fresh process would give it."""
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def test_2_state_is_back_to_fresh(rank: int, shared_dir: Path) -> None:
     assert torch.get_default_dtype() == torch.float32
     assert torch.is_grad_enabled()
     assert dist.get_debug_level() == dist.DebugLevel.OFF
-    warnings.warn("must not raise", UserWarning)
+    warnings.warn("must not raise", UserWarning, stacklevel=1)
     assert "HARNESS_ISOLATION_PROBE" not in os.environ
     assert os.getcwd() != str(shared_dir)
     assert len(torch.distributed.distributed_c10d._world.pg_map) == 1  # only the default group is left
@@ -68,8 +69,7 @@ def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
 
 @pytest.mark.world_size([1, 2])
 @pytest.mark.parametrize("label", ["a", "b"])
-def test_parametrize_and_world_size_lists_combine(rank: int, world_size: int, device: torch.device,
-                                                  label: str) -> None:
+def test_parametrize_and_world_size_lists_combine(rank: int, world_size: int, device: torch.device, label: str) -> None:
     assert label in ("a", "b")
     assert dist.get_world_size() == world_size and dist.get_rank() == rank
     assert device.type in ("cpu", "cuda")

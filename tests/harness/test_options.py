@@ -1,4 +1,5 @@
 """Bad input fails at once with an error that names the fix; devices are chosen as documented."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,12 +8,15 @@ from conftest import InnerSession
 from harness.devices import plan_devices
 
 
-@pytest.mark.parametrize("marker, message", [
-    ("world_size(0)", "world_size must be >= 1, got 0"),
-    ("world_size('two')", "world_size must be an int or a list of ints, got 'two'"),
-    ("world_size([])", "world_size list is empty"),
-    ("world_size(2, 4)", "use @pytest.mark.world_size(N)"),
-])
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        ("world_size(0)", "world_size must be >= 1, got 0"),
+        ("world_size('two')", "world_size must be an int or a list of ints, got 'two'"),
+        ("world_size([])", "world_size list is empty"),
+        ("world_size(2, 4)", "use @pytest.mark.world_size(N)"),
+    ],
+)
 def test_bad_world_size_marker(inner: InnerSession, marker: str, message: str) -> None:
     inner.write("test_bad.py", f"import pytest\n@pytest.mark.{marker}\ndef test_x(rank):\n    pass\n")
     result = inner.run("-q")
@@ -40,9 +44,12 @@ def test_non_positive_timeout(inner: InnerSession) -> None:
 
 
 def test_unpicklable_argument_is_explained(inner: InnerSession) -> None:
-    inner.write("test_lock.py", "import threading, pytest\n"
-                "@pytest.mark.world_size(1)\n@pytest.mark.parametrize('lock', [threading.Lock()])\n"
-                "def test_x(rank, lock):\n    pass\n")
+    inner.write(
+        "test_lock.py",
+        "import threading, pytest\n"
+        "@pytest.mark.world_size(1)\n@pytest.mark.parametrize('lock', [threading.Lock()])\n"
+        "def test_x(rank, lock):\n    pass\n",
+    )
     result = inner.run("-q")
     assert "argument 'lock' of test_lock.py::test_x" in result.stdout and "cannot be sent to the ranks" in result.stdout
 

@@ -3,6 +3,7 @@
 One inner pytest session runs a fault followed by a healthy test, for each fault; the outer test
 checks outcomes, failure texts, the per-rank JUnit files and that no rank process survived.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,7 +14,7 @@ import xml.etree.ElementTree as ET
 from conftest import SCHEMA, InnerSession, leftover_processes
 from harness.testing import failure_sections
 
-FAULTS = '''
+FAULTS = """
 import ctypes, os, signal, sys, time
 import pytest, torch, torch.distributed as dist
 
@@ -98,7 +99,7 @@ def test_i_every_rank_hangs(rank):
 
 @pytest.mark.world_size(2)
 def test_i_ok(rank, world_size): healthy(rank, world_size)
-'''
+"""
 
 COLLECTIVE_TIMEOUT = 5
 TEST_TIMEOUT = 15
@@ -118,8 +119,9 @@ EXPECTED_CAUSE = {
 def test_each_fault_fails_only_its_test(inner: InnerSession) -> None:
     inner.write("test_faults.py", FAULTS)
     started = time.monotonic()
-    result = inner.run(f"--collective-timeout={COLLECTIVE_TIMEOUT}", f"--test-timeout={TEST_TIMEOUT}",
-                       "--straggler-grace=3", "-q")
+    result = inner.run(
+        f"--collective-timeout={COLLECTIVE_TIMEOUT}", f"--test-timeout={TEST_TIMEOUT}", "--straggler-grace=3", "-q"
+    )
     elapsed = time.monotonic() - started
     out = result.stdout + result.stderr
     assert "9 failed, 9 passed" in out, out
@@ -150,13 +152,17 @@ def test_each_fault_fails_only_its_test(inner: InnerSession) -> None:
 
 
 def test_hang_is_reported_within_collective_timeout_plus_15s(inner: InnerSession) -> None:
-    inner.write("test_hang.py", FAULTS.split("@pytest.mark.world_size(2)\ndef test_a_raise")[0] + '''
+    inner.write(
+        "test_hang.py",
+        FAULTS.split("@pytest.mark.world_size(2)\ndef test_a_raise")[0]
+        + """
 @pytest.mark.world_size(2)
 def test_hang(rank):
     if rank == 1:
         time.sleep(3600)
     dist.barrier()
-''')
+""",
+    )
     started = time.monotonic()
     result = inner.run(f"--collective-timeout={COLLECTIVE_TIMEOUT}", "-q")
     elapsed = time.monotonic() - started
@@ -168,13 +174,16 @@ def test_hang(rank):
 
 def test_interrupt_leaves_no_process(inner: InnerSession) -> None:
     flag = inner.directory / "running"
-    inner.write("test_slow.py", f'''
+    inner.write(
+        "test_slow.py",
+        f"""
 import pathlib, time, pytest
 @pytest.mark.world_size(2)
 def test_slow(rank):
     pathlib.Path({str(flag)!r} + str(rank)).touch()
     time.sleep(3600)
-''')
+""",
+    )
     process = inner.popen("-q")
     deadline = time.monotonic() + 120
     while not (flag.with_name("running0").exists() and flag.with_name("running1").exists()):

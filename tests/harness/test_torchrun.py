@@ -3,6 +3,7 @@
 Every rank runs the same selection in lockstep; a failure on one rank fails that test on both
 "nodes" without a hang, and each rank writes its own rank-<r>.xml.
 """
+
 from __future__ import annotations
 
 import socket
@@ -12,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 from conftest import SCHEMA, InnerSession
 
-TESTS = '''
+TESTS = """
 import pytest, torch, torch.distributed as dist
 
 @pytest.mark.world_size(2)
@@ -35,7 +36,7 @@ def test_d_needs_four(rank):
 
 def test_e_plain():
     pass
-'''
+"""
 
 
 def _free_port() -> int:
@@ -48,12 +49,31 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
     inner.write("test_nodes.py", TESTS)
     port = _free_port()
     agents = []
-    for node in range(2):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=selftest",
-                   "--max-restarts=0", "-m", "pytest", *inner.command("-q", "--collective-timeout=20")[3:]]
-        agents.append(subprocess.Popen(command, cwd=inner.directory, env=inner.env(), text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for _ in range(2):  # two agents, one per "node"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=selftest",
+            "--max-restarts=0",
+            "-m",
+            "pytest",
+            *inner.command("-q", "--collective-timeout=20")[3:],
+        ]
+        agents.append(
+            subprocess.Popen(
+                command,
+                cwd=inner.directory,
+                env=inner.env(),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode != 0, output  # one test failed, on both nodes
@@ -63,7 +83,11 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
     for rank in (0, 1):
         SCHEMA.validate(str(inner.junit(rank)))
         cases = {c.get("name"): c for c in ET.parse(inner.junit(rank)).iter("testcase")}
-        assert set(cases) == {"test_a_allreduce", "test_b_fails_on_rank_1", "test_c_world_still_usable",
-                              "test_d_needs_four"}
+        assert set(cases) == {
+            "test_a_allreduce",
+            "test_b_fails_on_rank_1",
+            "test_c_world_still_usable",
+            "test_d_needs_four",
+        }
         assert (cases["test_b_fails_on_rank_1"].find("failure") is not None) == (rank == 1)
         assert cases["test_d_needs_four"].find("skipped") is not None

@@ -2,6 +2,7 @@
 
 `spawn_ranks` / `read_traces` are also used by test_divergence.py and test_faults.py.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import trace
+from harness import labels, trace
 from harness.divergence import first_divergence
-from harness.trace import CollectiveRecord
+from harness.tracefile import CollectiveRecord, read_trace
 
 
-def spawn_ranks(body: Callable[..., None], tmp_path: Path, *args, world_size: int = 2,
-                timeout_s: float = 10.0) -> dict[int, list[CollectiveRecord]]:
+def spawn_ranks(
+    body: Callable[..., None], tmp_path: Path, *args, world_size: int = 2, timeout_s: float = 10.0
+) -> dict[int, list[CollectiveRecord]]:
     """Run `body(rank, world_size, out_dir, *args)` on `world_size` gloo ranks with tracing on;
     return every rank's trace. Rank failures propagate as torch.multiprocessing exceptions."""
     mp.spawn(_rank_main, args=(world_size, body, str(tmp_path), timeout_s, args), nprocs=world_size)
@@ -30,14 +32,16 @@ def spawn_ranks(body: Callable[..., None], tmp_path: Path, *args, world_size: in
 
 
 def read_traces(directory: Path, world_size: int) -> dict[int, list[CollectiveRecord]]:
-    return {rank: trace.read_trace(str(directory / f"trace-{rank}.jsonl")) for rank in range(world_size)}
+    return {rank: read_trace(str(directory / f"trace-{rank}.jsonl")) for rank in range(world_size)}
 
 
-def _rank_main(rank: int, world_size: int, body: Callable[..., None], out_dir: str, timeout_s: float,
-               args: tuple) -> None:
+def _rank_main(
+    rank: int, world_size: int, body: Callable[..., None], out_dir: str, timeout_s: float, args: tuple
+) -> None:
     store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     trace.install()
     trace.begin_test(os.path.join(out_dir, f"trace-{rank}.jsonl"))
     try:
@@ -53,17 +57,27 @@ def _rank_main(rank: int, world_size: int, body: Callable[..., None], out_dir: s
 
 
 def record(index: int, op: str = "all_reduce") -> CollectiveRecord:
-    return CollectiveRecord(rank=0, index=index, seq=index, op=op, group=(0, 1), shapes=((2, 3),),
-                            dtypes=("float32",), numel=6, label="block.0")
+    return CollectiveRecord(
+        rank=0,
+        index=index,
+        seq=index,
+        op=op,
+        group=(0, 1),
+        shapes=((2, 3),),
+        dtypes=("float32",),
+        numel=6,
+        label="block.0",
+    )
 
 
 # ----------------------------------------------------------------------------- file format
+
 
 def test_read_trace_keeps_whole_lines_marks_completion_and_ignores_a_cut_last_line(tmp_path):
     path = tmp_path / "trace.jsonl"
     first, second = record(0), record(1, op="broadcast")
     path.write_text(first.to_json() + "\n" + '{"done":0}\n' + second.to_json() + "\n" + '{"rank":0,"ind')
-    records = trace.read_trace(str(path))
+    records = read_trace(str(path))
     assert [r.op for r in records] == ["all_reduce", "broadcast"]
     assert records[0].completed and not records[1].completed
     assert records[0].shapes == ((2, 3),) and records[0].group == (0, 1) and records[0].label == "block.0"
@@ -73,17 +87,30 @@ def test_read_trace_rejects_a_corrupt_line_before_the_end(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("garbage\n" + record(0).to_json() + "\n")
     with pytest.raises(ValueError, match=r"trace.jsonl:1: corrupt trace line"):
-        trace.read_trace(str(path))
+        read_trace(str(path))
 
 
 def test_record_json_round_trips_optional_fields():
-    original = CollectiveRecord(rank=1, index=4, seq=0, op="isend", group=(0, 1), shapes=((3,),),
-                                dtypes=("int64",), numel=3, label="", peer=0, uneven=True,
-                                fault="rank 1: skip collective #0", skipped=True)
+    original = CollectiveRecord(
+        rank=1,
+        index=4,
+        seq=0,
+        op="isend",
+        group=(0, 1),
+        shapes=((3,),),
+        dtypes=("int64",),
+        numel=3,
+        label="",
+        peer=0,
+        uneven=True,
+        fault="rank 1: skip collective #0",
+        skipped=True,
+    )
     assert CollectiveRecord.from_json(json.loads(original.to_json())) == original
 
 
 # ---------------------------------------------------------------------------------- labels
+
 
 class Inner(torch.nn.Module):
     def __init__(self) -> None:
@@ -100,16 +127,16 @@ class Outer(torch.nn.Module):
 
 def test_module_label_is_the_innermost_fqn_relative_to_the_outermost_module():
     outer = Outer()
-    assert trace._module_label([outer, outer.blocks[1], outer.blocks[1].proj]) == "blocks.1.proj"
-    assert trace._module_label([outer]) == ""
-    assert trace._module_label([]) == ""
+    assert labels.module_label([outer, outer.blocks[1], outer.blocks[1].proj]) == "blocks.1.proj"
+    assert labels.module_label([outer]) == ""
+    assert labels.module_label([]) == ""
 
 
 def test_module_label_drops_wrapper_segments_and_names_foreign_modules_by_type():
     outer = Outer()
-    assert trace._module_label([outer, outer._fsdp_wrapped_module.proj]) == "proj"
+    assert labels.module_label([outer, outer._fsdp_wrapped_module.proj]) == "proj"
     stranger = Inner()
-    assert trace._module_label([outer, stranger, stranger.proj]) == "Inner.proj"
+    assert labels.module_label([outer, stranger, stranger.proj]) == "Inner.proj"
 
 
 def test_install_is_idempotent_and_reaches_early_imported_references():
@@ -134,6 +161,7 @@ def test_known_ops_fold_aliases_into_canonical_names():
 
 # ------------------------------------------------------------------------ real collectives
 
+
 class AllReduceLayer(torch.nn.Module):
     """A layer whose forward issues a collective, to check module labels."""
 
@@ -147,23 +175,23 @@ def _assorted_collectives(rank: int, world_size: int, out_dir: str) -> None:
     from torch.distributed.tensor._collective_utils import mesh_broadcast  # bound broadcast early
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), AllReduceLayer())
-    model(torch.ones(1, 3))                                               # 0 all_reduce [1]
+    model(torch.ones(1, 3))  # 0 all_reduce [1]
     gathered = torch.empty(2 * 4)
-    dist.all_gather_into_tensor(gathered, torch.ones(4))                 # 1 one record, not two
-    dist.all_gather_object([None] * world_size, {"rank": rank})         # 2 one record
+    dist.all_gather_into_tensor(gathered, torch.ones(4))  # 1 one record, not two
+    dist.all_gather_object([None] * world_size, {"rank": rank})  # 2 one record
     singletons = [dist.new_group([r]) for r in range(world_size)]
-    dist.all_reduce(torch.ones(2), group=singletons[rank])               # 3 group (rank,), seq 0
+    dist.all_reduce(torch.ones(2), group=singletons[rank])  # 3 group (rank,), seq 0
     remove = trace.register_label_provider(lambda: "from provider")
-    dist.broadcast(torch.ones(5), src=0)                                 # 4 label from provider
+    dist.broadcast(torch.ones(5), src=0)  # 4 label from provider
     remove()
-    funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()    # 5 funcol.all_reduce
-    assert mesh_broadcast.__globals__["broadcast"].__trace_original__     # 6 broadcast (early-bound)
+    funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()  # 5 funcol.all_reduce
+    assert mesh_broadcast.__globals__["broadcast"].__trace_original__  # 6 broadcast (early-bound)
     mesh_broadcast.__globals__["broadcast"](torch.ones(6), src=0)
     peer = 1 - rank
-    works = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]   # 7, 8
+    works = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]  # 7, 8
     for work in works:
         work.wait()
-    dist.all_reduce(torch.ones(1), async_op=True).wait()                 # 9
+    dist.all_reduce(torch.ones(1), async_op=True).wait()  # 9
 
 
 def test_real_collectives_are_recorded_once_each_with_groups_seqs_and_labels(tmp_path):
@@ -171,8 +199,17 @@ def test_real_collectives_are_recorded_once_each_with_groups_seqs_and_labels(tmp
     for rank in (0, 1):
         records = traces[rank]
         assert [r.op for r in records] == [
-            "all_reduce", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
-            "funcol.all_reduce", "broadcast", "isend", "irecv", "all_reduce"]
+            "all_reduce",
+            "all_gather_into_tensor",
+            "all_gather_object",
+            "all_reduce",
+            "broadcast",
+            "funcol.all_reduce",
+            "broadcast",
+            "isend",
+            "irecv",
+            "all_reduce",
+        ]
         assert [r.index for r in records] == list(range(10))
         assert all(r.completed and r.rank == rank for r in records)
         world = [r for r in records if r.group == (0, 1) and not r.is_p2p]
@@ -220,8 +257,9 @@ def _fsdp1_step(rank: int, world_size: int, out_dir: str) -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    model = FullyShardedDataParallel(TinyNet(), device_id=torch.device("cpu"),
-                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    model = FullyShardedDataParallel(
+        TinyNet(), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear})
+    )
     model(torch.randn(2, 4)).sum().backward()
 
 

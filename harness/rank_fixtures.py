@@ -3,6 +3,7 @@
 The parent only knows the names (it registers placeholders so pytest's fixture resolution is
 satisfied); the values are built in the rank, where the device and process group live.
 """
+
 from __future__ import annotations
 
 import inspect

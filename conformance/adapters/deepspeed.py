@@ -1,0 +1,658 @@
+"""Adapter for DeepSpeed ZeRO (``deepspeed.initialize``), stages 0 to 3, wrapper form.
+
+Install: ``DS_BUILD_OPS=0 pip install 'fsdp-conformance[deepspeed]'`` (no compiled ops are
+needed; on CPU DeepSpeed JIT-builds one small shared-memory op the first time a process uses
+it, which takes about a minute once per machine).
+
+Strategy mapping, by what each stage keeps on a rank:
+
+* ``NO_SHARD`` -> stage 0: parameters, gradients and optimizer state replicated, gradients
+  all-reduced (DDP semantics).
+* ``SHARD_OPTIM_STATE`` -> stage 1: parameters and gradients replicated, optimizer state (and
+  its fp32 master copy) partitioned.
+* ``SHARD_GRAD_OP`` -> stage 2: gradients and optimizer state partitioned. Parameters stay
+  replicated at all times, where torch's SHARD_GRAD_OP shards them between steps; torch's docs
+  liken the two, and what today's scenarios check of SHARD_GRAD_OP (training parity; the
+  gradient views need ``with_grads``, which DeepSpeed lacks) is the same. Scenarios that
+  check parameter storage under SHARD_GRAD_OP will show the difference, as they should.
+* ``FULL_SHARD`` -> stage 3: parameters partitioned too (``param`` is an empty placeholder,
+  this rank's flat part is ``param.ds_tensor``), gathered module by module during forward and
+  backward.
+
+DeepSpeed owns the training loop: the optimizer is built into the engine
+(:meth:`make_optimizer`), and gradients are reduced by ``engine.backward`` (stage 0 refuses a
+plain ``loss.backward()``). The engine is built when first needed: by :meth:`make_optimizer`
+(with the scenario's optimizer) or by the first forward. Stage 3 partitions the parameters at
+:meth:`shard` already (``deepspeed.zero.Init(module=...)``), so what a rank stores never
+depends on when the engine was built.
+
+Config choices, each because DeepSpeed's default would change what scenarios compare:
+``gradient_clipping`` 0 (DeepSpeed's default clips the global gradient norm to 1.0, which a
+plain torch loop does not do), ``stage3_param_persistence_threshold`` 0 (DeepSpeed leaves
+parameters below it unpartitioned), ``zero_allow_untested_optimizer`` (scenarios bring plain
+torch optimizers).
+
+Rank environment: DeepSpeed reads ``LOCAL_RANK`` (and ``RANK``, ``WORLD_SIZE``) from the
+environment and caches process groups in ``deepspeed.utils.groups``; the adapter sets the
+former from its ``BackendEnv`` for each test and drops the latter in :meth:`close`, since the
+harness destroys every group a test created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.adapters._labels import current_label, label_calls
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    Capability,
+    OptimizerFactory,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    innermost_first,
+    require,
+    require_all,
+    require_unshard_options,
+    structural_capabilities,
+    submodule,
+)
+
+if importlib.util.find_spec("deepspeed") is None:
+    raise ImportError(
+        "the deepspeed backend needs DeepSpeed: DS_BUILD_OPS=0 pip install "
+        "'fsdp-conformance[deepspeed]' (or deepspeed itself)"
+    )
+
+_STAGES = {
+    ShardingStrategy.NO_SHARD: 0,
+    ShardingStrategy.SHARD_OPTIM_STATE: 1,
+    ShardingStrategy.SHARD_GRAD_OP: 2,
+    ShardingStrategy.FULL_SHARD: 3,
+}
+_MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The child name under which our wrapper holds the model; original_fqn drops it from names.
+_WRAPPED = "_deepspeed_wrapped_module"
+
+_NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
+# id(parameter) -> original FQN, for collective labels: filled by shard(), emptied by close()
+# (ids of dead parameters get reused). Keyed by id: tensors compare elementwise, not by identity.
+_PARAM_FQNS: dict[int, str] = {}
+
+
+def _label_collectives() -> None:
+    """Name the parameter FQNs behind ZeRO-3's all-gathers. They run in module hooks, and in
+    backward no module forward is running, so without this the trace could not tell two
+    same-sized gathers apart. The coordinator's gather takes exactly the set of parameters it
+    fetches (prefetched ones included). Gradient reductions keep the harness's default label."""
+    try:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import (
+            PartitionedParameterCoordinator,
+        )
+    except ImportError:
+        return
+    gather = "_PartitionedParameterCoordinator__all_gather_params"
+    if not hasattr(PartitionedParameterCoordinator, gather):
+        return  # a DeepSpeed whose internals moved: gathers keep the module labels
+
+    def fqns(coordinator: Any, params: Any, *args: Any, **kwargs: Any) -> list[str]:
+        return sorted(_PARAM_FQNS.get(id(p), "?") for p in params)
+
+    label_calls(PartitionedParameterCoordinator, gather, fqns)
+
+
+def _import_deepspeed(device: torch.device) -> Any:
+    """Import DeepSpeed with the accelerator of ``device``: it picks one at import, from
+    ``DS_ACCELERATOR`` or by probing, and a CPU rank on a GPU machine must not get CUDA."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    chosen = get_accelerator().device_name()
+    if chosen != device.type:
+        raise RuntimeError(
+            f"DeepSpeed was imported with the {chosen!r} accelerator, but this rank runs on "
+            f"{device}: set DS_ACCELERATOR={device.type} before anything imports deepspeed"
+        )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the output
+    return deepspeed
+
+
+class DeepSpeedModel(nn.Module):
+    """What :meth:`DeepSpeedAdapter.shard` returns: the user's model as its one child
+    (names read ``_deepspeed_wrapped_module.<original FQN>``) and, once built, the
+    DeepSpeedEngine that runs it.
+
+    The engine is kept outside the module tree: it holds the same model, and registering it
+    would list every parameter twice.
+    """
+
+    def __init__(self, module: nn.Module, spec: ShardingSpec, config: dict[str, Any],
+                 units: list[str]) -> None:
+        super().__init__()
+        self._deepspeed_wrapped_module = module
+        self.spec = spec
+        self.config = config
+        self.units = units  # unit FQNs, innermost first, root ("") last
+        self.engine: Any = None
+        self.param_group_fqns: list[list[str]] = []  # the optimizer's groups, by parameter FQN
+        self.build_engine: Callable[[DeepSpeedModel, OptimizerFactory | None], Any] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "engine":  # not a submodule (see the class docstring)
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model (the engine holds the same object as ``engine.module``)."""
+        return self._deepspeed_wrapped_module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            assert self.build_engine is not None
+            self.build_engine(self, None)
+        return self.engine(*args, **kwargs)
+
+    def stage(self) -> int:
+        return self.config["zero_optimization"]["stage"]
+
+    def own_params(self, unit: str) -> list[nn.Parameter]:
+        """Parameters of the unit at ``unit`` that no unit nested in it manages."""
+        nested = [u for u in self.units if u != unit and (unit == "" or u.startswith(f"{unit}."))]
+        inside_nested = {
+            id(p) for fqn in nested for p in submodule(self.module, fqn).parameters()
+        }
+        return [p for p in submodule(self.module, unit).parameters() if id(p) not in inside_nested]
+
+
+class DeepSpeedAdapter(BackendAdapter):
+    name = "deepspeed"
+    CAPABILITIES = frozenset({
+        Capability.WRAPPER,
+        Capability.UNITS,
+        Capability.AUTO_WRAP,
+        Capability.FULL_SHARD,
+        Capability.SHARD_GRAD_OP,
+        Capability.NO_SHARD,
+        Capability.SHARD_OPTIM_STATE,
+        Capability.MIXED_PRECISION,
+        Capability.UNSHARD,
+        Capability.UNSHARD_WRITEBACK,
+        Capability.UNSHARD_NON_RECURSIVE,
+        Capability.FULL_STATE_DICT,
+        Capability.OPTIM_STATE_DICT,
+        Capability.INTROSPECT_UNSHARDED,
+    })
+    UNSUPPORTED_REASONS = {
+        Capability.COMPOSABLE: (
+            "deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"
+        ),
+        Capability.HYBRID_SHARD: (
+            "ZeRO shards over its own data-parallel group; the adapter does not map a "
+            "(replicate, shard) DeviceMesh onto MiCS (mics_shard_size), which builds its own groups"
+        ),
+        Capability.MIXED_PRECISION: (
+            "DeepSpeed's accelerator on this device has no fp16 (is_fp16_supported() is false), "
+            "and the scenarios ask for float16"
+        ),
+        Capability.CPU_OFFLOAD: (
+            "the adapter does not map offload_params onto ZeRO-3 offload_param (unverified "
+            "without a GPU; on CPU the parameters already live in host memory)"
+        ),
+        Capability.IGNORED_MODULES: (
+            "ZeRO partitions every parameter of the model it is given; it cannot leave "
+            "submodules out"
+        ),
+        Capability.FLAT_PARAMETERS: (
+            "DeepSpeed always exposes the original parameters; its flat buffers are internal"
+        ),
+        Capability.UNSHARD_RANK0_ONLY: _NO_GATHER_OPTION,
+        Capability.UNSHARD_OFFLOAD_TO_CPU: _NO_GATHER_OPTION,
+        Capability.UNSHARD_WITH_GRADS: (
+            "deepspeed.zero.GatheredParameters gathers parameters only; full gradients come from "
+            "safe_get_full_grad, outside any context"
+        ),
+        Capability.SHARDED_STATE_DICT: (
+            "DeepSpeed's sharded format is its checkpoint directory (engine.save_checkpoint); it "
+            "has no in-memory state dict of sharded tensors (DTensor or ShardedTensor)"
+        ),
+        Capability.EXEC_ORDER_CHECK: "DeepSpeed performs no cross-rank execution-order check",
+        Capability.TENSOR_PARALLEL: (
+            "ZeRO does not compose with DTensor tensor parallelism (its tensor parallelism is "
+            "AutoTP, which replaces modules)"
+        ),
+        Capability.INTROSPECT_UNIT_FQNS: (
+            "DeepSpeed has no units to report: it partitions each parameter on its own"
+        ),
+        Capability.INTROSPECT_EVENTS: (
+            "DeepSpeed exposes no unshard/reshard events (its fetch hooks are internal)"
+        ),
+        Capability.UNMANAGED_ROOT: (
+            "deepspeed.initialize manages every parameter of the model; a plain root over "
+            "sharded units cannot be expressed"
+        ),
+        Capability.MIXED_STRATEGIES: "one ZeRO stage applies to the whole model",
+    }
+
+    def __init__(self, env: BackendEnv) -> None:
+        super().__init__(env)
+        # DeepSpeed asserts LOCAL_RANK and reads RANK / WORLD_SIZE; the harness's TestIsolation
+        # restores the environment after the test.
+        local_rank = env.local_rank if env.local_rank is not None else (
+            env.device.index if env.device.index is not None else env.rank
+        )
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ["RANK"] = str(env.rank)
+        os.environ["WORLD_SIZE"] = str(env.world_size)
+        self._ds = _import_deepspeed(env.device)
+        self._release_cached_groups()  # a crashed earlier test may have skipped close()
+        _label_collectives()
+
+    def collective_label(self) -> str | None:
+        return current_label()
+
+    def capabilities(self) -> frozenset[Capability]:
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            return self.CAPABILITIES - {Capability.MIXED_PRECISION}
+        return self.CAPABILITIES
+
+    def close(self) -> None:
+        _PARAM_FQNS.clear()
+        self._release_cached_groups()
+
+    def _release_cached_groups(self) -> None:
+        """Forget the process groups DeepSpeed caches in ``deepspeed.utils.groups`` (its data
+        parallel clone of the world group, among others): the harness destroys every group a
+        test created, and a cached dead group fails the next engine ("Group ... is not
+        registered"). DeepSpeed's own destroy_process_group does this through the same
+        function; older versions without it get their known globals reset."""
+        from deepspeed.utils import groups
+
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release(None)
+            return
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
+            getattr(groups, name, {}).clear()
+
+    # -- applying sharding ----------------------------------------------------------------
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        require_all(self, spec.needed_capabilities(form) | structural_capabilities(spec))
+        if spec.mesh is not None:
+            raise ValueError(
+                "deepspeed adapter: ZeRO shards over the whole world; it takes no DeviceMesh "
+                "(leave ShardingSpec.mesh unset)"
+            )
+        config = self._config(spec)
+        for fqn, param in model.named_parameters():
+            _PARAM_FQNS[id(param)] = fqn
+        root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
+        root.build_engine = self._build_engine
+        if config["zero_optimization"]["stage"] == 3:
+            # Partition now, as if the model had been built under zero.Init, so storage is
+            # sharded from here on whether or not (or when) the engine gets built.
+            self._ds.zero.Init(module=model, config_dict_or_path=config)
+        return root
+
+    def _config(self, spec: ShardingSpec) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            # DeepSpeed wants batch sizes for its bookkeeping; scenarios feed their own batches.
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {
+                "stage": _STAGES[spec.strategy],
+                "stage3_param_persistence_threshold": 0,
+            },
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+        }
+        if spec.param_dtype is not None:
+            key = _MIXED_DTYPES.get(spec.param_dtype)
+            if key is None:
+                raise ValueError(
+                    f"deepspeed adapter: param_dtype {spec.param_dtype} is not one DeepSpeed "
+                    f"trains in; use one of {sorted(map(str, _MIXED_DTYPES))}"
+                )
+            config[key] = {"enabled": True}
+        return config
+
+    @staticmethod
+    def _unit_fqns(model: nn.Module, spec: ShardingSpec) -> list[str]:
+        if spec.auto_wrap_classes:
+            units = [
+                fqn for fqn, module in model.named_modules()
+                if fqn and isinstance(module, spec.auto_wrap_classes)
+            ]
+        else:
+            units = list(spec.manual_units)
+        return innermost_first(tuple(units)) + [""]
+
+    def _build_engine(self, root: DeepSpeedModel, factory: OptimizerFactory | None) -> Any:
+        """deepspeed.initialize with the scenario's optimizer, or, when the scenario asked for
+        none before its first forward, a torch SGD with lr 0 that nobody steps: DeepSpeed
+        reduces gradients in its ZeRO optimizer and refuses backward without one."""
+        inner = root.module
+        names = {id(p): fqn for fqn, p in inner.named_parameters()}
+        if factory is None:
+            optimizer = torch.optim.SGD(inner.parameters(), lr=0.0)
+        else:
+            optimizer = factory(inner.parameters())
+        root.param_group_fqns = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        engine, _, _, _ = self._ds.initialize(model=inner, optimizer=optimizer, config=root.config)
+        root.engine = engine
+        return engine
+
+    # -- training loop ----------------------------------------------------------------------
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Any:
+        root = _root(model)
+        if root.engine is not None:
+            raise RuntimeError(
+                "deepspeed adapter: the engine already exists (a forward ran, or make_optimizer "
+                "was called before); DeepSpeed takes the optimizer when the engine is built, so "
+                "call make_optimizer once, right after shard()"
+            )
+        return self._build_engine(root, factory).optimizer
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        _engine(model).backward(loss)
+
+    def step(self, model: nn.Module, optimizer: Any) -> None:
+        _engine(model).step()
+
+    def zero_grad(self, model: nn.Module, optimizer: Any) -> None:
+        optimizer.zero_grad()
+
+    # -- unshard ------------------------------------------------------------------------
+    def original_fqn(self, name: str) -> str:
+        return ".".join(part for part in name.split(".") if part and part != _WRAPPED)
+
+    @contextlib.contextmanager
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
+        root = _root(model)
+        if recurse:
+            params = list(submodule(root.module, fqn).parameters())
+        elif fqn in root.units:
+            params = root.own_params(fqn)
+        else:
+            raise ValueError(
+                f"deepspeed adapter: recurse=False needs a unit FQN; {fqn!r} is not one of "
+                f"{root.units}"
+            )
+        # modifier_rank: on exit rank 0's values are broadcast and partitioned again; without
+        # it the gathered values are dropped. Outside stage 3 this is a no-op: parameters are
+        # replicated and inside the context every rank sees (and changes) its own copy.
+        # Deliberately DeepSpeed's behaviour and nothing more: the ZeRO optimizer's fp32 master
+        # copy is not refreshed, so the next step writes the old values back over a change
+        # made here (set_local_shard, a test instrument, does refresh it).
+        with self._ds.zero.GatheredParameters(params, modifier_rank=0 if writeback else None):
+            yield
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        root = _root(model)
+        with self._ds.zero.GatheredParameters(list(root.module.parameters())):
+            return {
+                name: value.detach().clone() for name, value in root.module.state_dict().items()
+            }
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        root = _root(model)
+        # What engine.load_checkpoint(load_module_only=True) does without the files: load
+        # under a gather that rank 0 modifies, then refresh the optimizer's fp32 master copy.
+        with self._ds.zero.GatheredParameters(list(root.module.parameters()), modifier_rank=0):
+            root.module.load_state_dict(dict(state_dict))
+        optimizer = getattr(root.engine, "optimizer", None)
+        if hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: Any, kind: StateDictKind
+    ) -> dict[str, Any]:
+        """torch's full optimizer-state layout keyed by parameter FQN (see
+        docs/writing-an-adapter.md), assembled with DeepSpeed's safe_get_full_optimizer_state:
+        one collective per parameter and elementwise state, on every rank."""
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        root = _root(model)
+        base = _base_optimizer(root)
+        state: dict[str, dict[str, Any]] = {}
+        for fqn, param in root.module.named_parameters():
+            if root.stage() == 0:  # the plain torch optimizer, keyed by the parameter itself
+                entry = {k: _copy(v) for k, v in base.state.get(param, {}).items()}
+            else:
+                elementwise, scalars = _zero_state_layout(base)
+                entry = {k: safe_get_full_optimizer_state(param, k).clone() for k in elementwise}
+                entry.update({k: _copy(v) for k, v in scalars.items()})
+            if entry:
+                state[fqn] = entry
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(fqns)}
+            for group, fqns in zip(base.param_groups, root.param_group_fqns)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_optim_state_dict(
+        self, model: nn.Module, optim: Any, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        """Load what :meth:`optim_state_dict` produced: hyperparameters into the optimizer's
+        groups, elementwise state through safe_set_full_optimizer_state (which writes this
+        rank's partition), scalars (Adam's step) into every flat group's state."""
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        root = _root(model)
+        base = _base_optimizer(root)
+        saved_groups = state_dict.get("param_groups", [])
+        if [list(g["params"]) for g in saved_groups] != root.param_group_fqns:
+            raise ValueError(
+                f"optimizer state dict groups {[g['params'] for g in saved_groups]} do not match "
+                f"this optimizer's {root.param_group_fqns}"
+            )
+        for group, saved in zip(base.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        params = dict(root.module.named_parameters())
+
+        def load() -> None:
+            for fqn, entry in state_dict.get("state", {}).items():
+                param = params[fqn]
+                if root.stage() == 0:
+                    base.state[param] = {k: _copy(v) for k, v in entry.items()}
+                    continue
+                # Elementwise states first: DeepSpeed writes them into state it created at
+                # the first step, and raises (KeyError) before that; scalars have no such check.
+                elementwise = [k for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0]
+                for key in elementwise:
+                    safe_set_full_optimizer_state(param, entry[key].to(self.env.device), key)
+                for key, value in entry.items():
+                    if key not in elementwise:
+                        for flat_state in base.state.values():
+                            flat_state[key] = _copy(value)
+
+        _all_ranks_or_none(load, self.env.device)
+
+    # -- storage ----------------------------------------------------------------------------
+    def local_shard(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        param = self.named_parameter(model, fqn)
+        if hasattr(param, "ds_tensor"):  # stage 3: this rank's flat part, padding included
+            return param.ds_tensor.detach().clone()
+        return param.detach().clone()  # stages 0-2 keep every parameter whole on every rank
+
+    def set_local_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+        param = self.named_parameter(model, fqn)
+        target = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+        if value.shape != target.shape:
+            raise ValueError(
+                f"{fqn}: this rank stores shape {tuple(target.shape)}, got {tuple(value.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(value)
+            # The ZeRO optimizer steps an fp32 master copy and writes it back over the
+            # parameter: update it too, or the next step undoes the write.
+            if hasattr(param, "ds_tensor") and getattr(param, "_z3_optimizer", None) is not None:
+                safe_set_local_fp32_param(param, value)
+            elif getattr(param, "_hp_mapping", None) is not None:
+                safe_set_full_fp32_param(param, value)  # stages 1-2: writes this rank's fragment
+
+    def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
+        from deepspeed.utils import safe_get_local_grad
+
+        stage = _root(model).stage()
+        if stage in (1, 2):
+            _skip_stage12_grads()
+        param = self.named_parameter(model, fqn)
+        if stage == 0:  # plain replicated gradients, all-reduced by engine.backward
+            return None if param.grad is None else param.grad.detach().clone()
+        if getattr(param, "_z3_optimizer", None) is None:
+            return None  # no engine yet: nothing was reduced
+        grad = safe_get_local_grad(param)
+        return None if grad is None else grad.detach().clone()
+
+    def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_local_grad
+
+        stage = _root(model).stage()
+        if stage in (1, 2):
+            _skip_stage12_grads()
+        param = self.named_parameter(model, fqn)
+        if stage == 0:
+            if param.grad is None:
+                raise ValueError(f"{fqn}: this rank stores no gradient to overwrite")
+            with torch.no_grad():
+                param.grad.copy_(value)
+        elif getattr(param, "_z3_optimizer", None) is None:
+            raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (no engine yet)")
+        else:
+            safe_set_local_grad(param, value)
+
+    # -- introspection ----------------------------------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        root = _root(model)
+        if unit not in root.units:
+            raise ValueError(f"{unit!r} is not a unit; units are {root.units}")
+        params = root.own_params(unit)
+        if not params:
+            raise ValueError(f"unit {unit!r} manages no parameters")
+        status = self._ds.zero.ZeroParamStatus
+        # Outside stage 3 parameters are never partitioned: always unsharded.
+        return all(getattr(p, "ds_status", status.AVAILABLE) == status.AVAILABLE for p in params)
+
+
+_STATE_DICT_CAPABILITY = {
+    StateDictKind.FULL: Capability.FULL_STATE_DICT,
+    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
+}
+
+
+def _root(model: nn.Module) -> DeepSpeedModel:
+    if not isinstance(model, DeepSpeedModel):
+        raise TypeError(
+            f"deepspeed adapter: expected the module shard() returned, got {type(model).__name__}"
+        )
+    return model
+
+
+def _engine(model: nn.Module) -> Any:
+    root = _root(model)
+    if root.engine is None:
+        raise RuntimeError(
+            "deepspeed adapter: no engine yet: call make_optimizer (or run a forward) first"
+        )
+    return root.engine
+
+
+def _base_optimizer(root: DeepSpeedModel) -> torch.optim.Optimizer:
+    """The torch optimizer the scenario's factory built (ZeRO wraps it as ``.optimizer``)."""
+    optimizer = getattr(root.engine, "optimizer", None)
+    if optimizer is None:
+        raise RuntimeError("deepspeed adapter: no optimizer: call make_optimizer first")
+    return getattr(optimizer, "optimizer", optimizer) if root.stage() > 0 else optimizer
+
+
+def _zero_state_layout(base: torch.optim.Optimizer) -> tuple[list[str], dict[str, Any]]:
+    """Under ZeRO the base optimizer steps flat fp32 partitions: its elementwise states
+    (Adam's exp_avg, ...) belong to the parameters laid out in them, its scalar states (step)
+    to the whole group; every flat group is stepped together, so they agree."""
+    elementwise: list[str] = []
+    scalars: dict[str, Any] = {}
+    for flat_state in base.state.values():
+        for key, value in flat_state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                if key not in elementwise:
+                    elementwise.append(key)
+            else:
+                scalars.setdefault(key, value)
+    return elementwise, scalars
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _skip_stage12_grads() -> None:
+    """Same on every rank (it depends on the stage only), so every rank skips together."""
+    pytest.skip(
+        "unsupported: this rank's gradient shard under ZeRO-1/2: DeepSpeed frees "
+        "param.grad after backward and keeps this rank's reduced part in flat buffers, with no "
+        "public per-parameter accessor (safe_get_local_grad asserts 'This API is only defined "
+        "for ZeRO-3 partitioned parameters')"
+    )
+
+
+def _all_ranks_or_none(action: Callable[[], None], device: torch.device) -> None:
+    """Run ``action`` on every rank; if it raised anywhere, raise on every rank.
+
+    DeepSpeed's loaders can fail on some ranks only (a size check on the last rank); the
+    others would otherwise walk into the next collective and wait for the timeout.
+    """
+    error: BaseException | None = None
+    try:
+        action()
+    except Exception as caught:  # noqa: BLE001 - re-raised below, on this rank and the others
+        error = caught
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError(f"{int(failed.item())} other rank(s) failed here; see their report")

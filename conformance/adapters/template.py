@@ -1,0 +1,169 @@
+"""Adapter template: copy this file, rename the class and ``name``, replace the DDP calls.
+
+It is a complete, working adapter for the simplest data-parallel "backend" there is, torch's
+``DistributedDataParallel`` (every rank keeps everything; gradients are all-reduced), so it
+runs as is and the self-tests keep it honest:
+
+    python -m pytest conformance --backend conformance.adapters.template:TemplateAdapter
+
+Every method of the protocol appears below, the optional ones with their default behaviour
+spelled out and a note on when to replace it. A backend that owns its training loop (it builds
+the optimizer itself and runs its own backward and step, as DeepSpeed does) overrides
+``make_optimizer`` / ``backward`` / ``step`` / ``zero_grad``; see
+``conformance/adapters/deepspeed.py`` for a complete one. The contract each method must honour
+is in docs/writing-an-adapter.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    Capability,
+    OptimizerFactory,
+    ShardingSpec,
+    StateDictKind,
+    require,
+    require_all,
+    require_unshard_options,
+    structural_capabilities,
+)
+
+# The path component the wrapper inserts between itself and the model (DDP: "module").
+_WRAPPED = "module"
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+class TemplateAdapter(BackendAdapter):
+    # Shown in reports; the expectations file is conformance/expectations/<name>.toml.
+    name = "template-ddp"
+    # Declare only what really works; everything else is skipped as "unsupported: <why>".
+    CAPABILITIES = frozenset({
+        Capability.WRAPPER,
+        Capability.NO_SHARD,
+        Capability.UNSHARD,
+        Capability.UNSHARD_WRITEBACK,
+        Capability.FULL_STATE_DICT,
+        Capability.OPTIM_STATE_DICT,
+    })
+    # The reason each missing capability is missing: a claim about the backend, so a true one.
+    UNSUPPORTED_REASONS = {
+        Capability.COMPOSABLE: "DistributedDataParallel is a wrapper; it has no in-place form",
+        Capability.UNITS: "DDP replicates the whole model; it has no sharding units",
+        Capability.FULL_SHARD: "DDP shards nothing",
+        Capability.SHARDED_STATE_DICT: "DDP shards nothing, so there is no sharded state dict",
+    }
+
+    def __init__(self, env: BackendEnv) -> None:
+        # Built once per test in every rank; the default process group already exists.
+        # Libraries that read torchrun's variables (LOCAL_RANK, ...) get them set from `env`
+        # here: the harness restores the environment after each test.
+        super().__init__(env)
+
+    # -- applying sharding ----------------------------------------------------------------
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        # Refuse (skip) before touching the model if the spec asks for anything missing.
+        require_all(self, spec.needed_capabilities(form) | structural_capabilities(spec))
+        device_ids = [self.env.device] if self.env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def original_fqn(self, name: str) -> str:
+        # Names seen on the returned module -> the original model's FQNs.
+        return ".".join(part for part in name.split(".") if part and part != _WRAPPED)
+
+    # -- training loop: the defaults, spelled out -------------------------------------------
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        # Called once, right after shard(). A backend that must own the optimizer builds it
+        # here (e.g. passes factory(params) to its engine) and returns what step/zero_grad and
+        # the optimizer state dict methods below accept.
+        return factory(model.parameters())
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        loss.backward()  # DDP all-reduces (averages) gradients in its backward hooks
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- unshard ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
+        # DDP's parameters are always full: nothing to gather, and changes made inside are
+        # made to the stored parameters (they persist whatever `writeback` says).
+        yield
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        return {name: value.detach().clone() for name, value in _inner(model).state_dict().items()}
+
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        _inner(model).load_state_dict(dict(state_dict))
+
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                         kind: StateDictKind) -> dict[str, Any]:
+        # torch's layout keyed by parameter FQN (docs/writing-an-adapter.md, "State-dict
+        # layouts"); torch.distributed.checkpoint builds it for DDP and FSDP models.
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        return get_optimizer_state_dict(model, optim, options=_FULL)
+
+    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        require(self, _STATE_DICT_CAPABILITY[kind])
+        set_optimizer_state_dict(model, optim, dict(state_dict), options=_FULL)
+
+    # -- storage: the defaults fit (the parameter is what a rank stores) --------------------
+    # Override local_shard / set_local_shard / local_grad_shard / set_local_grad_shard when a
+    # rank's part of a parameter lives somewhere else than `param` (DeepSpeed ZeRO-3:
+    # `param.ds_tensor`) or is also kept elsewhere (an optimizer's fp32 master copy).
+
+    # -- labels and lifetime: the defaults fit ----------------------------------------------
+    def collective_label(self) -> str | None:
+        # Return the FQNs a collective carries while the backend issues it (wrap the backend's
+        # gather / reduce entry points and publish the names in a contextvars.ContextVar, as
+        # conformance/adapters/_labels.py does). DDP's gradient buckets mix parameters, so the
+        # harness's default (the running module's FQN) is kept.
+        return None
+
+    def close(self) -> None:
+        # Drop what the backend caches across tests (process groups in module globals, ...).
+        return None
+
+
+_STATE_DICT_CAPABILITY = {
+    StateDictKind.FULL: Capability.FULL_STATE_DICT,
+    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
+}
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,139 @@
+"""Semantic labels for collectives: which unit (FQNs) a rank meant when it issued one.
+
+Two same-shaped collectives of different units (rank 0 all-gathers `layer1`, rank 1 `layer2`)
+only differ in their label, so the trace diff is as good as the labels. Sources, first wins:
+
+  1. label providers: callables returning a label or None, registered with
+     `register_label_provider` or listed as `module:attr` in the `collective_label_providers`
+     ini option (loaded in every rank by `load_label_providers`). Backends that issue
+     collectives outside any module forward (FSDP's backward gathers and reduce-scatters) name
+     them this way;
+  2. the FQN of the innermost running module forward, relative to the outermost one, from a
+     per-thread stack kept by global forward hooks (`track_module_forwards`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.modules.module as nn_module
+
+LabelProvider = Callable[[], "str | None"]
+
+# Segments that wrappers insert into module paths; dropped so labels read like the user's FQNs.
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+_providers: list[LabelProvider] = []
+# (id(parent), id(child)) -> (weak parent, weak child, path): ids are only trusted while both
+# referents are alive, so a recycled id never returns a stale path.
+_child_paths: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, str | None]] = {}
+_tracking = False
+
+
+class _ModuleStack(threading.local):
+    """The module forwards running on this thread, outermost first."""
+
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+
+
+_stack = _ModuleStack()
+
+
+def register_label_provider(provider: LabelProvider) -> Callable[[], None]:
+    """Add a source of semantic labels (e.g. a backend adapter naming the FQNs being gathered).
+
+    The first provider returning a non-None string labels the collective; otherwise the label is the
+    FQN of the innermost running module forward. Returns a function that removes the provider.
+    """
+    _providers.append(provider)
+
+    def remove() -> None:
+        if provider in _providers:
+            _providers.remove(provider)
+
+    return remove
+
+
+def load_label_providers(specs: tuple[str, ...]) -> None:
+    """Register `module:attr` callables (the `collective_label_providers` ini option)."""
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        try:
+            provider = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise RuntimeError(
+                f"collective label provider {spec!r} cannot be loaded ({error}); "
+                "fix the 'collective_label_providers' ini option"
+            ) from error
+        register_label_provider(provider)
+
+
+def track_module_forwards() -> None:
+    """Keep the per-thread stack of running module forwards (idempotent, process-wide)."""
+    global _tracking
+    if _tracking:
+        return
+    nn_module.register_module_forward_pre_hook(_push_module)
+    # always_call: a forward that raises still pops, or every later label would be wrong.
+    nn_module.register_module_forward_hook(_pop_module, always_call=True)
+    _tracking = True
+
+
+def current_label() -> str:
+    """The label of a collective issued now, on this thread."""
+    for provider in _providers:
+        label = provider()
+        if label is not None:
+            return label
+    return module_label(_stack.modules)
+
+
+def reset() -> None:
+    """Forget this thread's module stack and the cached module paths (between tests)."""
+    _stack.modules.clear()
+    _child_paths.clear()
+
+
+def module_label(modules: list[torch.nn.Module]) -> str:
+    """FQN of the innermost running module relative to the outermost one, wrapper segments dropped."""
+    parts: list[str] = []
+    for parent, child in itertools.pairwise(modules):
+        if parent is child:
+            continue
+        path = _child_path(parent, child)
+        if path is None:  # called from outside its parent's tree: name it from here on by type
+            parts = [type(child).__name__]
+        elif path:
+            parts.append(path)
+    return ".".join(seg for part in parts for seg in part.split(".") if seg not in _WRAPPER_SEGMENTS)
+
+
+def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
+    key = (id(parent), id(child))
+    cached = _child_paths.get(key)
+    if cached is not None and cached[0]() is parent and cached[1]() is child:
+        return cached[2]
+    path = next((name for name, sub in parent.named_modules(remove_duplicate=False) if sub is child), None)
+    _child_paths[key] = (weakref.ref(parent), weakref.ref(child), path)
+    return path
+
+
+def _push_module(module: torch.nn.Module, _inputs: object) -> None:
+    _stack.modules.append(module)
+
+
+def _pop_module(module: torch.nn.Module, _inputs: object, _output: object) -> None:
+    modules = _stack.modules
+    if modules and modules[-1] is module:
+        modules.pop()
+        return
+    for position in range(len(modules) - 1, -1, -1):  # unbalanced after an exception elsewhere
+        if modules[position] is module:
+            del modules[position]
+            return

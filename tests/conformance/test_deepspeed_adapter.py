@@ -1,0 +1,296 @@
+"""The DeepSpeed adapter's basics, on the backend itself: strategy -> stage mapping and
+training parity through the hooks, ZeRO-3 storage, unshard, state dicts, the rank environment,
+cached groups, labels; and the DeepSpeed behaviours its expected failures will cite, pinned so
+that a DeepSpeed release that changes them is noticed.
+
+Skipped as a whole when DeepSpeed is not installed (``DS_BUILD_OPS=0 pip install
+'fsdp-conformance[deepspeed]'``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+
+import fixtures
+from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy, StateDictKind
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)", allow_module_level=True)
+
+TARGET = "conformance.adapters.deepspeed:DeepSpeedAdapter"
+STAGES = {
+    ShardingStrategy.NO_SHARD: 0,
+    ShardingStrategy.SHARD_OPTIM_STATE: 1,
+    ShardingStrategy.SHARD_GRAD_OP: 2,
+    ShardingStrategy.FULL_SHARD: 3,
+}
+ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
+# As conformance/test_runtime.py: fp32 reduction order only (observed ~1e-6 here).
+LOSS_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+PARAM_TOLERANCE = {"rtol": 1e-3, "atol": 1e-3}
+
+
+def adapter(rank: int, world_size: int, device: torch.device):
+    # Imported in the rank: the module imports DeepSpeed lazily, with the rank's accelerator.
+    from conformance.adapters.deepspeed import DeepSpeedAdapter
+
+    return DeepSpeedAdapter(BackendEnv(rank, world_size, device, local_rank=rank))
+
+
+def trained(backend, strategy: ShardingStrategy, steps: int, rank: int, device: torch.device, seed: int = 0):
+    """A CompositeModel sharded with ``strategy`` and its optimizer, after ``steps`` steps."""
+    model = fixtures.build(fixtures.CompositeModel, seed, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(strategy=strategy), ApiForm.WRAPPER)
+    optim = backend.make_optimizer(sharded, ADAM)
+    train_steps(backend, sharded, model, optim, steps, rank, device, first_iteration=5 * seed)
+    return model, sharded, optim
+
+
+class Square5(nn.Sequential):
+    """One 5x5 weight: 25 elements, not divisible by 2 ranks (ZeRO-3 pads rank 1's part)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(5, 5, bias=False))
+
+
+def square_step(backend, sharded, optim, device) -> None:
+    backend.zero_grad(sharded, optim)
+    backend.backward(sharded, sharded(torch.ones(2, 5, device=device)).sum())
+    backend.step(sharded, optim)
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", list(STAGES), ids=lambda s: s.name)
+def test_each_strategy_is_its_zero_stage_and_trains_like_the_oracle(strategy, rank, world_size, device):
+    backend = adapter(rank, world_size, device)
+    plan = fixtures.TrainingPlan(seed=0, iterations=4, batch_size=2, make_optimizer=ADAM)
+    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan,
+                                   world_size=world_size, device=device)
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,)),
+                            ApiForm.WRAPPER)
+    optim = backend.make_optimizer(sharded, plan.make_optimizer)
+    assert sharded.engine.zero_optimization_stage() == STAGES[strategy]
+    assert sharded.engine.gradient_clipping() == 0.0  # DeepSpeed's default would clip to 1.0
+    losses = train_steps(backend, sharded, model, optim, plan.iterations, rank, device)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
+                               **LOSS_TOLERANCE)
+    state = backend.state_dict(sharded, StateDictKind.FULL)
+    assert state.keys() == oracle.state_dict.keys()
+    for name, expected in oracle.state_dict.items():
+        torch.testing.assert_close(state[name], expected, **PARAM_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    backend.close()
+
+
+@pytest.mark.world_size(2)
+def test_rank_environment_and_engine_lifetime(rank, world_size, device):
+    """LOCAL_RANK/RANK/WORLD_SIZE come from BackendEnv; the optimizer must come before the
+    first forward (DeepSpeed takes it at engine creation); a forward without one builds the
+    engine with a placeholder so backward works."""
+    backend = adapter(rank, world_size, device)
+    assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == (
+        str(rank), str(rank), str(world_size))
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=4)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device)
+    backend.backward(sharded, model.loss(sharded(*inputs)))
+    with pytest.raises(RuntimeError, match="call make_optimizer once, right after shard"):
+        backend.make_optimizer(sharded, ADAM)
+    assert not backend.supports(Capability.COMPOSABLE) and backend.forms() == [ApiForm.WRAPPER]
+
+
+@pytest.mark.world_size(2)
+def test_cached_groups_are_released_for_the_next_engine(rank, world_size, device):
+    """The harness destroys every group a test created; DeepSpeed caches its clone of the
+    world group. After close() and that destruction, a new engine must still build."""
+    before = set(c10d._world.pg_map)
+    for _ in range(2):
+        backend = adapter(rank, world_size, device)
+        model = fixtures.build(fixtures.CompositeModel, 0, device, dim=4)
+        sharded = backend.shard(model, ShardingSpec(strategy=ShardingStrategy.SHARD_GRAD_OP), ApiForm.WRAPPER)
+        backend.make_optimizer(sharded, ADAM)
+        backend.close()
+        for group in [g for g in c10d._world.pg_map if g not in before]:
+            dist.destroy_process_group(group)  # what harness.isolation does after each test
+
+
+# -- ZeRO-3 storage, unshard ------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_zero3_stores_a_padded_flat_part_and_writes_reach_gathers_and_steps(rank, world_size, device):
+    """param is an empty placeholder; the rank's part is ceil(25 / 2) = 13 elements (rank 1's
+    last one is padding); a write through set_local_shard shows in the gathered weight and
+    survives an optimizer step with lr 0 (the fp32 master copy was updated too)."""
+    backend = adapter(rank, world_size, device)
+    model = fixtures.build(Square5, 0, device)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
+    weight = dict(sharded.named_parameters())["_deepspeed_wrapped_module.0.weight"]
+    assert weight.numel() == 0
+    stored = backend.local_shard(sharded, "0.weight")
+    assert stored.shape == (13,)
+    optim = backend.make_optimizer(sharded, functools.partial(torch.optim.SGD, lr=0.0))
+    backend.set_local_shard(sharded, "0.weight", torch.full((13,), float(rank + 2), device=device))
+    expected = torch.cat([torch.full((13,), 2.0), torch.full((12,), 3.0)]).reshape(5, 5).to(device)
+    assert torch.equal(backend.state_dict(sharded, StateDictKind.FULL)["0.weight"], expected)
+    square_step(backend, sharded, optim, device)
+    assert torch.equal(backend.state_dict(sharded, StateDictKind.FULL)["0.weight"], expected)
+    grad = backend.local_grad_shard(sharded, "0.weight")
+    assert grad is not None and grad.shape == (13,)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("writeback", [True, False], ids=["writeback", "no_writeback"])
+def test_zero3_unshard_shows_full_parameters_and_honours_writeback(writeback, rank, world_size, device):
+    backend = adapter(rank, world_size, device)
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=4)
+    local = copy.deepcopy(model)
+    sharded = backend.shard(model, ShardingSpec(manual_units=("unit1",)), ApiForm.WRAPPER)
+    with backend.unshard(sharded, "unit1", writeback=writeback, recurse=False), torch.no_grad():
+        shown = {backend.original_fqn(n): p for n, p in sharded.named_parameters() if p.numel()}
+        assert sorted(shown) == sorted(f"unit1.{n}" for n, _ in fixtures.Unit(dim=4).named_parameters())
+        for name, param in shown.items():
+            assert torch.equal(param, local.get_parameter(name)), name
+            param.zero_()
+    state = backend.state_dict(sharded, StateDictKind.FULL)
+    for name, value in state.items():
+        changed = name.startswith("unit1.") and writeback
+        assert torch.equal(value, torch.zeros_like(value) if changed else local.state_dict()[name]), name
+
+
+# -- state dicts ----------------------------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", list(STAGES), ids=lambda s: s.name)
+def test_optimizer_state_round_trips_keyed_by_fqn(strategy, rank, world_size, device):
+    """Full optimizer state, torch's layout keyed by FQN, reloads bit for bit into an engine
+    that has stepped once (DeepSpeed creates the state at the first step)."""
+    backend = adapter(rank, world_size, device)
+    model, sharded, optim = trained(backend, strategy, 2, rank, device)
+    saved = copy.deepcopy(backend.optim_state_dict(sharded, optim, StateDictKind.FULL))
+    assert set(saved["state"]) == {n for n, _ in model.named_parameters()}
+    assert saved["param_groups"][0]["lr"] == 1e-2
+    entry = saved["state"]["unit1.inp.weight"]
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and entry["exp_avg"].shape == (8, 8)
+
+    _, restored, restored_optim = trained(backend, strategy, 1, rank, device, seed=1)
+    backend.load_state_dict(restored, backend.state_dict(sharded, StateDictKind.FULL), StateDictKind.FULL)
+    backend.load_optim_state_dict(restored, restored_optim, copy.deepcopy(saved), StateDictKind.FULL)
+    again = backend.optim_state_dict(restored, restored_optim, StateDictKind.FULL)
+    for fqn, state in saved["state"].items():
+        for key, value in state.items():
+            assert torch.equal(again["state"][fqn][key], value), (fqn, key)
+    train_steps(backend, sharded, model, optim, 1, rank, device, first_iteration=2)
+    train_steps(backend, restored, model, restored_optim, 1, rank, device, first_iteration=2)
+    after, expected = (backend.state_dict(m, StateDictKind.FULL) for m in (restored, sharded))
+    for name, value in expected.items():
+        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6)
+
+
+# -- DeepSpeed behaviours that expected failures will cite -------------------------------------
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.FULL_SHARD],
+                         ids=lambda s: s.name)
+def test_deepspeed_cannot_load_optimizer_state_before_its_first_step(strategy, rank, world_size, device):
+    """ZeRO creates its optimizer state lazily at the first step; safe_set_full_optimizer_state
+    before that fails (ZeRO-3: KeyError 'exp_avg'; ZeRO-1/2: TypeError on the not yet linked
+    fragment), on every rank at once."""
+    backend = adapter(rank, world_size, device)
+    _, sharded, optim = trained(backend, strategy, 1, rank, device)
+    saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
+    _, fresh, fresh_optim = trained(backend, strategy, 0, rank, device)
+    expected = (KeyError, "exp_avg") if strategy is ShardingStrategy.FULL_SHARD else (
+        TypeError, "argument of type 'NoneType' is not iterable")
+    with pytest.raises(expected[0], match=expected[1]):
+        backend.load_optim_state_dict(fresh, fresh_optim, saved, StateDictKind.FULL)
+
+
+@pytest.mark.world_size(2)
+def test_zero3_full_optimizer_state_load_fails_on_the_last_rank_for_uneven_sizes(rank, world_size, device):
+    """ZeRO-3's set_full_hp_param slices the full value at partition_numel * rank without the
+    padding: for 25 elements on 2 ranks rank 1 asks for [13, 26). The adapter makes every rank
+    raise, not only the last one (the others would wait in the next collective)."""
+    backend = adapter(rank, world_size, device)
+    model = fixtures.build(Square5, 0, device)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
+    optim = backend.make_optimizer(sharded, ADAM)
+    square_step(backend, sharded, optim, device)
+    saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
+    message = (re.escape("start (13) + length (13) exceeds dimension size (25)") if rank == world_size - 1
+               else "1 other rank\\(s\\) failed here")
+    with pytest.raises(RuntimeError, match=message):
+        backend.load_optim_state_dict(sharded, optim, saved, StateDictKind.FULL)
+
+
+@pytest.mark.world_size(2)
+def test_zero3_gather_inside_forward_raises_without_saying_unshard(rank, world_size, device):
+    """GatheredParameters inside forward, on parameters the forward is using, fails when it
+    tries to release them; the message does not say 'unshard' (the scenario contract's word)."""
+    backend = adapter(rank, world_size, device)
+
+    class CallsBack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(6))
+
+        def forward(self, x):
+            with backend.unshard(sharded, writeback=False):
+                pass
+            return (self.weight * x).sum()
+
+    model = CallsBack().to(device)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
+    with pytest.raises(RuntimeError, match="Cannot free a ZeRO-3 parameter while it is still active") as error:
+        sharded(torch.ones(6, device=device))
+    assert "unshard" not in str(error.value).lower()
+
+
+# -- end to end: the registry path, the rank fixture, labels in the trace ----------------------
+
+SMOKE = '''
+import functools
+import pytest
+import torch
+import fixtures
+from conformance.protocol import ShardingSpec, StateDictKind
+
+@pytest.mark.world_size(2)
+def test_step(backend, rank, device):
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(), backend.forms()[0])
+    optim = backend.make_optimizer(sharded, functools.partial(torch.optim.SGD, lr=0.1))
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device)
+    backend.zero_grad(sharded, optim)
+    backend.backward(sharded, model.loss(sharded(*inputs)))
+    backend.step(sharded, optim)
+    assert backend.state_dict(sharded, StateDictKind.FULL).keys() == model.state_dict().keys()
+'''
+
+
+def test_runs_from_the_command_line_twice_in_one_warm_pool(tmp_path):
+    """--backend module:attr, two tests in the same ranks (the second only works if the first
+    one's cached groups were released), ZeRO-3 gathers labelled with parameter FQNs."""
+    (tmp_path / "test_second.py").write_text(SMOKE)
+    result = run_inner_session(tmp_path, SMOKE, [TARGET], "test_second.py", "--show-traces", "-s")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "2 passed" in output, output
+    assert "1 pool starts" in output, output
+    for table in traced_tables(result.stdout):
+        assert "all_gather_into_tensor" in ops_labelled(table, "unit1.inp.weight"), table

@@ -1,0 +1,358 @@
+"""The optional parts of the adapter protocol: training-loop hooks, storage accessors, labels,
+close, structural capabilities.
+
+An adapter written against the protocol before these existed (abstract methods only) must keep
+working unchanged: the defaults are plain torch, and every test here that uses
+:class:`OldStyleAdapter` checks exactly that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fixtures
+from conformance import rank_fixtures
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    Capability,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    structural_capabilities,
+)
+from harness import RankContext
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
+
+CPU = torch.device("cpu")
+ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
+
+
+class OldStyleAdapter(BackendAdapter):
+    """Written against the protocol as it was before the hooks: only the abstract methods.
+
+    One rank, nothing sharded (the model is returned as is), so plain torch is the exact
+    expectation for everything the defaults do.
+    """
+
+    name = "old-style"
+    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.FULL_SHARD, Capability.UNSHARD})
+
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        return model
+
+    def unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        return model.state_dict()
+
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        model.load_state_dict(dict(state_dict))
+
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        return optim.state_dict()
+
+    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
+                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        optim.load_state_dict(dict(state_dict))
+
+
+def old_style() -> OldStyleAdapter:
+    return OldStyleAdapter(BackendEnv(rank=0, world_size=1, device=CPU))
+
+
+def train_through_hooks(backend: BackendAdapter, model: nn.Module, loss_model: nn.Module,
+                        plan: fixtures.TrainingPlan, rank: int, device: torch.device) -> list[float]:
+    optim = backend.make_optimizer(model, plan.make_optimizer)
+    return train_steps(backend, model, loss_model, optim, plan.iterations, rank, device,
+                       seed=plan.seed, batch_size=plan.batch_size)
+
+
+# -- an adapter without hooks ---------------------------------------------------------------
+
+
+def test_old_style_adapter_trains_through_the_default_hooks() -> None:
+    """The defaults are plain torch: one rank, nothing sharded, so the oracle is exact."""
+    plan = fixtures.TrainingPlan(seed=3, iterations=3, batch_size=2, make_optimizer=ADAM)
+    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 3, CPU, dim=8), plan,
+                                   world_size=1, device=CPU)
+    backend = old_style()
+    model = fixtures.build(fixtures.CompositeModel, 3, CPU, dim=8)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.COMPOSABLE)
+    losses = train_through_hooks(backend, sharded, model, plan, rank=0, device=CPU)
+    assert losses == [per_rank[0] for per_rank in oracle.rank_losses]
+    for name, expected in oracle.state_dict.items():
+        assert torch.equal(model.state_dict()[name], expected), name
+
+
+def test_default_zero_grad_drops_gradients_and_make_optimizer_sees_every_parameter() -> None:
+    backend = old_style()
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=4)
+    optim = backend.make_optimizer(model, ADAM)
+    assert [p for group in optim.param_groups for p in group["params"]] == list(model.parameters())
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=0, batch_size=2, device=CPU)
+    backend.backward(model, model.loss(model(*inputs)))
+    assert all(p.grad is not None for p in model.parameters())
+    backend.zero_grad(model, optim)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_default_storage_accessors_read_copies_and_write_through() -> None:
+    backend = old_style()
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=4)
+    weight = model.unit1.inp.weight
+    stored = backend.local_shard(model, "unit1.inp.weight")
+    assert torch.equal(stored, weight.detach()) and stored.data_ptr() != weight.data_ptr()
+    stored.fill_(7.0)  # a copy: the model is untouched ...
+    assert not torch.equal(weight.detach(), stored)
+    backend.set_local_shard(model, "unit1.inp.weight", stored)  # ... until written back
+    assert torch.equal(weight.detach(), torch.full_like(weight, 7.0))
+
+    assert backend.local_grad_shard(model, "unit1.inp.weight") is None
+    with pytest.raises(ValueError, match="stores no gradient"):
+        backend.set_local_grad_shard(model, "unit1.inp.weight", torch.zeros(4, 4))
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=0, batch_size=2, device=CPU)
+    model.loss(model(*inputs)).backward()
+    grad = backend.local_grad_shard(model, "unit1.inp.weight")
+    assert grad is not None and torch.equal(grad, weight.grad)
+    backend.set_local_grad_shard(model, "unit1.inp.weight", torch.ones(4, 4))
+    assert torch.equal(weight.grad, torch.ones(4, 4))
+
+
+def test_default_storage_accessors_explain_bad_names_and_shapes() -> None:
+    backend = old_style()
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=4)
+    with pytest.raises(KeyError, match=r"no parameter 'unit1\.nope'.*unit1\.inp\.weight"):
+        backend.local_shard(model, "unit1.nope")
+    with pytest.raises(ValueError, match=r"unit1\.inp\.bias: this rank stores shape \(4,\), got .*\(5,\)"):
+        backend.set_local_shard(model, "unit1.inp.bias", torch.zeros(5))
+
+
+def test_storage_accessors_map_names_through_original_fqn() -> None:
+    """A wrapper's path components are the adapter's business: accessors take original FQNs."""
+
+    class Wrapping(OldStyleAdapter):
+        def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+            return nn.ModuleDict({"wrapped": model})
+
+        def original_fqn(self, name: str) -> str:
+            return name.removeprefix("wrapped.")
+
+    backend = Wrapping(BackendEnv(rank=0, world_size=1, device=CPU))
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=4)
+    sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
+    assert torch.equal(backend.local_shard(sharded, "proj.bias"), model.proj.bias.detach())
+
+
+def test_default_label_and_close_do_nothing() -> None:
+    backend = old_style()
+    assert backend.collective_label() is None
+    assert backend.close() is None
+
+
+# -- the rank fixture: labels registered per test, close, unregistration ----------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+
+class LabellingAdapter(OldStyleAdapter):
+    name = "labelling"
+    recorder = _Recorder()
+
+    def collective_label(self) -> str | None:
+        return "unit.weight"
+
+    def close(self) -> None:
+        self.recorder.calls.append("close")
+
+
+def _run_fixture(monkeypatch: pytest.MonkeyPatch, body_raises: bool) -> list[str]:
+    calls = LabellingAdapter.recorder.calls = []
+    registered: list[Any] = []
+
+    def register(provider: Any) -> Any:
+        registered.append(provider)
+        calls.append(f"register -> {provider()}")
+        return lambda: calls.append("unregister")
+
+    monkeypatch.setattr(rank_fixtures, "register_label_provider", register)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=CPU,
+                      params={"backend": f"{__name__}:LabellingAdapter"})
+    fixture = contextlib.contextmanager(rank_fixtures.backend)(ctx)
+    with contextlib.suppress(RuntimeError):
+        with fixture as adapter:
+            assert isinstance(adapter, LabellingAdapter)
+            assert adapter.env.local_rank == 0
+            calls.append("body")
+            if body_raises:
+                raise RuntimeError("the test body failed")
+    assert registered and registered[0].__self__ is adapter
+    return calls
+
+
+@pytest.mark.parametrize("body_raises", [False, True], ids=["passed", "failed"])
+def test_rank_fixture_registers_the_label_for_the_test_then_closes_and_unregisters(
+    monkeypatch: pytest.MonkeyPatch, body_raises: bool
+) -> None:
+    calls = _run_fixture(monkeypatch, body_raises)
+    assert calls == ["register -> unit.weight", "body", "close", "unregister"]
+
+
+def test_adapter_modules_do_not_import_the_harness() -> None:
+    """Labels reach the harness through the rank fixture only (no import-time registration)."""
+    import ast
+    from pathlib import Path
+
+    import conformance.adapters
+
+    for path in Path(conformance.adapters.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        } | {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {name for name in imported if name.split(".")[0] == "harness"}, path.name
+
+
+# -- capabilities --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (ShardingSpec(), set()),
+        (ShardingSpec(auto_wrap_classes=(fixtures.Unit,)), {Capability.UNITS}),
+        (ShardingSpec(manual_units=("unit1",), shard_root=False),
+         {Capability.UNITS, Capability.UNMANAGED_ROOT}),
+        (ShardingSpec(manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD}),
+         {Capability.UNITS, Capability.MIXED_STRATEGIES}),
+        # An override equal to the spec's strategy mixes nothing.
+        (ShardingSpec(manual_units=("unit1",), strategy_overrides={"unit1": ShardingStrategy.FULL_SHARD}),
+         {Capability.UNITS}),
+    ],
+    ids=["whole-model", "auto-wrap", "unmanaged-root", "mixed", "same-override"],
+)
+def test_structural_capabilities(spec: ShardingSpec, expected: set[Capability]) -> None:
+    assert structural_capabilities(spec) == expected
+
+
+@pytest.mark.parametrize("adapter_cls", [ReferenceAdapter, TorchFSDP1Adapter, TorchFSDP2Adapter],
+                         ids=lambda c: c.name)
+def test_fsdp_style_adapters_lack_the_optimizer_state_only_strategy(adapter_cls: type[BackendAdapter]) -> None:
+    adapter = adapter_cls(BackendEnv(rank=0, world_size=1, device=CPU))
+    assert not adapter.supports(Capability.SHARD_OPTIM_STATE)
+    assert "optimizer state" in adapter.unsupported_reason(Capability.SHARD_OPTIM_STATE)
+    assert Capability.for_strategy(ShardingStrategy.SHARD_OPTIM_STATE) is Capability.SHARD_OPTIM_STATE
+
+
+# -- defaults on a real sharded backend ------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_default_accessors_reach_fsdp2_local_shards(rank: int, world_size: int, device: torch.device) -> None:
+    """On DTensor parameters the defaults read and write the local shard, and the write is
+    what a later gather shows; gradients are the reduced local shard."""
+    backend = TorchFSDP2Adapter(BackendEnv(rank, world_size, device, local_rank=rank))
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(manual_units=("unit1",)), ApiForm.COMPOSABLE)
+    param = sharded.unit1.inp.weight
+    assert isinstance(param, DTensor)
+    stored = backend.local_shard(sharded, "unit1.inp.weight")
+    assert torch.equal(stored, param.to_local())
+    backend.set_local_shard(sharded, "unit1.inp.weight", torch.full_like(stored, float(rank + 1)))
+    with backend.unshard(sharded, writeback=False):
+        full = sharded.unit1.inp.weight.detach().clone()
+    rows = 8 // world_size
+    assert torch.equal(full, torch.arange(1, world_size + 1.0, device=device).repeat_interleave(rows)
+                       .unsqueeze(1).expand(8, 8))
+
+    plan = fixtures.TrainingPlan(seed=0, iterations=1, batch_size=2, make_optimizer=ADAM)
+    optim = backend.make_optimizer(sharded, plan.make_optimizer)
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device)
+    backend.zero_grad(sharded, optim)
+    backend.backward(sharded, model.loss(sharded(*inputs)))
+    grad = backend.local_grad_shard(sharded, "unit1.inp.weight")
+    assert grad is not None and torch.equal(grad, param.grad.to_local())
+
+
+# -- labels end to end: adapter -> rank fixture -> harness trace --------------------------------
+
+LABELLED_STEP = '''
+import functools
+import pytest
+import torch
+import fixtures
+from harness import current_seed
+from conformance.protocol import ShardingSpec
+
+@pytest.mark.world_size(2)
+def test_step(backend, rank, device):
+    model = fixtures.build(fixtures.CompositeModel, current_seed(), device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(manual_units=("unit1",)), backend.forms()[0])
+    optim = backend.make_optimizer(sharded, functools.partial(torch.optim.SGD, lr=0.1))
+    inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device)
+    backend.zero_grad(sharded, optim)
+    backend.backward(sharded, model.loss(sharded(*inputs)))
+    backend.step(sharded, optim)
+'''
+
+
+def test_adapter_labels_reach_the_trace(tmp_path) -> None:
+    """Backward collectives run outside any module forward: the harness's module label is
+    empty there, so parameter FQNs in their labels can only come from the adapter's
+    collective_label, registered by the rank fixture."""
+    backends = ["torch-fsdp2", "torch-fsdp1"]
+    result = run_inner_session(tmp_path, LABELLED_STEP, backends, "--show-traces", "-s")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    tables = traced_tables(result.stdout)
+    assert len(tables) == len(backends), output  # the backends run in the order given
+    for backend, table in zip(backends, tables):
+        assert "reduce_scatter_tensor" in ops_labelled(table, "unit1.inp.weight"), (backend, table)
+
+
+# -- the adapter template keeps working --------------------------------------------------------
+
+
+@pytest.mark.world_size(2)
+def test_the_template_adapter_trains_and_saves_like_the_oracle(rank: int, world_size: int, device: torch.device) -> None:
+    from conformance.adapters.template import TemplateAdapter
+
+    backend = TemplateAdapter(BackendEnv(rank, world_size, device, local_rank=rank))
+    plan = fixtures.TrainingPlan(seed=0, iterations=3, batch_size=2, make_optimizer=ADAM)
+    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan,
+                                   world_size=world_size, device=device)
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    sharded = backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)
+    losses = train_through_hooks(backend, sharded, model, plan, rank, device)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
+                               rtol=1e-4, atol=1e-4)
+    state = backend.state_dict(sharded, StateDictKind.FULL)
+    assert state.keys() == oracle.state_dict.keys()
+    for name, expected in oracle.state_dict.items():
+        torch.testing.assert_close(state[name], expected, rtol=1e-3, atol=1e-3)
+    optim = backend.make_optimizer(sharded, plan.make_optimizer)
+    backend.backward(sharded, model.loss(sharded(*fixtures.local_batch(
+        model, seed=0, iteration=0, rank=rank, batch_size=2, device=device))))
+    backend.step(sharded, optim)
+    saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
+    assert set(saved["state"]) == {name for name, _ in model.named_parameters()}  # no buffers
+    assert backend.local_shard(sharded, "unit1.inp.weight").shape == (8, 8)
+    with pytest.raises(pytest.skip.Exception, match="unsupported: sharding units"):
+        backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=("unit1",)),
+                      ApiForm.WRAPPER)

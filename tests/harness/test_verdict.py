@@ -1,0 +1,54 @@
+"""harness.verdict on fabricated results: the outcome of N ranks and the warm pool's reuse rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from test_divergence import rec
+
+from harness.messages import RankLoss, RankOutcome
+from harness.tracefile import CollectiveRecord, last_unfinished
+from harness.verdict import decide, world_reusable
+
+
+def outcome(rank: int, status: str = "passed", sync_state: tuple[int, int] = (3, 1), summary: str = "") -> RankOutcome:
+    return RankOutcome(rank=rank, status=status, duration_s=0.1, summary=summary, sync_state=sync_state)  # type: ignore[arg-type]
+
+
+def record(rank: int, index: int, completed: bool = True, skipped: bool = False) -> CollectiveRecord:
+    return replace(rec(rank, index, index, op="all_reduce", numel=4), completed=completed, skipped=skipped)
+
+
+def test_one_outcome_from_n_ranks() -> None:
+    assert decide({0: outcome(0), 1: outcome(1)}).outcome == "passed"
+    failed = decide({0: outcome(0), 1: RankLoss(1, "was killed by SIGKILL (9)")})
+    assert failed.outcome == "failed" and "rank 1 was killed by SIGKILL (9)" in failed.message
+    skipped = decide({0: outcome(0, "skipped", summary="no"), 1: outcome(1, "skipped", summary="no")})
+    assert (skipped.outcome, skipped.message) == ("skipped", "no")
+    assert decide({0: outcome(0, "skipped"), 1: outcome(1)}).outcome == "failed"  # a skip on some ranks only
+
+
+def test_divergence_fails_a_passing_test_unless_expected() -> None:
+    results = {0: outcome(0), 1: outcome(1)}
+    assert decide(results, "collective #1 ...").outcome == "failed"
+    assert decide(results, "collective #1 ...", divergence_expected=True).outcome == "passed"
+
+
+def test_the_pool_is_reused_only_when_nothing_can_be_in_flight() -> None:
+    clean = {0: [record(0, 0)], 1: [record(1, 0)]}
+    assert world_reusable({0: outcome(0), 1: outcome(1)}, clean)
+    assert world_reusable({0: outcome(0, "failed"), 1: outcome(1, "failed")}, clean)  # failed cleanly
+    assert not world_reusable({0: outcome(0), 1: RankLoss(1, "hung")}, clean)
+    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(4, 1))}, clean)
+    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(3, 2))}, clean)
+    stuck = {0: [record(0, 0), record(0, 1, completed=False)], 1: [record(1, 0)]}
+    assert not world_reusable({0: outcome(0, "failed"), 1: outcome(1)}, stuck)
+
+
+def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls() -> None:
+    traces = {
+        0: [record(0, 0, completed=False), record(0, 1, completed=False), record(0, 2)],
+        1: [record(1, 0), record(1, 1, completed=False, skipped=True)],
+    }
+    stuck = last_unfinished(traces)
+    assert list(stuck) == [0] and stuck[0].index == 1
