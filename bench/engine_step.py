@@ -21,16 +21,18 @@ memory figure belongs to one configuration.
 The machine's load (os.getloadavg) is printed at the start and the end: on a shared machine
 compare only figures from quiet runs.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import resource
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,7 +83,9 @@ def shard(config: str, model: nn.Module, block: type, device: torch.device) -> n
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         return FullyShardedDataParallel(
-            model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=device,
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({block}),
+            device_id=device,
             use_orig_params=config == "fsdp1",
         )
     from torch.distributed.fsdp import fully_shard
@@ -108,18 +112,21 @@ def _init(rank: int, world: int, init_file: str, device_type: str) -> torch.devi
     return device
 
 
-def step_rank(rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str,
-              steps: int, queue) -> None:
+def step_rank(
+    rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str, steps: int, queue
+) -> None:
     """Median step time (s) and peak memory (MiB) of one configuration, max over ranks."""
     device = _init(rank, world, init_file, device_type)
     # Every configuration imports the same modules, so peak RSS compares what the backends
     # allocate rather than how much code they load.
-    import engine  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.fsdp
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: F401
+
+    import engine  # noqa: F401
 
     torch.manual_seed(0)
     model, block, make_input = build_model(model_name)
+    baseline = _peak_memory_mib(device)  # the unsharded model, before the backend allocates
     sharded = shard(config, model.to(device), block, device)
     optim = torch.optim.Adam(sharded.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
@@ -138,17 +145,19 @@ def step_rank(rank: int, world: int, init_file: str, device_type: str, model_nam
         return time.perf_counter() - start
 
     times = [step(i) for i in range(WARMUP + steps)]
-    stats = torch.tensor([statistics.median(times[WARMUP:]), _peak_memory_mib(device)], dtype=torch.float64)
+    peak = _peak_memory_mib(device)
+    stats = torch.tensor([statistics.median(times[WARMUP:]), peak, peak - baseline], dtype=torch.float64)
     on_device = stats.to(device)  # NCCL reduces device tensors only
     dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
     stats = on_device.cpu()
     if rank == 0:
         queue.put(stats.tolist())
-    dist.destroy_process_group()
+    _leave(queue)
 
 
-def collective_rank(rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str,
-                    steps: int, queue) -> None:
+def collective_rank(
+    rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str, steps: int, queue
+) -> None:
     """Seconds per pass: the engine's collective path for every unit, and raw collectives."""
     import engine
     from engine import collectives
@@ -196,7 +205,18 @@ def collective_rank(rank: int, world: int, init_file: str, device_type: str, mod
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         queue.put(stats.tolist())
+    _leave(queue)
+
+
+def _leave(queue) -> None:
+    """End the rank without interpreter teardown, where torch's C++ threads (gloo's) sometimes
+    abort ("terminate called without an active exception") after the result was sent."""
+    queue.close()
+    queue.join_thread()  # the result is in the pipe before the process ends
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(target: Callable, world: int, device_type: str, *args) -> list[float]:
@@ -205,8 +225,7 @@ def run_world(target: Callable, world: int, device_type: str, *args) -> list[flo
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
-            context.Process(target=target, args=(r, world, init_file, device_type, *args, queue))
-            for r in range(world)
+            context.Process(target=target, args=(r, world, init_file, device_type, *args, queue)) for r in range(world)
         ]
         for proc in procs:
             proc.start()
@@ -214,12 +233,12 @@ def run_world(target: Callable, world: int, device_type: str, *args) -> list[flo
             try:
                 result = queue.get(timeout=1.0)
                 break
-            except Exception:
+            except queue_module.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed:
                     for proc in procs:
                         proc.kill()
-                    raise RuntimeError(f"{target.__name__}{args[:2]} ws{world}: a rank exited with {failed}")
+                    raise RuntimeError(f"{target.__name__}{args[:2]} ws{world}: a rank exited with {failed}") from None
         for proc in procs:
             proc.join()
     return result
@@ -230,25 +249,33 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-def _ratio(ours: Optional[float], theirs: Optional[float]) -> str:
+def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}" if ours and theirs else "n/a"
 
 
 def step_section(device_type: str, world: int, configs: list[str], steps: int, repeats: int) -> dict:
-    """Best of `repeats` runs per (model, config): the least disturbed by the machine's load."""
-    results: dict[tuple[str, str], tuple[float, float]] = {}
-    memory = "peak RSS MiB" if device_type == "cpu" else "max_memory_allocated MiB"
-    print(f"\n== step time and peak memory: {device_type}, world size {world} ==")
-    print(f"{'model':>5} {'config':>11} {'step ms':>9} {memory:>24} {'step / ' + ANCHOR:>13} {'memory / ' + ANCHOR:>15}")
+    """Best of `repeats` runs per (model, config), the configurations taking turns so that a
+    change in the machine's load hits all of them alike."""
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    memory = "peak RSS" if device_type == "cpu" else "max allocated"
+    print(f"\n== step time and peak memory (MiB): {device_type}, world size {world} ==")
+    print(
+        f"{'model':>5} {'config':>11} {'step ms':>9} {memory:>14} {'above model':>12} "
+        f"{'step / ' + ANCHOR:>13} {'memory / ' + ANCHOR:>15}"
+    )
+    order = [ANCHOR] + [c for c in configs if c != ANCHOR]
     for model_name in MODELS:
-        for config in [ANCHOR] + [c for c in configs if c != ANCHOR]:
-            runs = [run_world(step_rank, world, device_type, model_name, config, steps) for _ in range(repeats)]
-            step, peak = min(r[0] for r in runs), min(r[1] for r in runs)
-            results[(model_name, config)] = (step, peak)
-            anchor = results.get((model_name, ANCHOR))
+        runs: dict[str, list[list[float]]] = {config: [] for config in order}
+        for _ in range(repeats):
+            for config in order:
+                runs[config].append(run_world(step_rank, world, device_type, model_name, config, steps))
+        for config in order:
+            best = (min(r[0] for r in runs[config]), min(r[1] for r in runs[config]), min(r[2] for r in runs[config]))
+            results[(model_name, config)] = best
+            anchor = results[(model_name, ANCHOR)]
             print(
-                f"{model_name:>5} {config:>11} {step * 1e3:9.2f} {peak:24.1f} "
-                f"{_ratio(step, anchor[0] if anchor else None):>13} {_ratio(peak, anchor[1] if anchor else None):>15}",
+                f"{model_name:>5} {config:>11} {best[0] * 1e3:9.2f} {best[1]:14.1f} {best[2]:12.1f} "
+                f"{_ratio(best[0], anchor[0]):>13} {_ratio(best[1], anchor[1]):>15}",
                 flush=True,
             )
     return results
@@ -262,7 +289,10 @@ def collective_section(worlds: list[int], steps: int) -> dict:
         for model_name in MODELS:
             ours, raw, mib = run_world(collective_rank, world, "cpu", model_name, "engine", steps)
             results[(world, model_name)] = (ours, raw)
-            print(f"{world:>3} {model_name:>5} {mib:9.2f} {ours * 1e3:10.2f} {raw * 1e3:8.2f} {_ratio(ours, raw):>13}", flush=True)
+            print(
+                f"{world:>3} {model_name:>5} {mib:9.2f} {ours * 1e3:10.2f} {raw * 1e3:8.2f} {_ratio(ours, raw):>13}",
+                flush=True,
+            )
     return results
 
 
@@ -289,18 +319,23 @@ def main() -> None:
             step, peak = ours[0] / anchor[0], ours[1] / anchor[1]
             print(
                 f"cpu ws2 {model_name:>5} {config:>11}: step / fsdp2 = {step:.2f} (goal <= {STEP_GOALS[model_name]}) "
-                f"{'met' if step <= STEP_GOALS[model_name] else 'MISSED'}; peak RSS / fsdp2 = {peak:.2f} "
-                f"(goal <= {MEMORY_GOAL}) {'met' if peak <= MEMORY_GOAL else 'MISSED'}"
+                f"{'met' if step <= STEP_GOALS[model_name] else 'MISSED'}; peak RSS / fsdp2 = {peak:.3f} "
+                f"(goal <= {MEMORY_GOAL}) {'met' if peak <= MEMORY_GOAL else 'MISSED'}; "
+                f"above the model: {ours[2]:.1f} vs {anchor[2]:.1f} MiB"
             )
     for (world, model_name), (ours, raw) in comm.items():
         ratio = ours / raw
-        print(f"cpu ws{world} {model_name:>5} collectives: engine / raw = {ratio:.2f} (goal <= {COLLECTIVE_GOAL}) "
-              f"{'met' if ratio <= COLLECTIVE_GOAL else 'MISSED'}")
+        print(
+            f"cpu ws{world} {model_name:>5} collectives: engine / raw = {ratio:.2f} (goal <= {COLLECTIVE_GOAL}) "
+            f"{'met' if ratio <= COLLECTIVE_GOAL else 'MISSED'}"
+        )
     for model_name in MODELS:
         anchor, ours = gpu.get((model_name, ANCHOR)), gpu.get((model_name, "engine"))
         if anchor and ours:
-            print(f"cuda ws1 {model_name:>5} engine: step / fsdp2 = {ours[0] / anchor[0]:.2f}, "
-                  f"memory / fsdp2 = {ours[1] / anchor[1]:.2f} (goals <= 1.0)")
+            print(
+                f"cuda ws1 {model_name:>5} engine: step / fsdp2 = {ours[0] / anchor[0]:.2f}, "
+                f"memory / fsdp2 = {ours[1] / anchor[1]:.2f} (goals <= 1.0)"
+            )
     if not gpu:
         print("cuda: no GPU on this machine, CUDA rows not measured")
     print(_load())

@@ -1,27 +1,29 @@
 """The two public entry points over one core: `fully_shard` (in place) and `ShardedModule`."""
+
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from . import state_dict as _state_dict
-from .config import ShardingOptions, resolve_options
-from .flat_param import collect_params
-from .state import WRAPPED_ATTR, clean_fqn, make_root, managing_unit, mark_managed, register_hooks, unit_of
-from .topology import Topology, build_topology, check_tensor_parallel_mesh
-from .unit import ShardedUnit
+from engine import state_dict as _state_dict
+from engine.config import ShardingOptions, resolve_options
+from engine.flat_param import collect_params
+from engine.state import WRAPPED_ATTR, clean_fqn, make_root, managing_unit, mark_managed, register_hooks, unit_of
+from engine.topology import Topology, build_topology, check_tensor_parallel_mesh
+from engine.unit import ShardedUnit
 
-_absorbed: dict[int, "weakref.ref[torch.Tensor]"] = {}  # id -> original now inside a unit
+_absorbed: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> original now inside a unit
 
 
-def _forget(key: int) -> Callable[["weakref.ref[torch.Tensor]"], None]:
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
     """Drop the entry when its tensor dies (unless the id was reused meanwhile)."""
 
-    def callback(ref: "weakref.ref[torch.Tensor]") -> None:
+    def callback(ref: weakref.ref[torch.Tensor]) -> None:
         if _absorbed.get(key) is ref:
             del _absorbed[key]
 
@@ -33,7 +35,7 @@ def _is_absorbed(param: torch.Tensor) -> bool:
     return alive is not None and alive() is param
 
 
-def fully_shard(module: nn.Module, options: Optional[ShardingOptions] = None, /, **option_overrides: Any) -> nn.Module:
+def fully_shard(module: nn.Module, options: ShardingOptions | None = None, /, **option_overrides: Any) -> nn.Module:
     """Shard `module` in place (and submodules of `auto_wrap_classes` as their own units).
 
     Options: a :class:`ShardingOptions`, keywords naming its fields, or both (keywords win).
@@ -47,9 +49,9 @@ def fully_shard(module: nn.Module, options: Optional[ShardingOptions] = None, /,
 def _apply(
     module: nn.Module,
     options: ShardingOptions,
-    wrap_child: Optional[Callable[[nn.Module, Topology, torch.device], nn.Module]],
-    topology: Optional[Topology] = None,
-    device: Optional[torch.device] = None,
+    wrap_child: Callable[[nn.Module, Topology, torch.device], nn.Module] | None,
+    topology: Topology | None = None,
+    device: torch.device | None = None,
 ) -> None:
     _check_layout(module)
     ignored = _expand_ignored(module, options.ignored_modules)
@@ -77,9 +79,7 @@ def _check_layout(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected an nn.Module to shard, got {type(module).__name__}")
     if unit_of(module) is not None:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded; apply the engine once per module"
-        )
+        raise ValueError(f"{type(module).__name__} is already sharded; apply the engine once per module")
     owner = managing_unit(module)
     if owner is not None:
         raise ValueError(
@@ -123,14 +123,9 @@ def _local_modules(unit_module: nn.Module, ignored: set[nn.Module]) -> list[tupl
     return found
 
 
-def _resolve_device(
-    module: nn.Module, ignored: set[nn.Module], requested: Optional[torch.device]
-) -> torch.device:
+def _resolve_device(module: nn.Module, ignored: set[nn.Module], requested: torch.device | None) -> torch.device:
     devices = {
-        p.device
-        for _, m in _local_modules_recursive(module, ignored)
-        for p in m._parameters.values()
-        if p is not None
+        p.device for _, m in _local_modules_recursive(module, ignored) for p in m._parameters.values() if p is not None
     }
     if requested is not None:
         return requested
@@ -158,7 +153,7 @@ def _auto_wrap(
     ignored: set[nn.Module],
     topology: Topology,
     device: torch.device,
-    wrap_child: Optional[Callable[[nn.Module, Topology, torch.device], nn.Module]],
+    wrap_child: Callable[[nn.Module, Topology, torch.device], nn.Module] | None,
 ) -> int:
     """Make every matching descendant (innermost first) its own unit; returns how many."""
     wrapped = 0
@@ -222,7 +217,7 @@ def _make_unit(
 def _move_local(module: nn.Module, device: torch.device) -> None:
     """Move one module's own parameters and buffers (not its children's) to `device`."""
     with torch.no_grad():
-        for name, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and param.device != device:
                 param.data = param.data.to(device)
         for name, buffer in module._buffers.items():
@@ -238,7 +233,7 @@ class ShardedModule(nn.Module):
     own attribute never appears in them.
     """
 
-    def __init__(self, module: nn.Module, options: Optional[ShardingOptions] = None, /, **option_overrides: Any) -> None:
+    def __init__(self, module: nn.Module, options: ShardingOptions | None = None, /, **option_overrides: Any) -> None:
         super().__init__()
         resolved = resolve_options(options, option_overrides)
         _check_layout(module)
@@ -246,7 +241,7 @@ class ShardedModule(nn.Module):
         _state_dict.register_wrapper_key_hooks(self)
         self._build(resolved, None, None)
 
-    def _build(self, options: ShardingOptions, topology: Optional[Topology], device: Optional[torch.device]) -> None:
+    def _build(self, options: ShardingOptions, topology: Topology | None, device: torch.device | None) -> None:
         def wrap_child(child: nn.Module, child_topology: Topology, child_device: torch.device) -> nn.Module:
             nested = ShardedModule.__new__(ShardedModule)
             nn.Module.__init__(nested)

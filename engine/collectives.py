@@ -29,17 +29,18 @@ tracers (the harness's collective trace) can attribute it.  Callers look the fun
 module attributes at call time (`collectives.all_gather_flat(...)`), so instrumentation can wrap
 them; a wrapper must return what the original returns and `wait()` it before reading outputs.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-_current_label: Optional[str] = None
+_current_label: str | None = None
 # (device, "all_gather" | "reduce") -> side stream; created on first use.
-_side_streams: dict[tuple[torch.device, str], "torch.cuda.Stream"] = {}
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -48,7 +49,7 @@ ALL_GATHER_STREAM = "all_gather"
 REDUCE_STREAM = "reduce"
 
 
-def current_label() -> Optional[str]:
+def current_label() -> str | None:
     """FQNs of the unit whose collective is being issued right now (", "-joined), else None."""
     return _current_label
 
@@ -72,18 +73,18 @@ class Pending:
     object keeps the collective's buffers referenced (invariant 1 of the module docstring).
     """
 
-    __slots__ = ("_work", "_event", "_device", "_buffers")
+    __slots__ = ("_buffers", "_device", "_event", "_work")
 
     def __init__(
         self,
-        work: Optional[dist.Work],
-        event: Optional["torch.cuda.Event"],
+        work: dist.Work | None,
+        event: torch.cuda.Event | None,
         buffers: tuple[torch.Tensor, ...],
     ) -> None:
         self._work = work
         self._event = event
         self._device = buffers[0].device
-        self._buffers: Optional[tuple[torch.Tensor, ...]] = buffers
+        self._buffers: tuple[torch.Tensor, ...] | None = buffers
 
     def wait(self) -> None:
         if self._buffers is None:
@@ -105,7 +106,7 @@ class Pending:
         self._buffers = None
 
 
-def _side_stream(device: torch.device, kind: str) -> Optional["torch.cuda.Stream"]:
+def _side_stream(device: torch.device, kind: str) -> torch.cuda.Stream | None:
     if device.type != "cuda":
         return None
     key = (device, kind)
@@ -115,7 +116,7 @@ def _side_stream(device: torch.device, kind: str) -> Optional["torch.cuda.Stream
     return stream
 
 
-def _issue(kind: str, buffers: tuple[torch.Tensor, ...], launch, async_op: bool) -> Optional[Pending]:
+def _issue(kind: str, buffers: tuple[torch.Tensor, ...], launch, async_op: bool) -> Pending | None:
     """Run `launch(async_op) -> Work | None` as the module docstring describes; wait unless async."""
     device = buffers[0].device
     stream = _side_stream(device, kind)
@@ -142,8 +143,8 @@ def all_gather_flat(
     group: dist.ProcessGroup,
     *,
     async_op: bool = False,
-    source: Optional[torch.Tensor] = None,
-) -> Optional[Pending]:
+    source: torch.Tensor | None = None,
+) -> Pending | None:
     """Gather every rank's equally sized `shard` into the preallocated `output`, in rank order.
 
     With `source`, `shard` (a staging buffer) is first filled from it (a cast or a host-to-device
@@ -151,7 +152,7 @@ def all_gather_flat(
     `async_op` the caller gets a `Pending` to `wait()` before reading `output`.
     """
 
-    def launch(gloo_async: bool) -> Optional[dist.Work]:
+    def launch(gloo_async: bool) -> dist.Work | None:
         if source is not None:
             shard.copy_(source, non_blocking=True)
         return _all_gather_single(output, shard, group=group, async_op=gloo_async)
@@ -162,29 +163,32 @@ def all_gather_flat(
 
 def reduce_scatter_flat(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
-) -> Optional[Pending]:
+) -> Pending | None:
     """Sum `full` over the group and keep this rank's contiguous chunk in `output`."""
 
-    def launch(gloo_async: bool) -> Optional[dist.Work]:
+    def launch(gloo_async: bool) -> dist.Work | None:
         return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=gloo_async)
 
     return _issue(REDUCE_STREAM, (output, full), launch, async_op)
 
 
-def all_reduce_sum(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
-) -> Optional[Pending]:
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False) -> Pending | None:
     """Sum `tensor` in place over the group (replica groups of HYBRID_SHARD / NO_SHARD)."""
 
-    def launch(gloo_async: bool) -> Optional[dist.Work]:
+    def launch(gloo_async: bool) -> dist.Work | None:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=gloo_async)
 
     return _issue(REDUCE_STREAM, (tensor,), launch, async_op)
 
 
-def all_gather_small(values: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def all_gather_small(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather a small 1-D tensor (used for metadata checks); returns (world, numel)."""
     world = dist.get_world_size(group)
     output = values.new_empty(world * values.numel())
-    _issue(ALL_GATHER_STREAM, (output, values), lambda a: _all_gather_single(output, values, group=group, async_op=a), False)
+    _issue(
+        ALL_GATHER_STREAM,
+        (output, values),
+        lambda a: _all_gather_single(output, values, group=group, async_op=a),
+        False,
+    )
     return output.view(world, values.numel())

@@ -1,17 +1,19 @@
 """User-facing configuration types shared by both APIs (`fully_shard` and `ShardedModule`)."""
+
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mixed_precision import MixedPrecision
+from engine.mixed_precision import MixedPrecision
 
 
 class ShardingStrategy(enum.Enum):
@@ -66,13 +68,13 @@ class ShardingOptions:
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     auto_wrap_classes: tuple[type, ...] = ()
     ignored_modules: tuple[nn.Module, ...] = ()
-    mixed_precision: Optional[MixedPrecision] = None
+    mixed_precision: MixedPrecision | None = None
     offload_params: bool = False
     use_orig_params: bool = True
-    mesh: Optional[DeviceMesh] = None
-    process_group: Optional[dist.ProcessGroup] = None
-    shard_group_size: Optional[int] = None
-    device: Optional[torch.device] = None
+    mesh: DeviceMesh | None = None
+    process_group: dist.ProcessGroup | None = None
+    shard_group_size: int | None = None
+    device: torch.device | None = None
     check_exec_order: bool = True
     forward_prefetch: bool = False
     backward_prefetch: bool = True
@@ -90,14 +92,14 @@ class ShardingOptions:
             object.__setattr__(self, "device", torch.device(self.device))
 
     @property
-    def param_dtype(self) -> Optional[torch.dtype]:
+    def param_dtype(self) -> torch.dtype | None:
         return self.mixed_precision.param_dtype if self.mixed_precision is not None else None
 
 
 _OPTION_NAMES = tuple(field.name for field in dataclasses.fields(ShardingOptions))
 
 
-def resolve_options(options: Optional[ShardingOptions], overrides: Mapping[str, Any]) -> ShardingOptions:
+def resolve_options(options: ShardingOptions | None, overrides: Mapping[str, Any]) -> ShardingOptions:
     """`options` (default: all defaults) with the keyword `overrides` applied."""
     if options is not None and not isinstance(options, ShardingOptions):
         raise TypeError(
@@ -106,8 +108,6 @@ def resolve_options(options: Optional[ShardingOptions], overrides: Mapping[str, 
         )
     unknown = sorted(set(overrides) - set(_OPTION_NAMES))
     if unknown:
-        raise TypeError(
-            f"unknown engine option(s) {', '.join(unknown)}; valid options: {', '.join(_OPTION_NAMES)}"
-        )
+        raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; valid options: {', '.join(_OPTION_NAMES)}")
     base = options if options is not None else ShardingOptions()
     return dataclasses.replace(base, **overrides) if overrides else base

@@ -8,15 +8,16 @@ iterations compare locally with the first one and warn once.
 
 The first training forward's order is also what forward prefetching follows (`next_after`).
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from engine import collectives
 
 CHECK_LABEL = "forward order check"
 
@@ -29,7 +30,7 @@ class ForwardOrder:
     """
 
     def __init__(self) -> None:
-        self.first: Optional[list[int]] = None
+        self.first: list[int] | None = None
         self.current: list[int] = []
         self.training = False
 
@@ -46,13 +47,13 @@ class ForwardOrder:
         self.current.append(unit_index)
         return len(self.current) - 1
 
-    def expected_at(self, position: int) -> Optional[int]:
+    def expected_at(self, position: int) -> int | None:
         """The unit the first training forward unsharded at `position` (None past its end)."""
         if self.first is None or position >= len(self.first):
             return None
         return self.first[position]
 
-    def next_after(self, position: int) -> Optional[int]:
+    def next_after(self, position: int) -> int | None:
         """The unit expected right after `position` (what forward prefetching gathers)."""
         return self.expected_at(position + 1)
 
@@ -60,7 +61,7 @@ class ForwardOrder:
 class ExecOrderValidator:
     """Checks a root's training forwards against each other and across ranks."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], unit_labels: Sequence[str]) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, unit_labels: Sequence[str]) -> None:
         self._group = group
         self._labels = list(unit_labels)
         self._active = False
@@ -100,9 +101,7 @@ class ExecOrderValidator:
         if len(set(gathered)) == 1:
             return
         self._active = False
-        per_rank = "; ".join(
-            f"rank {rank} unshards [{self._labels[index]}]" for rank, index in enumerate(gathered)
-        )
+        per_rank = "; ".join(f"rank {rank} unshards [{self._labels[index]}]" for rank, index in enumerate(gathered))
         raise RuntimeError(
             f"Forward order differs across ranks: at position {position} {per_rank}. "
             "Every rank must run the same sharded modules in the same order; make the forward "

@@ -1,10 +1,11 @@
 """Read-only views of the engine's state, for tests and adapters."""
+
 from __future__ import annotations
 
 import torch.nn as nn
 
-from .state import managing_unit, resolve_root, unit_of
-from .unit import ShardedUnit
+from engine.state import managing_unit, resolve_root, unit_of
+from engine.unit import ShardedUnit
 
 
 def units(module: nn.Module) -> list[ShardedUnit]:

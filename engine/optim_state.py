@@ -8,22 +8,23 @@ original parameters, full tensors (or DTensors with ``sharded=True``); scalars (
 ``step``) are copied to every FQN of the unit.  ``param_groups`` list FQNs.  Loading cuts each
 rank's piece back out, so a dict saved in one mode loads into the other.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import collectives
-from .flat_param import ParamInfo
-from .state import RootState, clean_fqn, resolve_root
-from .state_dict import to_2d_dtensor, to_dtensor
-from .unit import ShardedUnit
+from engine import collectives
+from engine.flat_param import ParamInfo
+from engine.state import RootState, clean_fqn, resolve_root
+from engine.state_dict import to_2d_dtensor, to_dtensor
+from engine.unit import ShardedUnit
 
 # id(exposed parameter) -> (unit, the original parameter it is, or None for a flat parameter)
-_Owners = dict[int, tuple[ShardedUnit, Optional[ParamInfo]]]
+_Owners = dict[int, tuple[ShardedUnit, ParamInfo | None]]
 
 
 def _owners(root: RootState) -> _Owners:
@@ -98,9 +99,7 @@ def _gather_unit_state(
     else:
         pairs = [(info, p) for info, p in zip(layout.params, unit.optimizer_params) if p in optim.state]
         tracked = [info for info, _ in pairs]
-        keys = sorted(
-            {key for _, p in pairs for key, value in optim.state[p].items() if _is_per_param(value, p)}
-        )
+        keys = sorted({key for _, p in pairs for key, value in optim.state[p].items() if _is_per_param(value, p)})
         for info, p in pairs:
             out[_fqn_of(unit, info)] = {k: v for k, v in optim.state[p].items() if k not in keys}
         for key in keys:
@@ -178,7 +177,7 @@ def _unsharded(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _flat_state(unit: ShardedUnit, entries: list[Optional[dict[str, Any]]], flat: torch.Tensor) -> dict[str, Any]:
+def _flat_state(unit: ShardedUnit, entries: list[dict[str, Any] | None], flat: torch.Tensor) -> dict[str, Any]:
     """One flat parameter's state from its original parameters' saved entries."""
     keys = sorted({key for entry in entries if entry is not None for key in entry})
     state: dict[str, Any] = {}

@@ -21,15 +21,15 @@ per-parameter shards, or one ``_flat_param`` per unit.  Gradients are stored on 
 objects; the accessors below let the rest of the engine read and write them without caring
 which mode a unit is in.
 """
+
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from .flat_param import FlatLayout, maybe_wrap
+from engine.flat_param import FlatLayout, maybe_wrap
 
 FLAT_PARAM_NAME = "_flat_param"
 
@@ -83,8 +83,7 @@ class OriginalParams(_Exposure):
         self.layout = layout
         # Views of the master shard: the optimizer's in-place updates land in the shard itself.
         self.params = [
-            nn.Parameter(layout.sharded_view(shard, info), requires_grad=info.requires_grad)
-            for info in layout.params
+            nn.Parameter(layout.sharded_view(shard, info), requires_grad=info.requires_grad) for info in layout.params
         ]
         self._start(list(self.params))
 
@@ -106,7 +105,7 @@ class OriginalParams(_Exposure):
     def has_grad(self) -> bool:
         return any(param.grad is not None for param in self.params)
 
-    def grad_chunk(self) -> Optional[torch.Tensor]:
+    def grad_chunk(self) -> torch.Tensor | None:
         """This rank's gradients laid out as its chunk of the flat buffer (zeros where absent)."""
         if not self.has_grad():
             return None
@@ -117,7 +116,7 @@ class OriginalParams(_Exposure):
                 self.layout.sharded_view(chunk, info).copy_(param.grad)
         return chunk
 
-    def stored_grad_views(self) -> list[Optional[torch.Tensor]]:
+    def stored_grad_views(self) -> list[torch.Tensor | None]:
         """Original-shaped stored gradients; only meaningful when one rank holds everything."""
         return [
             param.grad.view(info.shape) if param.grad is not None else None
@@ -227,14 +226,12 @@ class FlatParams(_Exposure):
     def has_grad(self) -> bool:
         return self.flat_param.grad is not None
 
-    def grad_chunk(self) -> Optional[torch.Tensor]:
+    def grad_chunk(self) -> torch.Tensor | None:
         return self.flat_param.grad
 
-    def stored_grad_views(self) -> list[Optional[torch.Tensor]]:
+    def stored_grad_views(self) -> list[torch.Tensor | None]:
         grad = self.flat_param.grad
-        return [
-            self.layout.full_view(grad, info) if grad is not None else None for info in self.layout.params
-        ]
+        return [self.layout.full_view(grad, info) if grad is not None else None for info in self.layout.params]
 
     def param_has_grad(self) -> list[bool]:
         return [self.flat_param.grad is not None] * len(self.layout.params)

@@ -22,21 +22,22 @@ Every rank issues the same collectives in the same order as long as every rank r
 forward, which is what the exec-order check validates; only forward prefetching relies on the
 forward order staying the first iteration's afterwards.
 """
+
 from __future__ import annotations
 
 import collections
 import enum
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .config import ShardingOptions
-from .exec_order import ExecOrderValidator, ForwardOrder
-from .mixed_precision import cast_floating
-from .unit import GradReduction, ShardedUnit
+from engine.config import ShardingOptions
+from engine.exec_order import ExecOrderValidator, ForwardOrder
+from engine.mixed_precision import cast_floating
+from engine.unit import GradReduction, ShardedUnit
 
 WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class; hidden in FQNs
 
@@ -46,10 +47,10 @@ WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class
 # step time on CPU and cost ~10 MiB peak RSS on the benchmark transformer).
 REDUCTIONS_IN_FLIGHT = 1
 
-_unit_of_module: "weakref.WeakKeyDictionary[nn.Module, ShardedUnit]" = weakref.WeakKeyDictionary()
-_root_of_module: "weakref.WeakKeyDictionary[nn.Module, RootState]" = weakref.WeakKeyDictionary()
+_unit_of_module: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
+_root_of_module: weakref.WeakKeyDictionary[nn.Module, RootState] = weakref.WeakKeyDictionary()
 # every module whose own parameters a unit manages (unit modules included)
-_managed_by: "weakref.WeakKeyDictionary[nn.Module, ShardedUnit]" = weakref.WeakKeyDictionary()
+_managed_by: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
 
 
 class Phase(enum.Enum):
@@ -68,12 +69,12 @@ def clean_fqn(name: str) -> str:
     return name.replace(f"{WRAPPED_ATTR}.", "").replace(f".{WRAPPED_ATTR}", "").replace(WRAPPED_ATTR, "")
 
 
-def unit_of(module: nn.Module) -> Optional[ShardedUnit]:
+def unit_of(module: nn.Module) -> ShardedUnit | None:
     """The unit whose hooks sit on `module`, if any."""
     return _unit_of_module.get(module)
 
 
-def managing_unit(module: nn.Module) -> Optional[ShardedUnit]:
+def managing_unit(module: nn.Module) -> ShardedUnit | None:
     """The unit that manages `module`'s own parameters, if any."""
     return _managed_by.get(module)
 
@@ -83,12 +84,12 @@ def mark_managed(module: nn.Module, unit: ShardedUnit) -> None:
     _managed_by[module] = unit
 
 
-def root_of(module: nn.Module) -> Optional["RootState"]:
+def root_of(module: nn.Module) -> RootState | None:
     """The root state created when the engine was applied to `module` (outermost only)."""
     return _root_of_module.get(module)
 
 
-def resolve_root(module: nn.Module) -> "RootState":
+def resolve_root(module: nn.Module) -> RootState:
     """The root state `module` belongs to: its own, or that of the unit owning / managing it."""
     root = root_of(module)
     if root is None:
@@ -108,21 +109,19 @@ class RootState:
     def __init__(self, units: list[ShardedUnit], options: ShardingOptions) -> None:
         self.units = units
         self.phase = Phase.IDLE
-        self.forward_root: Optional[ShardedUnit] = None
+        self.forward_root: ShardedUnit | None = None
         self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=100_000)
         self.state_dict_kind = None  # engine.config.StateDictKind, set by state_dict.py
         self.state_dict_rank0_only = False
         self.state_dict_offload_to_cpu = False
         self._unit_index = {id(unit): index for index, unit in enumerate(units)}
         self.order = ForwardOrder()
-        self.exec_order: Optional[ExecOrderValidator] = None
+        self.exec_order: ExecOrderValidator | None = None
         if options.check_exec_order and units:
-            self.exec_order = ExecOrderValidator(
-                units[0].topology.check_group, [unit.label for unit in units]
-            )
+            self.exec_order = ExecOrderValidator(units[0].topology.check_group, [unit.label for unit in units])
         self.forward_prefetch = options.forward_prefetch
         self.backward_prefetch = options.backward_prefetch
-        self._prefetched: dict[Direction, Optional[ShardedUnit]] = {d: None for d in Direction}
+        self._prefetched: dict[Direction, ShardedUnit | None] = dict.fromkeys(Direction)
         # Units whose outputs need gradients, in post-forward order (this forward): reversed,
         # the order backward unshards them in.
         self._grad_order: list[ShardedUnit] = []
@@ -171,7 +170,7 @@ class RootState:
             if not tensors:  # no backward will follow: nothing may stay gathered
                 self._reshard_all()
 
-    def _forward_candidate(self, position: int) -> Optional[ShardedUnit]:
+    def _forward_candidate(self, position: int) -> ShardedUnit | None:
         index = self.order.next_after(position)
         return self.units[index] if index is not None else None
 
@@ -181,7 +180,7 @@ class RootState:
         self._reshard_all()
 
     # ------------------------------------------------------------------ prefetch
-    def _prefetch(self, direction: Direction, current: ShardedUnit, unit: Optional[ShardedUnit]) -> None:
+    def _prefetch(self, direction: Direction, current: ShardedUnit, unit: ShardedUnit | None) -> None:
         """Issue `unit`'s all-gather now, while `current` is about to compute, unless it is
         gathered already or another prefetch in this direction is still in flight (at most one
         each: more gathered units cost memory without hiding more latency).  The previous
@@ -194,7 +193,7 @@ class RootState:
         unit.unshard(async_op=True)
         self._prefetched[direction] = unit
 
-    def _backward_candidate(self, unit: ShardedUnit) -> Optional[ShardedUnit]:
+    def _backward_candidate(self, unit: ShardedUnit) -> ShardedUnit | None:
         """The unit that ran before `unit`'s (last) forward and will need a gather in backward."""
         order = self._grad_order
         positions = [i for i, other in enumerate(order) if other is unit]
@@ -224,7 +223,7 @@ class RootState:
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def reduction_started(self, reduction: Optional[GradReduction]) -> None:
+    def reduction_started(self, reduction: GradReduction | None) -> None:
         """Track an issued gradient reduction; complete the oldest beyond the in-flight bound."""
         if reduction is None:
             return
@@ -247,7 +246,7 @@ class RootState:
 
     def _reshard_all(self) -> None:
         """Reshard every unit, even when waiting for one's gather fails (raise that afterwards)."""
-        failure: Optional[BaseException] = None
+        failure: BaseException | None = None
         for unit in self.units:
             try:
                 unit.reshard()

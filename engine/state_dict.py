@@ -6,6 +6,7 @@ parameter modes (the unshard context shows the original parameters; `_flat_param
 Tensor-parallel parameters are global tensors in full state dicts and DTensors on the (dp, tp)
 mesh in sharded ones.  `to_dtensor` / `to_2d_dtensor` are shared with `optim_state.py`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,12 +15,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .config import ShardingStrategy, StateDictKind
-from .flat_param import ParamInfo
-from .state import WRAPPED_ATTR, resolve_root, root_of
-from .topology import root_mesh
-from .unit import ShardedUnit
-from .unshard import UnitUnshard, UnshardOptions
+from engine.config import ShardingStrategy, StateDictKind
+from engine.flat_param import ParamInfo
+from engine.state import WRAPPED_ATTR, resolve_root, root_of
+from engine.topology import root_mesh
+from engine.unit import ShardedUnit
+from engine.unshard import UnitUnshard, UnshardOptions
 
 _WRAPPED_PREFIX = f"{WRAPPED_ATTR}."
 
@@ -61,9 +62,7 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor) -> DTensor:
         start = min(topology.shard_rank * step, full.shape[0])
         local = full[start : min(start + step, full.shape[0])].clone()
         placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor:
@@ -175,5 +174,3 @@ def register_wrapper_key_post_hook(wrapper: nn.Module) -> None:
             state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
     wrapper.register_state_dict_post_hook(after_save)
-
-

@@ -21,21 +21,22 @@ Buffers and who owns them (see `collectives.py` for the stream invariants they r
 * A reduction's input (the unsharded gradient) and output (this rank's reduced chunk) belong to
   its `GradReduction` until `complete()`; the output then becomes the stored gradient.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from . import collectives
-from .config import ShardingStrategy
-from .flat_param import FlatLayout, ParamInfo, maybe_wrap
-from .params import FlatParams, OriginalParams, ParamExposure
-from .topology import Topology
+from engine import collectives
+from engine.config import ShardingStrategy
+from engine.flat_param import FlatLayout, ParamInfo, maybe_wrap
+from engine.params import FlatParams, OriginalParams, ParamExposure
+from engine.topology import Topology
 
 if TYPE_CHECKING:
-    from .state import RootState
+    from engine.state import RootState
 
 
 class GradReduction:
@@ -45,20 +46,20 @@ class GradReduction:
     groups for HYBRID_SHARD, average) and adds the result to the stored gradients.
     """
 
-    __slots__ = ("unit", "_reduced", "_pending", "_source", "_across_replicas")
+    __slots__ = ("_across_replicas", "_pending", "_reduced", "_source", "unit")
 
     def __init__(
         self,
-        unit: "ShardedUnit",
+        unit: ShardedUnit,
         reduced: torch.Tensor,
-        pending: Optional[collectives.Pending],
+        pending: collectives.Pending | None,
         source: torch.Tensor,
         across_replicas: bool,
     ) -> None:
         self.unit = unit
         self._reduced = reduced
         self._pending = pending
-        self._source: Optional[torch.Tensor] = source  # the collective's input: kept until done
+        self._source: torch.Tensor | None = source  # the collective's input: kept until done
         self._across_replicas = across_replicas
 
     def abandon(self) -> None:
@@ -92,10 +93,10 @@ class ShardedUnit:
         params: list[ParamInfo],
         topology: Topology,
         strategy: ShardingStrategy,
-        param_dtype: Optional[torch.dtype],
+        param_dtype: torch.dtype | None,
         offload_params: bool,
         device: torch.device,
-        flat_param_owner: Optional[nn.Module] = None,
+        flat_param_owner: nn.Module | None = None,
     ) -> None:
         """`flat_param_owner`: expose one flat parameter registered on that module
         (use_orig_params=False); None exposes the original parameters."""
@@ -105,7 +106,7 @@ class ShardedUnit:
         self.device = device
         self.offload_params = offload_params
         self.layout = FlatLayout(params, topology.shard_size, topology.shard_rank)
-        self.root: Optional["RootState"] = None
+        self.root: RootState | None = None
         self.module_fqn = ""  # set by the root: unit module path relative to the root
         self.param_fqns: list[str] = [p.fqn for p in params]  # root-relative, set by the root
         self.is_unsharded = False  # `_full` holds (or, while `_gather` is pending, will hold) full values
@@ -121,16 +122,14 @@ class ShardedUnit:
             self.shard = self.shard.pin_memory()  # host-to-device copies can then be asynchronous
         self._fill_shard(params)
         # Shard size one without casting or offloading: compute directly on the master copy.
-        self.aliases_shard = (
-            topology.shard_size == 1 and self.compute_dtype == self.master_dtype and not offload_params
-        )
+        self.aliases_shard = topology.shard_size == 1 and self.compute_dtype == self.master_dtype and not offload_params
         if self.aliases_shard:
             self._full = self.shard
         else:
             self._full = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
             self._full.untyped_storage().resize_(0)
-        self._staging: Optional[torch.Tensor] = None
-        self._gather: Optional[collectives.Pending] = None  # all-gather into `_full` not yet waited
+        self._staging: torch.Tensor | None = None
+        self._gather: collectives.Pending | None = None  # all-gather into `_full` not yet waited
         self.flat_leaf = self._full.data
         padding = self.layout.padded_numel - self.layout.numel if not self.aliases_shard else 0
         self._split_sizes = [info.numel for info in params] + ([padding] if padding else [])
@@ -160,7 +159,7 @@ class ShardedUnit:
         return self.exposure.optimizer_params()
 
     @property
-    def flat_param(self) -> Optional[nn.Parameter]:
+    def flat_param(self) -> nn.Parameter | None:
         """The unit's flat parameter (use_orig_params=False), else None."""
         return self.exposure.flat_param if isinstance(self.exposure, FlatParams) else None
 
@@ -213,16 +212,14 @@ class ShardedUnit:
         if group is None:  # one rank holds everything: a cast / host-to-device copy, no collective
             self._full.copy_(self.shard)
             return
-        source: Optional[torch.Tensor] = None
+        source: torch.Tensor | None = None
         gathered_from = self.shard
         if self.shard.device != self.device or self.shard.dtype != self.compute_dtype:
             if self._staging is None:
                 self._staging = torch.empty(self.layout.chunk, dtype=self.compute_dtype, device=self.device)
             source, gathered_from = self.shard, self._staging
         with collectives.labelled(self.label):
-            self._gather = collectives.all_gather_flat(
-                self._full, gathered_from, group, async_op=True, source=source
-            )
+            self._gather = collectives.all_gather_flat(self._full, gathered_from, group, async_op=True, source=source)
         if not async_op:
             self.wait_for_unshard()
 
@@ -283,7 +280,7 @@ class ShardedUnit:
         if reduction is not None:
             reduction.complete()
 
-    def start_grad_reduction(self) -> Optional[GradReduction]:
+    def start_grad_reduction(self) -> GradReduction | None:
         """Issue the reduction of `flat_leaf.grad` asynchronously; None when there is no gradient.
 
         The first collective (reduce-scatter over the shard group, or for a one-rank shard

@@ -1,18 +1,19 @@
 """`unshard_params`: show full parameters (optionally gradients) outside forward/backward."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
-from .flat_param import maybe_wrap
-from .state import managing_unit, unit_of
-from .unit import ShardedUnit
+from engine import collectives
+from engine.flat_param import maybe_wrap
+from engine.state import managing_unit, unit_of
+from engine.unit import ShardedUnit
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class UnitUnshard:
         self.unit = unit
         self.options = options
         self.visible = not options.rank0_only or dist.get_rank() == 0
-        self.shown: Optional[torch.Tensor] = None
-        self.shown_grads: Optional[torch.Tensor] = None
+        self.shown: torch.Tensor | None = None
+        self.shown_grads: torch.Tensor | None = None
         self.params: list[nn.Parameter] = []
 
     def enter(self) -> None:
@@ -119,7 +120,7 @@ class UnitUnshard:
             collectives.all_gather_flat(full, source, group)
         return full
 
-    def _gather_grads(self) -> Optional[torch.Tensor]:
+    def _gather_grads(self) -> torch.Tensor | None:
         """Full flat gradient, or None when no rank has a gradient for this unit."""
         unit = self.unit
         group = unit.topology.shard_group

@@ -1,4 +1,5 @@
 """2-D: tensor-parallel DTensor parameters sharded over the "dp" mesh dimension."""
+
 from __future__ import annotations
 
 import copy
@@ -76,7 +77,7 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
 
     torch.manual_seed(0)
     local = ThreeLayerMLP().to(device)
-    model, mesh = two_d(local, device)
+    model, _mesh = two_d(local, device)
     engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
     state = model.state_dict()
     weight = state["net1.weight"]

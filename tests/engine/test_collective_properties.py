@@ -4,6 +4,7 @@ Hypothesis is derandomized so all ranks draw the same examples in the same order
 collectives must match); values are generated from a per-example seed so every rank can also
 compute every other rank's data for the expected result.
 """
+
 from __future__ import annotations
 
 import math

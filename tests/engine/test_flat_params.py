@@ -1,4 +1,5 @@
 """Flat-parameter mode (use_orig_params=False): what modules expose, in every state."""
+
 from __future__ import annotations
 
 import copy
@@ -78,7 +79,9 @@ def test_one_flat_parameter_per_unit_holding_this_ranks_chunk(rank, world_size, 
         "b2._flat_param": flat_values(local.b2),
     }
     for name, values in expected.items():
-        torch.testing.assert_close(named[name].detach(), expected_chunk(values, rank, world_size), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            named[name].detach(), expected_chunk(values, rank, world_size), rtol=0, atol=0, msg=name
+        )
     # Registered where torch FSDP1 registers it: on the module the user holds as the unit.
     root_holder = model.module if form == "wrapper" else model
     assert root_holder._parameters["_flat_param"] is named["_flat_param"]

@@ -4,11 +4,12 @@ The collective core is instrumented in the rank (every issue and every wait is l
 unit's label), and module hooks log where compute happens, so each test reads one step's
 timeline and checks the invariants the CUDA path relies on, with gloo's async work on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -51,7 +52,9 @@ def logged(model: nn.Module) -> Iterator[list[Event]]:
     """Log issues and waits of the engine's flat collectives, and forward / backward compute."""
     names = {unit.label: unit.module_fqn or "root" for unit in engine.units(model)}
     log: list[Event] = []
-    originals = {name: getattr(collectives, name) for name in ("all_gather_flat", "reduce_scatter_flat", "all_reduce_sum")}
+    originals = {
+        name: getattr(collectives, name) for name in ("all_gather_flat", "reduce_scatter_flat", "all_reduce_sum")
+    }
 
     def wrap(name: str, kind: str):
         def issue(*args, **kwargs):
@@ -69,8 +72,12 @@ def logged(model: nn.Module) -> Iterator[list[Event]]:
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
             owner = fqn.split(".")[0] if fqn.split(".")[0] in ("1", "2", "3") else "root"
-            handles.append(module.register_forward_pre_hook(lambda m, a, o=owner: log.append(("compute", "forward", o))))
-            handles.append(module.register_full_backward_pre_hook(lambda m, g, o=owner: log.append(("backward", "compute", o))))
+            handles.append(
+                module.register_forward_pre_hook(lambda m, a, o=owner: log.append(("compute", "forward", o)))
+            )
+            handles.append(
+                module.register_full_backward_pre_hook(lambda m, g, o=owner: log.append(("backward", "compute", o)))
+            )
     try:
         collectives.all_gather_flat = wrap("all_gather_flat", "all_gather")
         collectives.reduce_scatter_flat = wrap("reduce_scatter_flat", "reduce")
@@ -150,9 +157,10 @@ def test_backward_prefetches_in_reverse_forward_order_one_at_a_time(device, use_
     # whenever backward computes; all waited by the end of backward.
     reductions = list(in_flight(backward, "reduce"))
     assert max(sum(pending.values()) for _, pending in reductions) <= REDUCTIONS_IN_FLIGHT + 1
-    assert max(
-        sum(pending.values()) for position, pending in reductions if backward[position][0] == "backward"
-    ) <= REDUCTIONS_IN_FLIGHT
+    assert (
+        max(sum(pending.values()) for position, pending in reductions if backward[position][0] == "backward")
+        <= REDUCTIONS_IN_FLIGHT
+    )
     assert not reductions[-1][1], f"reductions never waited: {reductions[-1][1]}"
     issued_3 = first(backward, ("issue", "reduce", "3"))
     assert issued_3 < first(backward, ("backward", "compute", "2")), "reduce-scatter does not overlap backward"
@@ -174,7 +182,11 @@ def test_forward_prefetch_follows_the_first_iterations_order(device):
     assert_waited_before_compute(log)
     forward, _ = split(log)
     # Each unit's pre-forward issues its own gather and the next unit's before waiting its own.
-    assert forward[:3] == [("issue", "all_gather", "root"), ("issue", "all_gather", "1"), ("wait", "all_gather", "root")]
+    assert forward[:3] == [
+        ("issue", "all_gather", "root"),
+        ("issue", "all_gather", "1"),
+        ("wait", "all_gather", "root"),
+    ]
     for current, following in (("1", "2"), ("2", "3")):
         assert first(forward, ("issue", "all_gather", following)) < first(forward, ("wait", "all_gather", current))
     assert max(sum(pending.values()) for _, pending in in_flight(forward, "all_gather")) <= 2
@@ -211,10 +223,12 @@ def test_unused_forward_prefetch_is_waited_and_freed(rank, device):
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("mixed", [None, MixedPrecision(param_dtype=torch.bfloat16)], ids=["fp32", "bf16"])
 def test_buffers_are_reused_across_steps(device, mixed):
-    model = engine.fully_shard(stack().to(device), auto_wrap_classes={Block}, mixed_precision=mixed, forward_prefetch=True)
+    model = engine.fully_shard(
+        stack().to(device), auto_wrap_classes={Block}, mixed_precision=mixed, forward_prefetch=True
+    )
     units = engine.units(model)
 
-    def identities() -> list[tuple[int, Optional[int]]]:
+    def identities() -> list[tuple[int, int | None]]:
         return [
             (unit._full.untyped_storage()._cdata, None if unit._staging is None else unit._staging.data_ptr())
             for unit in units
@@ -232,9 +246,7 @@ def test_buffers_are_reused_across_steps(device, mixed):
 
 @pytest.mark.world_size(2)
 def test_shard_grad_op_keeps_units_gathered_so_nothing_is_prefetched(device):
-    model = engine.fully_shard(
-        stack().to(device), auto_wrap_classes={Block}, strategy=ShardingStrategy.SHARD_GRAD_OP
-    )
+    model = engine.fully_shard(stack().to(device), auto_wrap_classes={Block}, strategy=ShardingStrategy.SHARD_GRAD_OP)
     step(model, device)
     with logged(model) as log:
         step(model, device, seed=1)

@@ -1,4 +1,5 @@
 """Model and optimizer state dicts: full / sharded round trips across sharding layouts."""
+
 from __future__ import annotations
 
 import copy
@@ -43,7 +44,8 @@ LAYOUTS = {
     "auto": lambda m, **o: engine.fully_shard(m, auto_wrap_classes={Block}, **o),
     "submodules_only": lambda m, **o: (engine.fully_shard(m.b1, **o), engine.fully_shard(m.b2, **o), m)[-1],
     "mixed_no_shard_root": lambda m, **o: (
-        engine.fully_shard(m.b1, **o), engine.fully_shard(m, strategy=ShardingStrategy.NO_SHARD, **o)
+        engine.fully_shard(m.b1, **o),
+        engine.fully_shard(m, strategy=ShardingStrategy.NO_SHARD, **o),
     )[-1],
     "ignored": lambda m, **o: engine.fully_shard(m, auto_wrap_classes={Block}, ignored_modules=[m.b2], **o),
     "wrapper": lambda m, **o: engine.ShardedModule(m, auto_wrap_classes={Block}, **o),
@@ -107,7 +109,7 @@ def test_full_state_dict_rank0_only_offloaded(rank, device):
         assert_same_state(state, local.state_dict())
         assert all(v.device.type == "cpu" for k, v in state.items() if k.endswith("weight"))
     else:
-        assert not [k for k in state if k.endswith("weight") or k.endswith("bias")]
+        assert not [k for k in state if k.endswith(("weight", "bias"))]
 
 
 @pytest.mark.world_size(4)

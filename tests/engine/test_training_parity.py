@@ -1,4 +1,5 @@
 """Training parity: the engine on per-rank batches vs one plain model on the global batch."""
+
 from __future__ import annotations
 
 import copy
@@ -91,7 +92,9 @@ def test_training_matches_single_process(rank, world_size, device, api, auto, st
     if use_orig_params:
         assert names == [n for n, _ in local.named_parameters()]
     else:
-        assert names == ["_flat_param", "b1._flat_param", "b2._flat_param"] if auto else ["_flat_param", "b2._flat_param"]
+        assert (
+            names == ["_flat_param", "b1._flat_param", "b2._flat_param"] if auto else ["_flat_param", "b2._flat_param"]
+        )
     train_both(local, model, rank, world_size, device)
     assert_same_params(local, model)
 
@@ -111,12 +114,19 @@ def test_one_rank_trains_like_the_plain_model(rank, world_size, device, api, use
 @PARAMS
 @pytest.mark.parametrize("forward_prefetch", [True, False], ids=["forward_prefetch", "no_forward_prefetch"])
 @pytest.mark.parametrize("backward_prefetch", [True, False], ids=["backward_prefetch", "no_backward_prefetch"])
-def test_prefetching_trains_like_the_plain_model(rank, world_size, device, forward_prefetch, backward_prefetch, use_orig_params):
+def test_prefetching_trains_like_the_plain_model(
+    rank, world_size, device, forward_prefetch, backward_prefetch, use_orig_params
+):
     torch.manual_seed(0)
     local = Net().to(device)
     model = shard(
-        copy.deepcopy(local), "composable", True, world_size,
-        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch, use_orig_params=use_orig_params,
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        use_orig_params=use_orig_params,
     )
     train_both(local, model, rank, world_size, device)
     assert_same_params(local, model)
@@ -129,7 +139,12 @@ def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, str
     torch.manual_seed(0)
     local = Net().to(device)
     model = shard(
-        copy.deepcopy(local), "composable", True, world_size, strategy=strategy, offload_params=True,
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
+        strategy=strategy,
+        offload_params=True,
         use_orig_params=use_orig_params,
     )
     train_both(local, model, rank, world_size, device)
@@ -144,8 +159,12 @@ def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device
     torch.manual_seed(0)
     local = Net().to(device)
     model = shard(
-        copy.deepcopy(local), "composable", True, world_size,
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), use_orig_params=use_orig_params,
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        use_orig_params=use_orig_params,
     )
     seen: list[torch.dtype] = []
     model.b1.proj.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
@@ -168,7 +187,10 @@ def test_hybrid_shard_from_explicit_2d_mesh(rank, world_size, device, use_orig_p
     torch.manual_seed(0)
     local = Net().to(device)
     model = engine.fully_shard(
-        copy.deepcopy(local), auto_wrap_classes={Block}, strategy=ShardingStrategy.HYBRID_SHARD, mesh=mesh,
+        copy.deepcopy(local),
+        auto_wrap_classes={Block},
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        mesh=mesh,
         use_orig_params=use_orig_params,
     )
     unit = engine.units(model)[1]
