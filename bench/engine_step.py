@@ -1,23 +1,38 @@
-"""Step time and peak RSS of the reference engine vs torch FSDP1, FSDP2 and DDP (CPU / gloo).
+"""Reference engine vs torch FSDP2 / FSDP1: step time, peak memory and collective cost, one run.
 
-Spawns its own processes (no harness): one fresh process group per (world size, model, backend)
-so peak RSS is per configuration.  Also times the engine's all-gathers / reduce-scatters per step
-against raw collectives on the same byte counts.
+    python bench/engine_step.py [--steps 30] [--repeats 1] [--configs ...] [--skip-collectives]
 
-    python bench/engine_step.py [--steps 30] [--world-sizes 2 4]
+Spawns its own processes (no harness), one fresh process group per measurement, so each peak
+memory figure belongs to one configuration.
 
-Last line: `engine ws2 tiny: ref/fsdp2 = R1, xfmr: ref/fsdp2 = R2`.
+1. Training step (zero_grad, forward, backward, Adam step; median over `--steps` after warm-up)
+   and peak memory for the tiny MLP and the transformer, every configuration:
+   engine (original parameters), engine-flat (flat parameters), engine-fwd (original parameters
+   with forward prefetch: static graphs only), fsdp1 / fsdp1-flat (torch FSDP1 with
+   use_orig_params=True / False), fsdp2 (torch fully_shard; original parameters only).
+   CPU: world size 2 over gloo, peak memory = the rank processes' peak RSS (max over ranks).
+   CUDA (when a GPU exists): world size 1 over NCCL, peak memory = torch.cuda.max_memory_allocated.
+2. Collective cost at world sizes 2 and 4 (CPU): the engine's own collective path for every unit
+   of the model, back to back (unshard = allocate + all-gather into the unit's buffer + wait,
+   reshard = free; reduction = reduce-scatter into a new chunk + wait + average + hand out the
+   gradient), against the raw collectives on the same byte counts into preallocated buffers.
+3. Ratios against the anchors measured in the same run, and the goals they are held to.
+
+The machine's load (os.getloadavg) is printed at the start and the end: on a shared machine
+compare only figures from quiet runs.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import resource
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,8 +41,15 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BACKENDS = ("engine", "fsdp1", "fsdp2", "ddp")
+CONFIGS = ("engine", "engine-flat", "engine-fwd", "fsdp1", "fsdp1-flat", "fsdp2")
 MODELS = ("tiny", "xfmr")
+ANCHOR = "fsdp2"
+WARMUP = 5
+# Goals (issue #12), CPU at world size 2 from one run: engine / fsdp2 step time and peak memory;
+# engine collective path / raw collectives on the same bytes.
+STEP_GOALS = {"tiny": 0.5, "xfmr": 0.9}
+MEMORY_GOAL = 1.0
+COLLECTIVE_GOAL = 1.2
 
 
 class Block(nn.Sequential):
@@ -45,113 +67,165 @@ def build_model(name: str) -> tuple[nn.Module, type, Callable[[torch.Generator],
     return model, nn.TransformerEncoderLayer, lambda g: torch.randn(8, 64, 256, generator=g)
 
 
-def shard(backend: str, model: nn.Module, block: type) -> nn.Module:
-    if backend == "engine":
+def shard(config: str, model: nn.Module, block: type, device: torch.device) -> nn.Module:
+    if config.startswith("engine"):
         import engine
 
-        return engine.fully_shard(model, auto_wrap_classes={block})
-    if backend == "fsdp1":
+        return engine.fully_shard(
+            model,
+            auto_wrap_classes={block},
+            use_orig_params=config != "engine-flat",
+            forward_prefetch=config == "engine-fwd",
+            device=device,
+        )
+    if config.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         return FullyShardedDataParallel(
-            model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), use_orig_params=True
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({block}),
+            device_id=device,
+            use_orig_params=config == "fsdp1",
         )
-    if backend == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        for module in model.modules():
-            if isinstance(module, block):
-                fully_shard(module)
-        return fully_shard(model)
-    return nn.parallel.DistributedDataParallel(model)
+    for module in model.modules():
+        if isinstance(module, block):
+            fully_shard(module)
+    return fully_shard(model)
 
 
-def timed_collectives() -> dict[str, list]:
-    """Wrap the engine's collective entry points to time them (and record their sizes).
-
-    Asynchronous reduce-scatters are waited inside the timer, so this runs in a separate pass
-    from the step-time measurement.
-    """
-    from engine import collectives
-
-    record: dict[str, list] = {"all_gather": [], "reduce_scatter": []}
-    for key, attr in (("all_gather", "all_gather_flat"), ("reduce_scatter", "reduce_scatter_flat")):
-        original = getattr(collectives, attr)
-
-        def wrapper(output, source, group, _original=original, _key=key, **kwargs):
-            start = time.perf_counter()
-            work = _original(output, source, group, **kwargs)
-            if work is not None:
-                work.wait()
-            record[_key].append((time.perf_counter() - start, output.numel(), source.numel()))
-            return work
-
-        setattr(collectives, attr, wrapper)
-    return record
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def raw_collective_time(record: dict[str, list], steps: int) -> float:
-    """Seconds per step for raw collectives on the byte counts the engine issued per step."""
-    per_step = {k: v[: len(v) // steps] for k, v in record.items()}
-    buffers = [
-        (k, torch.empty(out), torch.empty(src)) for k, entries in per_step.items() for _, out, src in entries
-    ]
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        for kind, out, src in buffers:
-            (gather if kind == "all_gather" else scatter)(out, src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def run_rank(rank: int, world: int, init_file: str, model_name: str, backend: str, steps: int, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _init(rank: int, world: int, init_file: str, device_type: str) -> torch.device:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    return device
+
+
+def step_rank(
+    rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str, steps: int, queue
+) -> None:
+    """Median step time (s) and peak memory (MiB) of one configuration, max over ranks."""
+    device = _init(rank, world, init_file, device_type)
+    # Every configuration imports the same modules, so peak RSS compares what the backends
+    # allocate rather than how much code they load.
+    import torch.distributed.fsdp
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: F401
+
+    import engine  # noqa: F401
+
     torch.manual_seed(0)
     model, block, make_input = build_model(model_name)
-    sharded = shard(backend, model, block)
+    baseline = _peak_memory_mib(device)  # the unsharded model, before the backend allocates
+    sharded = shard(config, model.to(device), block, device)
     optim = torch.optim.Adam(sharded.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
-    inputs = [make_input(generator) for _ in range(4)]
+    inputs = [make_input(generator).to(device) for _ in range(4)]
 
     def step(index: int) -> float:
         dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         optim.zero_grad(set_to_none=True)
         sharded(inputs[index % 4]).sum().backward()
         optim.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    warmup = 5
-    times = [step(i) for i in range(warmup + steps)]
-    step_time = statistics.median(times[warmup:])
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the comm pass
-    comm = raw = 0.0
-    if backend == "engine":
-        record = timed_collectives()
-        for i in range(steps):
-            step(i)
-        comm = sum(t for entries in record.values() for t, _, _ in entries) / steps
-        raw = raw_collective_time(record, steps)
-    stats = torch.tensor([step_time, peak_rss_mb, comm, raw], dtype=torch.float64)
+    times = [step(i) for i in range(WARMUP + steps)]
+    peak = _peak_memory_mib(device)
+    stats = torch.tensor([statistics.median(times[WARMUP:]), peak, peak - baseline], dtype=torch.float64)
+    on_device = stats.to(device)  # NCCL reduces device tensors only
+    dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+    stats = on_device.cpu()
+    if rank == 0:
+        queue.put(stats.tolist())
+    _leave(queue)
+
+
+def collective_rank(
+    rank: int, world: int, init_file: str, device_type: str, model_name: str, config: str, steps: int, queue
+) -> None:
+    """Seconds per pass: the engine's collective path for every unit, and raw collectives."""
+    import engine
+    from engine import collectives
+
+    device = _init(rank, world, init_file, device_type)
+    torch.manual_seed(0)
+    model, block, _ = build_model(model_name)
+    sharded = shard("engine", model.to(device), block, device)
+    units = [unit for unit in engine.units(sharded) if unit.has_params]
+    grads = [torch.randn(unit.layout.padded_numel, device=device) for unit in units]
+
+    def engine_pass() -> None:
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+        for unit, grad in zip(units, grads):
+            unit.flat_leaf.grad = grad
+            unit.reduce_grad()
+
+    gathered = [torch.empty(unit.layout.padded_numel, device=device) for unit in units]
+    chunks = [torch.empty(unit.layout.chunk, device=device) for unit in units]
+    group = units[0].topology.shard_group
+
+    def raw_pass() -> None:
+        for out, chunk in zip(gathered, chunks):
+            collectives._all_gather_single(out, chunk, group=group)
+        for grad, chunk in zip(grads, chunks):
+            collectives._reduce_scatter_single(chunk, grad, group=group)
+
+    # Alternate the two passes sample by sample, so both see the same machine load.
+    engine_times, raw_times = [], []
+    for index in range(WARMUP + 3 * steps):
+        for run, samples in ((engine_pass, engine_times), (raw_pass, raw_times)):
+            sharded.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= WARMUP:
+                samples.append(time.perf_counter() - start)
+    stats = torch.tensor(
+        [statistics.median(engine_times), statistics.median(raw_times), sum(g.numel() for g in grads) * 4 / 2**20]
+    )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         queue.put(stats.tolist())
+    _leave(queue)
+
+
+def _leave(queue) -> None:
+    """End the rank without interpreter teardown, where torch's C++ threads (gloo's) sometimes
+    abort ("terminate called without an active exception") after the result was sent."""
+    queue.close()
+    queue.join_thread()  # the result is in the pipe before the process ends
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def measure(world: int, model_name: str, backend: str, steps: int) -> list[float]:
+def run_world(target: Callable, world: int, device_type: str, *args) -> list[float]:
     context = mp.get_context("spawn")
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
-            context.Process(target=run_rank, args=(r, world, init_file, model_name, backend, steps, queue))
-            for r in range(world)
+            context.Process(target=target, args=(r, world, init_file, device_type, *args, queue)) for r in range(world)
         ]
         for proc in procs:
             proc.start()
@@ -159,36 +233,112 @@ def measure(world: int, model_name: str, backend: str, steps: int) -> list[float
             try:
                 result = queue.get(timeout=1.0)
                 break
-            except Exception:
+            except queue_module.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed:
                     for proc in procs:
                         proc.kill()
-                    raise RuntimeError(f"{backend} {model_name} ws{world}: a rank exited with {failed}")
+                    raise RuntimeError(f"{target.__name__}{args[:2]} ws{world}: a rank exited with {failed}") from None
         for proc in procs:
             proc.join()
     return result
 
 
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}" if ours and theirs else "n/a"
+
+
+def step_section(device_type: str, world: int, configs: list[str], steps: int, repeats: int) -> dict:
+    """Best of `repeats` runs per (model, config), the configurations taking turns so that a
+    change in the machine's load hits all of them alike."""
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
+    memory = "peak RSS" if device_type == "cpu" else "max allocated"
+    print(f"\n== step time and peak memory (MiB): {device_type}, world size {world} ==")
+    print(
+        f"{'model':>5} {'config':>11} {'step ms':>9} {memory:>14} {'above model':>12} "
+        f"{'step / ' + ANCHOR:>13} {'memory / ' + ANCHOR:>15}"
+    )
+    order = [ANCHOR] + [c for c in configs if c != ANCHOR]
+    for model_name in MODELS:
+        runs: dict[str, list[list[float]]] = {config: [] for config in order}
+        for _ in range(repeats):
+            for config in order:
+                runs[config].append(run_world(step_rank, world, device_type, model_name, config, steps))
+        for config in order:
+            best = (min(r[0] for r in runs[config]), min(r[1] for r in runs[config]), min(r[2] for r in runs[config]))
+            results[(model_name, config)] = best
+            anchor = results[(model_name, ANCHOR)]
+            print(
+                f"{model_name:>5} {config:>11} {best[0] * 1e3:9.2f} {best[1]:14.1f} {best[2]:12.1f} "
+                f"{_ratio(best[0], anchor[0]):>13} {_ratio(best[1], anchor[1]):>15}",
+                flush=True,
+            )
+    return results
+
+
+def collective_section(worlds: list[int], steps: int) -> dict:
+    results = {}
+    print("\n== collective cost: the engine's path for every unit vs raw collectives, same bytes (cpu) ==")
+    print(f"{'ws':>3} {'model':>5} {'MiB/pass':>9} {'engine ms':>10} {'raw ms':>8} {'engine / raw':>13}")
+    for world in worlds:
+        for model_name in MODELS:
+            ours, raw, mib = run_world(collective_rank, world, "cpu", model_name, "engine", steps)
+            results[(world, model_name)] = (ours, raw)
+            print(
+                f"{world:>3} {model_name:>5} {mib:9.2f} {ours * 1e3:10.2f} {raw * 1e3:8.2f} {_ratio(ours, raw):>13}",
+                flush=True,
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration; the best counts")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--collective-world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--skip-collectives", action="store_true")
     args = parser.parse_args()
-    results: dict[tuple[int, str, str], list[float]] = {}
-    print(f"{'ws':>3} {'model':>5} {'backend':>7} {'step ms':>9} {'peak RSS MB':>12} {'engine comm ms':>15} {'raw comm ms':>12}")
-    for world in args.world_sizes:
-        for model_name in MODELS:
-            for backend in args.backends:
-                step, rss, comm, raw = results[(world, model_name, backend)] = measure(world, model_name, backend, args.steps)
-                comm_text = f"{comm * 1e3:15.2f} {raw * 1e3:12.2f}" if backend == "engine" else f"{'':>15} {'':>12}"
-                print(f"{world:>3} {model_name:>5} {backend:>7} {step * 1e3:9.2f} {rss:12.1f} {comm_text}", flush=True)
-    ratios = []
+    print(f"torch {torch.__version__}; {_load()}")
+    cpu = step_section("cpu", 2, args.configs, args.steps, args.repeats)
+    gpu = step_section("cuda", 1, args.configs, args.steps, args.repeats) if torch.cuda.is_available() else {}
+    comm = {} if args.skip_collectives else collective_section(args.collective_world_sizes, args.steps)
+
+    print("\n== goals (ratios from this run) ==")
     for model_name in MODELS:
-        ours, theirs = results.get((2, model_name, "engine")), results.get((2, model_name, "fsdp2"))
-        ratios.append(f"{ours[0] / theirs[0]:.2f}" if ours and theirs else "n/a")
-    print(f"engine ws2 tiny: ref/fsdp2 = {ratios[0]}, xfmr: ref/fsdp2 = {ratios[1]}")
+        anchor = cpu.get((model_name, ANCHOR))
+        for config in ("engine", "engine-flat", "engine-fwd"):
+            ours = cpu.get((model_name, config))
+            if not ours or not anchor:
+                continue
+            step, peak = ours[0] / anchor[0], ours[1] / anchor[1]
+            print(
+                f"cpu ws2 {model_name:>5} {config:>11}: step / fsdp2 = {step:.2f} (goal <= {STEP_GOALS[model_name]}) "
+                f"{'met' if step <= STEP_GOALS[model_name] else 'MISSED'}; peak RSS / fsdp2 = {peak:.3f} "
+                f"(goal <= {MEMORY_GOAL}) {'met' if peak <= MEMORY_GOAL else 'MISSED'}; "
+                f"above the model: {ours[2]:.1f} vs {anchor[2]:.1f} MiB"
+            )
+    for (world, model_name), (ours, raw) in comm.items():
+        ratio = ours / raw
+        print(
+            f"cpu ws{world} {model_name:>5} collectives: engine / raw = {ratio:.2f} (goal <= {COLLECTIVE_GOAL}) "
+            f"{'met' if ratio <= COLLECTIVE_GOAL else 'MISSED'}"
+        )
+    for model_name in MODELS:
+        anchor, ours = gpu.get((model_name, ANCHOR)), gpu.get((model_name, "engine"))
+        if anchor and ours:
+            print(
+                f"cuda ws1 {model_name:>5} engine: step / fsdp2 = {ours[0] / anchor[0]:.2f}, "
+                f"memory / fsdp2 = {ours[1] / anchor[1]:.2f} (goals <= 1.0)"
+            )
+    if not gpu:
+        print("cuda: no GPU on this machine, CUDA rows not measured")
+    print(_load())
 
 
 if __name__ == "__main__":

@@ -1,20 +1,23 @@
 """Reference flat-parameter sharding engine (FSDP-style) for the conformance suite.
 
-Public API (see README.md): `fully_shard`, `ShardedModule`, `unshard_params`, `ShardingStrategy`,
-`MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
+Public API (see README.md): `fully_shard`, `ShardedModule`, `ShardingOptions`, `unshard_params`,
+`ShardingStrategy`, `MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
 `load_optim_state_dict`, introspection helpers and `collectives.current_label`.
 """
-from . import collectives
-from .api import ShardedModule, fully_shard
-from .config import ShardingStrategy, StateDictKind
-from .mixed_precision import MixedPrecision
-from .introspect import events, is_unsharded, unit_fqns, units, clear_events
-from .state_dict import load_optim_state_dict, optim_state_dict, set_state_dict_type
-from .unshard import unshard_params
+
+from engine import collectives
+from engine.api import ShardedModule, fully_shard
+from engine.config import ShardingOptions, ShardingStrategy, StateDictKind
+from engine.introspect import clear_events, events, is_unsharded, unit_fqns, units
+from engine.mixed_precision import MixedPrecision
+from engine.optim_state import load_optim_state_dict, optim_state_dict
+from engine.state_dict import set_state_dict_type
+from engine.unshard import unshard_params
 
 __all__ = [
     "MixedPrecision",
     "ShardedModule",
+    "ShardingOptions",
     "ShardingStrategy",
     "StateDictKind",
     "clear_events",

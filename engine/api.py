@@ -1,30 +1,29 @@
 """The two public entry points over one core: `fully_shard` (in place) and `ShardedModule`."""
+
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from . import state_dict as _state_dict
-from .config import ShardingStrategy
-from .mixed_precision import MixedPrecision
-from .flat_param import collect_params
-from .state import WRAPPED_ATTR, _managed_by, clean_fqn, make_root, register_hooks, unit_of
-from .topology import Topology, build_topology, check_tensor_parallel_mesh
-from .unit import ShardedUnit
+from engine import state_dict as _state_dict
+from engine.config import ShardingOptions, resolve_options
+from engine.flat_param import collect_params
+from engine.state import WRAPPED_ATTR, clean_fqn, make_root, managing_unit, mark_managed, register_hooks, unit_of
+from engine.topology import Topology, build_topology, check_tensor_parallel_mesh
+from engine.unit import ShardedUnit
 
-_absorbed: dict[int, "weakref.ref[torch.Tensor]"] = {}  # id -> original now inside a unit
+_absorbed: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> original now inside a unit
 
 
-def _forget(key: int) -> Callable[["weakref.ref[torch.Tensor]"], None]:
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
     """Drop the entry when its tensor dies (unless the id was reused meanwhile)."""
 
-    def callback(ref: "weakref.ref[torch.Tensor]") -> None:
+    def callback(ref: weakref.ref[torch.Tensor]) -> None:
         if _absorbed.get(key) is ref:
             del _absorbed[key]
 
@@ -36,66 +35,23 @@ def _is_absorbed(param: torch.Tensor) -> bool:
     return alive is not None and alive() is param
 
 
-@dataclass(frozen=True)
-class _Options:
-    strategy: ShardingStrategy
-    auto_wrap_classes: Optional[tuple[type, ...]]
-    ignored_modules: tuple[nn.Module, ...]
-    mixed_precision: Optional[MixedPrecision]
-    offload_params: bool
-    mesh: Optional[DeviceMesh]
-    process_group: Optional[dist.ProcessGroup]
-    shard_group_size: Optional[int]
-    device: Optional[torch.device]
-    check_exec_order: bool
-
-
-def fully_shard(
-    module: nn.Module,
-    *,
-    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-    auto_wrap_classes: Optional[Iterable[type]] = None,
-    ignored_modules: Optional[Iterable[nn.Module]] = None,
-    mixed_precision: Optional[MixedPrecision] = None,
-    offload_params: bool = False,
-    mesh: Optional[DeviceMesh] = None,
-    process_group: Optional[dist.ProcessGroup] = None,
-    shard_group_size: Optional[int] = None,
-    device: Optional[torch.device] = None,
-    check_exec_order: bool = True,
-) -> nn.Module:
+def fully_shard(module: nn.Module, options: ShardingOptions | None = None, /, **option_overrides: Any) -> nn.Module:
     """Shard `module` in place (and submodules of `auto_wrap_classes` as their own units).
 
+    Options: a :class:`ShardingOptions`, keywords naming its fields, or both (keywords win).
     Apply it to submodules first and to their ancestor last; the last application becomes the
     root whose FQNs label collectives.  Returns `module` itself.
     """
-    options = _options(locals())
-    _apply(module, options, wrap_child=None)
+    _apply(module, resolve_options(options, option_overrides), wrap_child=None)
     return module
-
-
-def _options(arguments: dict[str, Any]) -> _Options:
-    classes = arguments["auto_wrap_classes"]
-    return _Options(
-        strategy=arguments["strategy"],
-        auto_wrap_classes=tuple(classes) if classes is not None else None,
-        ignored_modules=tuple(arguments["ignored_modules"] or ()),
-        mixed_precision=arguments["mixed_precision"],
-        offload_params=arguments["offload_params"],
-        mesh=arguments["mesh"],
-        process_group=arguments["process_group"],
-        shard_group_size=arguments["shard_group_size"],
-        device=torch.device(arguments["device"]) if arguments["device"] is not None else None,
-        check_exec_order=arguments["check_exec_order"],
-    )
 
 
 def _apply(
     module: nn.Module,
-    options: _Options,
-    wrap_child: Optional[Callable[[nn.Module, Topology, torch.device], nn.Module]],
-    topology: Optional[Topology] = None,
-    device: Optional[torch.device] = None,
+    options: ShardingOptions,
+    wrap_child: Callable[[nn.Module, Topology, torch.device], nn.Module] | None,
+    topology: Topology | None = None,
+    device: torch.device | None = None,
 ) -> None:
     _check_layout(module)
     ignored = _expand_ignored(module, options.ignored_modules)
@@ -110,23 +66,21 @@ def _apply(
         classes = tuple(options.auto_wrap_classes)
         if wrapped == 0 and not any(isinstance(m, classes) for m in module.modules() if m is not module):
             # Matches that all sit inside ignored modules are fine: the policy did apply.
-            names = ", ".join(c.__name__ for c in options.auto_wrap_classes)
+            names = ", ".join(c.__name__ for c in classes)
             raise ValueError(
                 f"auto_wrap_classes ({names}) matched no submodule of {type(module).__name__}; "
                 "pass the classes of submodules that exist in the model, or omit auto_wrap_classes"
             )
     _make_unit(module, options, ignored, topology, device)
-    make_root(module, options.check_exec_order)
+    make_root(module, options)
 
 
 def _check_layout(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected an nn.Module to shard, got {type(module).__name__}")
     if unit_of(module) is not None:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded; apply the engine once per module"
-        )
-    owner = _managed_by.get(module)
+        raise ValueError(f"{type(module).__name__} is already sharded; apply the engine once per module")
+    owner = managing_unit(module)
     if owner is not None:
         raise ValueError(
             f"{type(module).__name__} is already managed by the sharded module "
@@ -169,14 +123,9 @@ def _local_modules(unit_module: nn.Module, ignored: set[nn.Module]) -> list[tupl
     return found
 
 
-def _resolve_device(
-    module: nn.Module, ignored: set[nn.Module], requested: Optional[torch.device]
-) -> torch.device:
+def _resolve_device(module: nn.Module, ignored: set[nn.Module], requested: torch.device | None) -> torch.device:
     devices = {
-        p.device
-        for _, m in _local_modules_recursive(module, ignored)
-        for p in m._parameters.values()
-        if p is not None
+        p.device for _, m in _local_modules_recursive(module, ignored) for p in m._parameters.values() if p is not None
     }
     if requested is not None:
         return requested
@@ -192,7 +141,7 @@ def _resolve_device(
 def _local_modules_recursive(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
     """All not-yet-sharded modules under `module` (what auto-wrap and the root will manage)."""
     for name, submodule in module.named_modules():
-        if submodule in ignored or submodule in _managed_by:
+        if submodule in ignored or managing_unit(submodule) is not None:
             continue
         yield name, submodule
 
@@ -200,16 +149,16 @@ def _local_modules_recursive(module: nn.Module, ignored: set[nn.Module]) -> Iter
 def _auto_wrap(
     root: nn.Module,
     parent: nn.Module,
-    options: _Options,
+    options: ShardingOptions,
     ignored: set[nn.Module],
     topology: Topology,
     device: torch.device,
-    wrap_child: Optional[Callable[[nn.Module, Topology, torch.device], nn.Module]],
+    wrap_child: Callable[[nn.Module, Topology, torch.device], nn.Module] | None,
 ) -> int:
     """Make every matching descendant (innermost first) its own unit; returns how many."""
     wrapped = 0
     for name, child in list(parent.named_children()):
-        if child in ignored or unit_of(child) is not None or child in _managed_by:
+        if child in ignored or unit_of(child) is not None or managing_unit(child) is not None:
             continue
         wrapped += _auto_wrap(root, child, options, ignored, topology, device, wrap_child)
         if isinstance(child, options.auto_wrap_classes):
@@ -223,7 +172,7 @@ def _auto_wrap(
 
 def _make_unit(
     unit_module: nn.Module,
-    options: _Options,
+    options: ShardingOptions,
     ignored: set[nn.Module],
     topology: Topology,
     device: torch.device,
@@ -245,17 +194,21 @@ def _make_unit(
     for info in infos:
         original = info.refs[0].module._parameters[info.refs[0].name]
         _absorbed[id(original)] = weakref.ref(original, _forget(id(original)))
+    # Flat mode registers `_flat_param` on the module the user holds as the unit: the unit's
+    # module for the composable form, the wrapped module for the wrapper (as torch FSDP1 does).
+    flat_param_owner = None if options.use_orig_params else unit_module._modules.get(WRAPPED_ATTR, unit_module)
     unit = ShardedUnit(
         unit_module,
         infos,
         topology,
         options.strategy,
-        options.mixed_precision.param_dtype if options.mixed_precision else None,
+        options.param_dtype,
         options.offload_params,
         device,
+        flat_param_owner=flat_param_owner,
     )
     for _, module in modules:
-        _managed_by[module] = unit
+        mark_managed(module, unit)
     register_hooks(unit)
     _state_dict.register_state_dict_hooks(unit)
     return unit
@@ -264,7 +217,7 @@ def _make_unit(
 def _move_local(module: nn.Module, device: torch.device) -> None:
     """Move one module's own parameters and buffers (not its children's) to `device`."""
     with torch.no_grad():
-        for name, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and param.device != device:
                 param.data = param.data.to(device)
         for name, buffer in module._buffers.items():
@@ -273,43 +226,28 @@ def _move_local(module: nn.Module, device: torch.device) -> None:
 
 
 class ShardedModule(nn.Module):
-    """Wrapper form of the engine: `ShardedModule(module, **same options as fully_shard)`.
+    """Wrapper form of the engine: `ShardedModule(module, [ShardingOptions], **option keywords)`.
 
     With `auto_wrap_classes`, matching submodules are replaced by nested `ShardedModule`s.
     Names (`named_parameters`, state dict keys) are those of the wrapped module: the wrapper's
     own attribute never appears in them.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
-        auto_wrap_classes: Optional[Iterable[type]] = None,
-        ignored_modules: Optional[Iterable[nn.Module]] = None,
-        mixed_precision: Optional[MixedPrecision] = None,
-        offload_params: bool = False,
-        mesh: Optional[DeviceMesh] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
-        shard_group_size: Optional[int] = None,
-        device: Optional[torch.device] = None,
-        check_exec_order: bool = True,
-    ) -> None:
+    def __init__(self, module: nn.Module, options: ShardingOptions | None = None, /, **option_overrides: Any) -> None:
         super().__init__()
-        arguments = dict(locals())
+        resolved = resolve_options(options, option_overrides)
         _check_layout(module)
         setattr(self, WRAPPED_ATTR, module)
         _state_dict.register_wrapper_key_hooks(self)
-        options = _options(arguments)
-        self._build(options, None, None)
+        self._build(resolved, None, None)
 
-    def _build(self, options: _Options, topology: Optional[Topology], device: Optional[torch.device]) -> None:
+    def _build(self, options: ShardingOptions, topology: Topology | None, device: torch.device | None) -> None:
         def wrap_child(child: nn.Module, child_topology: Topology, child_device: torch.device) -> nn.Module:
             nested = ShardedModule.__new__(ShardedModule)
             nn.Module.__init__(nested)
             setattr(nested, WRAPPED_ATTR, child)
             _state_dict.register_wrapper_key_hooks(nested)
-            nested._build(replace(options, auto_wrap_classes=None), child_topology, child_device)
+            nested._build(replace(options, auto_wrap_classes=()), child_topology, child_device)
             return nested
 
         _apply(self, options, wrap_child, topology, device)

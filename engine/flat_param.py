@@ -8,10 +8,11 @@ contiguous chunk.  Everything here is pure index arithmetic: no communication.
 the flat buffer (`ParamInfo.shape` is the local shape); `ParamInfo.tp_spec` keeps what is needed
 to rebuild the DTensor around an unsharded view.  The collective core never sees DTensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,7 @@ class ParamInfo:
     offset: int
     numel: int
     requires_grad: bool
-    tp_spec: Optional["TensorParallelSpec"] = None  # set for DTensor (tensor-parallel) parameters
+    tp_spec: TensorParallelSpec | None = None  # set for DTensor (tensor-parallel) parameters
 
     @property
     def fqn(self) -> str:
@@ -60,7 +61,7 @@ class TensorParallelSpec:
         )
 
 
-def maybe_wrap(info: "ParamInfo", local: torch.Tensor) -> torch.Tensor:
+def maybe_wrap(info: ParamInfo, local: torch.Tensor) -> torch.Tensor:
     """`local` as the parameter's original type (DTensor for tensor-parallel parameters)."""
     return info.tp_spec.wrap(local) if info.tp_spec is not None else local
 
@@ -101,6 +102,14 @@ class FlatLayout:
     def full_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         """`info`'s original-shaped view into an unsharded flat buffer."""
         return flat[info.offset : info.offset + info.numel].view(info.shape)
+
+    def sharded_view(self, chunk: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """This rank's part of `info` inside a chunk-sized tensor: 1-D (possibly empty), or the
+        original shape when one rank holds everything (the chunk is then the whole buffer)."""
+        if self.shard_size == 1:
+            return self.full_view(chunk, info)
+        a, b = self.local_range(info)
+        return chunk[a:b]
 
     @property
     def fqns(self) -> tuple[str, ...]:

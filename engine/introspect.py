@@ -1,30 +1,21 @@
 """Read-only views of the engine's state, for tests and adapters."""
+
 from __future__ import annotations
 
 import torch.nn as nn
 
-from .state import RootState, managing_unit, root_of, unit_of
-from .unit import ShardedUnit
-
-
-def _root(module: nn.Module) -> RootState:
-    root = root_of(module)
-    if root is None:
-        unit = unit_of(module) or managing_unit(module)
-        root = unit.root if unit is not None else None
-    if root is None:
-        raise ValueError(f"{type(module).__name__} is not sharded by the engine")
-    return root
+from engine.state import managing_unit, resolve_root, unit_of
+from engine.unit import ShardedUnit
 
 
 def units(module: nn.Module) -> list[ShardedUnit]:
     """All units of the root that `module` belongs to, in pre-order (parents before children)."""
-    return list(_root(module).units)
+    return list(resolve_root(module).units)
 
 
 def unit_fqns(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     """(unit module FQN, original parameter FQNs) per unit; FQNs relative to the root."""
-    return [(unit.module_fqn, tuple(unit.param_fqns)) for unit in _root(module).units]
+    return [(unit.module_fqn, tuple(unit.param_fqns)) for unit in resolve_root(module).units]
 
 
 def is_unsharded(module: nn.Module) -> bool:
@@ -38,9 +29,9 @@ def is_unsharded(module: nn.Module) -> bool:
 
 def events(module: nn.Module) -> list[tuple[str, str]]:
     """("unshard" | "reshard", unit module FQN) in the order they happened for `module`'s root."""
-    return list(_root(module).events)
+    return list(resolve_root(module).events)
 
 
 def clear_events(module: nn.Module) -> None:
     """Forget the recorded unshard / reshard events of `module`'s root."""
-    _root(module).events.clear()
+    resolve_root(module).events.clear()

@@ -1,8 +1,9 @@
 """Mixed precision: low-precision compute over full-precision master shards."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -16,11 +17,9 @@ class MixedPrecision:
     low-precision parameters meet inputs of the same dtype.
     """
 
-    param_dtype: Optional[torch.dtype] = None
+    param_dtype: torch.dtype | None = None
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree to `dtype`."""
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
-    )
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)

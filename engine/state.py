@@ -1,29 +1,65 @@
-"""Per-root runtime state and the module / autograd hooks that drive the units."""
+"""Per-root runtime state and the module / autograd hooks that drive the units.
+
+Schedule of one training step (what runs when, and what may be in flight):
+
+* Forward, unit U's pre-hook: (first training forward: the order check's collective), then U's
+  all-gather is issued; with `forward_prefetch` the all-gather of the unit that ran next in the
+  first training forward is issued too, so both are in flight together; then U's gather is
+  waited and U computes.  Post-hook: U reshards (FULL_SHARD / HYBRID_SHARD, except the forward
+  root, which backward needs first) and registers the pre-backward hook on its outputs.
+* Backward, U's pre-backward hook (first gradient reaching U's outputs): U's all-gather is issued
+  if U was resharded; with `backward_prefetch` so is that of the unit that ran before U in *this*
+  forward (the next one backward needs); U's gather is waited.  When U's flat gradient is
+  complete (post-accumulate hook) its reduction is issued asynchronously and U reshards.
+* At most one prefetch per direction is in flight; a prefetched unit that is never used stays
+  gathered until backward ends (or the root forward ends without a backward) and reshards then.
+* At most `REDUCTIONS_IN_FLIGHT` reductions are in flight while backward computes: a new one
+  is issued at once (its gradient exists already), then the oldest beyond the bound is
+  completed, which bounds the unsharded gradients alive at once.  Autograd's final callback
+  completes the rest and reshards every unit.
+
+Every rank issues the same collectives in the same order as long as every rank runs the same
+forward, which is what the exec-order check validates; only forward prefetching relies on the
+forward order staying the first iteration's afterwards.
+"""
+
 from __future__ import annotations
 
 import collections
 import enum
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .exec_order import ExecOrderValidator
-from .mixed_precision import cast_floating
-from .unit import ShardedUnit
+from engine.config import ShardingOptions
+from engine.exec_order import ExecOrderValidator, ForwardOrder
+from engine.mixed_precision import cast_floating
+from engine.unit import GradReduction, ShardedUnit
 
 WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class; hidden in FQNs
 
-_unit_of_module: "weakref.WeakKeyDictionary[nn.Module, ShardedUnit]" = weakref.WeakKeyDictionary()
-_root_of_module: "weakref.WeakKeyDictionary[nn.Module, RootState]" = weakref.WeakKeyDictionary()
+# One reduction in flight while backward computes, as torch FSDP2 keeps: the next one is issued
+# before the previous is completed, so consecutive reductions still overlap each other, and at
+# most two units' unsharded gradients are alive (measured: a second one in flight bought no
+# step time on CPU and cost ~10 MiB peak RSS on the benchmark transformer).
+REDUCTIONS_IN_FLIGHT = 1
+
+_unit_of_module: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
+_root_of_module: weakref.WeakKeyDictionary[nn.Module, RootState] = weakref.WeakKeyDictionary()
 # every module whose own parameters a unit manages (unit modules included)
-_managed_by: "weakref.WeakKeyDictionary[nn.Module, ShardedUnit]" = weakref.WeakKeyDictionary()
+_managed_by: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
 
 
 class Phase(enum.Enum):
     IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Direction(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
 
@@ -33,40 +69,63 @@ def clean_fqn(name: str) -> str:
     return name.replace(f"{WRAPPED_ATTR}.", "").replace(f".{WRAPPED_ATTR}", "").replace(WRAPPED_ATTR, "")
 
 
-def unit_of(module: nn.Module) -> Optional[ShardedUnit]:
+def unit_of(module: nn.Module) -> ShardedUnit | None:
     """The unit whose hooks sit on `module`, if any."""
     return _unit_of_module.get(module)
 
 
-def managing_unit(module: nn.Module) -> Optional[ShardedUnit]:
+def managing_unit(module: nn.Module) -> ShardedUnit | None:
     """The unit that manages `module`'s own parameters, if any."""
     return _managed_by.get(module)
 
 
-def root_of(module: nn.Module) -> Optional["RootState"]:
+def mark_managed(module: nn.Module, unit: ShardedUnit) -> None:
+    """Record that `unit` manages `module`'s own parameters."""
+    _managed_by[module] = unit
+
+
+def root_of(module: nn.Module) -> RootState | None:
     """The root state created when the engine was applied to `module` (outermost only)."""
     return _root_of_module.get(module)
+
+
+def resolve_root(module: nn.Module) -> RootState:
+    """The root state `module` belongs to: its own, or that of the unit owning / managing it."""
+    root = root_of(module)
+    if root is None:
+        unit = unit_of(module) or managing_unit(module)
+        root = unit.root if unit is not None else None
+    if root is None:
+        raise ValueError(
+            f"{type(module).__name__} is not sharded by the engine; pass the module that "
+            "fully_shard / ShardedModule was applied to (or one of its submodules)"
+        )
+    return root
 
 
 class RootState:
     """State shared by all units under the module the engine was last applied to."""
 
-    def __init__(self, module: nn.Module, units: list[ShardedUnit], check_exec_order: bool) -> None:
-        self.module = module
+    def __init__(self, units: list[ShardedUnit], options: ShardingOptions) -> None:
         self.units = units
         self.phase = Phase.IDLE
-        self.forward_root: Optional[ShardedUnit] = None
+        self.forward_root: ShardedUnit | None = None
         self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=100_000)
         self.state_dict_kind = None  # engine.config.StateDictKind, set by state_dict.py
         self.state_dict_rank0_only = False
         self.state_dict_offload_to_cpu = False
         self._unit_index = {id(unit): index for index, unit in enumerate(units)}
-        self.exec_order: Optional[ExecOrderValidator] = None
-        self._deferred: list[Callable[[], None]] = []
-        if check_exec_order and units:
-            self.exec_order = ExecOrderValidator(
-                units[0].topology.check_group, [unit.label for unit in units]
-            )
+        self.order = ForwardOrder()
+        self.exec_order: ExecOrderValidator | None = None
+        if options.check_exec_order and units:
+            self.exec_order = ExecOrderValidator(units[0].topology.check_group, [unit.label for unit in units])
+        self.forward_prefetch = options.forward_prefetch
+        self.backward_prefetch = options.backward_prefetch
+        self._prefetched: dict[Direction, ShardedUnit | None] = dict.fromkeys(Direction)
+        # Units whose outputs need gradients, in post-forward order (this forward): reversed,
+        # the order backward unshards them in.
+        self._grad_order: list[ShardedUnit] = []
+        self._reductions: collections.deque[GradReduction] = collections.deque()
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -74,12 +133,21 @@ class RootState:
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
             self.forward_root = unit
+            training = unit.module.training
+            self.order.begin_forward(training)
             if self.exec_order is not None:
-                self.exec_order.begin_forward(unit.module.training)
+                self.exec_order.begin_forward(training)
+            self._grad_order = []
         try:
-            if unit.has_params and self.exec_order is not None:
-                self.exec_order.before_unshard(self._unit_index[id(unit)], unit.device)
-            unit.unshard()
+            if unit.has_params:
+                index = self._unit_index[id(unit)]
+                position = self.order.record(index)
+                if self.exec_order is not None:
+                    self.exec_order.before_unshard(self.order, index, position, unit.device)
+                unit.unshard(async_op=True)
+                if self.forward_prefetch:
+                    self._prefetch(Direction.FORWARD, unit, self._forward_candidate(position))
+                unit.wait_for_unshard()
         except BaseException:
             self._abort()
             raise
@@ -94,18 +162,48 @@ class RootState:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:
             tensor.register_hook(self._pre_backward_hook(unit))
+        if tensors and unit.has_params:
+            self._grad_order.append(unit)
         if unit is self.forward_root:
             self.phase = Phase.IDLE
             self.forward_root = None
             if not tensors:  # no backward will follow: nothing may stay gathered
-                for other in self.units:
-                    other.reshard()
+                self._reshard_all()
+
+    def _forward_candidate(self, position: int) -> ShardedUnit | None:
+        index = self.order.next_after(position)
+        return self.units[index] if index is not None else None
 
     def _abort(self) -> None:
         self.phase = Phase.IDLE
         self.forward_root = None
-        for unit in self.units:
-            unit.reshard()
+        self._reshard_all()
+
+    # ------------------------------------------------------------------ prefetch
+    def _prefetch(self, direction: Direction, current: ShardedUnit, unit: ShardedUnit | None) -> None:
+        """Issue `unit`'s all-gather now, while `current` is about to compute, unless it is
+        gathered already or another prefetch in this direction is still in flight (at most one
+        each: more gathered units cost memory without hiding more latency).  The previous
+        prefetch of `current` itself is being consumed right now, so it does not count."""
+        if unit is None or unit.is_unsharded or not unit.has_params:
+            return
+        previous = self._prefetched[direction]
+        if previous is not None and previous is not current and previous.has_pending_gather:
+            return
+        unit.unshard(async_op=True)
+        self._prefetched[direction] = unit
+
+    def _backward_candidate(self, unit: ShardedUnit) -> ShardedUnit | None:
+        """The unit that ran before `unit`'s (last) forward and will need a gather in backward."""
+        order = self._grad_order
+        positions = [i for i, other in enumerate(order) if other is unit]
+        if not positions:
+            return None
+        for candidate in reversed(order[: positions[-1]]):
+            if candidate is unit or candidate.backward_prepared or candidate.is_unsharded:
+                continue  # already handled, or kept gathered (forward root, SHARD_GRAD_OP)
+            return candidate
+        return None
 
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, unit: ShardedUnit):
@@ -113,7 +211,10 @@ class RootState:
             self._enter_backward()
             if not unit.backward_prepared:
                 unit.backward_prepared = True
-                unit.unshard()
+                unit.unshard(async_op=True)
+                if self.backward_prefetch:
+                    self._prefetch(Direction.BACKWARD, unit, self._backward_candidate(unit))
+                unit.wait_for_unshard()
 
         return hook
 
@@ -122,25 +223,47 @@ class RootState:
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def defer_until_backward_ends(self, work: Callable[[], None]) -> None:
-        """Run `work` when autograd finishes this backward (in the order deferred)."""
-        self._deferred.append(work)
+    def reduction_started(self, reduction: GradReduction | None) -> None:
+        """Track an issued gradient reduction; complete the oldest beyond the in-flight bound."""
+        if reduction is None:
+            return
+        while len(self._reductions) >= REDUCTIONS_IN_FLIGHT:
+            self._reductions.popleft().complete()
+        self._reductions.append(reduction)
         self._enter_backward()
 
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: complete gradient reductions, free what is gathered."""
-        deferred, self._deferred = self._deferred, []
-        for work in deferred:
-            work()
+        try:
+            while self._reductions:
+                self._reductions.popleft().complete()
+        finally:
+            self._reshard_all()
+            for unit in self.units:
+                unit.backward_prepared = False
+            self._grad_order = []
+            self.phase = Phase.IDLE
+
+    def _reshard_all(self) -> None:
+        """Reshard every unit, even when waiting for one's gather fails (raise that afterwards)."""
+        failure: BaseException | None = None
         for unit in self.units:
-            unit.reshard()
-            unit.backward_prepared = False
-        self.phase = Phase.IDLE
+            try:
+                unit.reshard()
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def _recover_from_failed_backward(self) -> None:
         """A backward that raised never runs its final callback: drop its state once it is over."""
         if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
-            self._deferred = []  # its reductions may not have been issued on every rank
+            # Its reductions may not have been issued on every rank: never complete them.  Gloo
+            # keeps their buffers alive until its own work ends; on CUDA, order the compute
+            # stream after them before their buffers can be reused.
+            for reduction in self._reductions:
+                reduction.abandon()
+            self._reductions.clear()
             self._end_backward()
 
     @property
@@ -163,7 +286,7 @@ def register_hooks(unit: ShardedUnit) -> None:
     _unit_of_module[unit.module] = unit
 
 
-def make_root(module: nn.Module, check_exec_order: bool) -> RootState:
+def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
     """(Re)build the root state for every unit under `module`, fixing their root-relative FQNs."""
     names: dict[nn.Module, str] = {}
     for name, submodule in module.named_modules(remove_duplicate=False):
@@ -183,7 +306,7 @@ def make_root(module: nn.Module, check_exec_order: bool) -> RootState:
     for submodule in list(_root_of_module.keys()):
         if submodule in names:
             del _root_of_module[submodule]
-    root = RootState(module, units, check_exec_order)
+    root = RootState(units, options)
     for unit in units:
         unit.root = root
     _root_of_module[module] = root

@@ -1,25 +1,26 @@
-"""Model and optimizer state dicts: full (gathered) or sharded (DTensor, Shard(0)) and load.
+"""Model state dicts: full (gathered) or sharded (DTensor, Shard(0)) and load.
 
 Each unit unshards itself in a `state_dict` pre-hook and reshards in the post-hook, so at most
-one unit per nesting level is gathered at a time.  Keys are the original parameter FQNs.
-Tensor-parallel parameters (and their optimizer state) are global tensors in full state dicts
-and DTensors on the (dp, tp) mesh in sharded ones.
+one unit per nesting level is gathered at a time.  Keys are the original parameter FQNs in both
+parameter modes (the unshard context shows the original parameters; `_flat_param` never appears).
+Tensor-parallel parameters are global tensors in full state dicts and DTensors on the (dp, tp)
+mesh in sharded ones.  `to_dtensor` / `to_2d_dtensor` are shared with `optim_state.py`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from . import collectives
-from .config import ShardingStrategy, StateDictKind
-from .flat_param import ParamInfo
-from .state import WRAPPED_ATTR, RootState, root_of, unit_of
-from .topology import root_mesh
-from .unit import ShardedUnit
-from .unshard import UnitUnshard
+from engine.config import ShardingStrategy, StateDictKind
+from engine.flat_param import ParamInfo
+from engine.state import WRAPPED_ATTR, resolve_root, root_of
+from engine.topology import root_mesh
+from engine.unit import ShardedUnit
+from engine.unshard import UnitUnshard, UnshardOptions
 
 _WRAPPED_PREFIX = f"{WRAPPED_ATTR}."
 
@@ -33,31 +34,18 @@ def set_state_dict_type(
     """Choose what `module.state_dict()` returns for every sharded root in `module`."""
     roots = {id(r): r for r in (root_of(m) for m in module.modules()) if r is not None}
     if not roots:
-        roots = {0: _root(module)}
+        roots = {0: resolve_root(module)}
     for root in roots.values():
         root.state_dict_kind = kind
         root.state_dict_rank0_only = rank0_only
         root.state_dict_offload_to_cpu = offload_to_cpu
 
 
-def _root(module: nn.Module) -> RootState:
-    root = root_of(module)
-    if root is None:
-        unit = unit_of(module)
-        root = unit.root if unit is not None else None
-    if root is None:
-        raise ValueError(
-            f"{type(module).__name__} is not sharded; pass the module fully_shard / ShardedModule "
-            "was applied to"
-        )
-    return root
-
-
 def _kind(unit: ShardedUnit) -> StateDictKind:
     return unit.root.state_dict_kind or StateDictKind.FULL
 
 
-def _keys(unit: ShardedUnit, info: ParamInfo, prefix: str) -> list[str]:
+def _keys(info: ParamInfo, prefix: str) -> list[str]:
     return [prefix + ref.fqn for ref in info.refs]
 
 
@@ -74,9 +62,7 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor) -> DTensor:
         start = min(topology.shard_rank * step, full.shape[0])
         local = full[start : min(start + step, full.shape[0])].clone()
         placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor:
@@ -120,7 +106,7 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
     def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         root = unit.root
         rank0_only = _kind(unit) is StateDictKind.FULL and root.state_dict_rank0_only
-        shown = UnitUnshard(unit, False, rank0_only, False, False)
+        shown = UnitUnshard(unit, UnshardOptions(writeback=False, rank0_only=rank0_only))
         shown.enter()
         saving.append(shown)
 
@@ -128,7 +114,7 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
         shown = saving.pop()
         kind, root = _kind(unit), unit.root
         for info in unit.layout.params:
-            for key in _keys(unit, info, prefix):
+            for key in _keys(info, prefix):
                 if key not in state_dict:
                     continue
                 if not shown.visible:
@@ -148,14 +134,14 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
 
     def before_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         for info in unit.layout.params:
-            for key in _keys(unit, info, prefix):
+            for key in _keys(info, prefix):
                 value = state_dict.get(key)
                 if isinstance(value, DTensor):
                     value = state_dict[key] = value.full_tensor()
                 if info.tp_spec is not None and isinstance(value, torch.Tensor):
                     spec = info.tp_spec
                     state_dict[key] = distribute_tensor(value.to(unit.device), spec.mesh, list(spec.placements))
-        shown = UnitUnshard(unit, True, False, False, False)
+        shown = UnitUnshard(unit, UnshardOptions(writeback=True))
         shown.enter()
         loading.append(shown)
 
@@ -188,134 +174,3 @@ def register_wrapper_key_post_hook(wrapper: nn.Module) -> None:
             state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
     wrapper.register_state_dict_post_hook(after_save)
-
-
-# ---------------------------------------------------------------------- optimizer state
-def _owners(root: RootState) -> dict[int, tuple[ShardedUnit, ParamInfo]]:
-    return {
-        id(param): (unit, info)
-        for unit in root.units
-        for info, param in zip(unit.layout.params, unit.sharded_params)
-    }
-
-
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, sharded: bool = False) -> dict:
-    """Optimizer state keyed by original FQNs; per-parameter tensors full or DTensor-sharded.
-
-    Collective over the shard groups: call it on every rank.
-    """
-    root = _root(model)
-    owners = _owners(root)
-    names = {id(p): name for name, p in model.named_parameters()}
-    native = optim.state_dict()
-    params = [p for group in optim.param_groups for p in group["params"]]
-
-    def fqn(param: torch.Tensor) -> str:
-        owner = owners.get(id(param))
-        return owner[0].param_fqns[owner[0].layout.params.index(owner[1])] if owner else names[id(param)]
-
-    state: dict[str, dict[str, Any]] = {}
-    for param in params:
-        if param in optim.state and id(param) not in owners:
-            state[fqn(param)] = dict(optim.state[param])
-    for unit in root.units:
-        _gather_unit_optim_state(unit, optim, state, sharded)
-    groups = []
-    for group, native_group in zip(optim.param_groups, native["param_groups"]):
-        groups.append({**native_group, "params": [fqn(p) for p in group["params"]]})
-    return {"state": state, "param_groups": groups}
-
-
-def _gather_unit_optim_state(
-    unit: ShardedUnit, optim: torch.optim.Optimizer, out: dict[str, dict[str, Any]], sharded: bool
-) -> None:
-    layout = unit.layout
-    tracked = [(info, p) for info, p in zip(layout.params, unit.sharded_params) if p in optim.state]
-    keys = sorted(
-        {
-            key
-            for _, p in tracked
-            for key, value in optim.state[p].items()
-            if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
-        }
-    )
-    for info, p in tracked:
-        index = layout.params.index(info)
-        out[unit.param_fqns[index]] = {
-            key: value for key, value in optim.state[p].items() if key not in keys
-        }
-    for key in keys:
-        local = torch.zeros(layout.chunk, dtype=unit.master_dtype, device=unit.device)
-        for info, p in tracked:
-            if key in optim.state[p]:
-                unit.sharded_view(local, info).copy_(optim.state[p][key])
-        full = local
-        if unit.topology.shard_group is not None:
-            full = torch.empty(layout.padded_numel, dtype=local.dtype, device=local.device)
-            with collectives.labelled(unit.label):
-                collectives.all_gather_flat(full, local, unit.topology.shard_group)
-        for info, p in tracked:
-            entry = out[unit.param_fqns[layout.params.index(info)]]
-            entry[key] = _presented(unit, info, layout.full_view(full, info).clone(), sharded)
-
-
-def _presented(unit: ShardedUnit, info: ParamInfo, value: torch.Tensor, sharded: bool) -> torch.Tensor:
-    """A gathered (dp-full) per-parameter state tensor as the state dict shows it.
-
-    Like the parameter itself: full = the global tensor (TP-local pieces gathered over tp too);
-    sharded = DTensor on the shard mesh, or on the (dp, tp) mesh for tensor-parallel ones.
-    """
-    if info.tp_spec is None:
-        return to_dtensor(unit, value) if sharded else value
-    tp_value = info.tp_spec.wrap(value)
-    return to_2d_dtensor(unit, info, tp_value) if sharded else tp_value.full_tensor()
-
-
-def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: dict) -> None:
-    """Load a dict from `optim_state_dict` (full or sharded) into `optim` on every rank."""
-    root = _root(model)
-    owners = _owners(root)
-    names = {id(p): name for name, p in model.named_parameters()}
-    fqns: list[str] = []
-    native_state: dict[int, dict[str, Any]] = {}
-    index = 0
-    for group in optim.param_groups:
-        for param in group["params"]:
-            owner = owners.get(id(param))
-            name = owner[0].param_fqns[owner[0].layout.params.index(owner[1])] if owner else names[id(param)]
-            fqns.append(name)
-            saved = state_dict["state"].get(name)
-            if saved is not None:
-                native_state[index] = {
-                    key: _local_piece(owner, value, param) for key, value in saved.items()
-                }
-            index += 1
-    groups = []
-    position = 0
-    for saved_group in state_dict["param_groups"]:
-        count = len(saved_group["params"])
-        groups.append({**saved_group, "params": list(range(position, position + count))})
-        position += count
-    optim.load_state_dict({"state": native_state, "param_groups": groups})
-
-
-def _local_piece(
-    owner: Optional[tuple[ShardedUnit, ParamInfo]], value: Any, param: torch.Tensor
-) -> Any:
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if owner is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    unit, info = owner
-    layout = unit.layout
-    if info.tp_spec is not None:  # global value -> this rank's TP-local piece (no communication)
-        spec = info.tp_spec
-        value = distribute_tensor(
-            value.to(unit.device), spec.mesh, list(spec.placements), src_data_rank=None
-        ).to_local()
-    flat = value.reshape(-1).to(param.device, param.dtype)
-    if layout.shard_size == 1:
-        return flat.view(info.shape).clone()
-    lo, hi = layout.local_range(info)
-    start = layout.chunk_start - info.offset
-    return flat[lo + start : hi + start].clone() if hi > lo else flat[:0].clone()

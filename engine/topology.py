@@ -1,15 +1,15 @@
 """Which ranks a unit shards over and which it replicates over."""
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import ShardingStrategy
+from engine.config import ShardingStrategy
 
 
 @dataclass
@@ -20,13 +20,13 @@ class Topology:
     `replicate_group` is None when there is nothing to all-reduce across.
     """
 
-    shard_group: Optional[dist.ProcessGroup]
-    replicate_group: Optional[dist.ProcessGroup]
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
     shard_size: int
     shard_rank: int
     dp_world_size: int
-    check_group: Optional[dist.ProcessGroup]  # every data-parallel rank; for exec-order checks
-    mesh: Optional[DeviceMesh]  # (shard,) or (replicate, shard); built on demand for DTensors
+    check_group: dist.ProcessGroup | None  # every data-parallel rank; for exec-order checks
+    mesh: DeviceMesh | None  # (shard,) or (replicate, shard); built on demand for DTensors
 
     def shard_mesh(self, device: torch.device) -> DeviceMesh:
         """The mesh sharded state dicts are placed on."""
@@ -67,29 +67,26 @@ def check_tensor_parallel_mesh(tp_mesh: DeviceMesh, param_fqn: str) -> None:
         )
 
 
-def _size(group: Optional[dist.ProcessGroup]) -> int:
+def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
 def build_topology(
     strategy: ShardingStrategy,
     device: torch.device,
-    mesh: Optional[DeviceMesh],
-    process_group: Optional[dist.ProcessGroup],
-    shard_group_size: Optional[int],
+    mesh: DeviceMesh | None,
+    process_group: dist.ProcessGroup | None,
+    shard_group_size: int | None,
 ) -> Topology:
     """Resolve the user's mesh / group arguments into shard and replicate groups."""
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised: call dist.init_process_group() before sharding"
-        )
+        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group() before sharding")
     if strategy is ShardingStrategy.HYBRID_SHARD:
         return _hybrid(device, mesh, shard_group_size)
     if mesh is not None:
         if mesh.ndim != 1:
             raise ValueError(
-                f"{strategy.name} takes a 1-D mesh, got {mesh.ndim}-D; use HYBRID_SHARD for a "
-                "(replicate, shard) mesh"
+                f"{strategy.name} takes a 1-D mesh, got {mesh.ndim}-D; use HYBRID_SHARD for a (replicate, shard) mesh"
             )
         process_group = mesh.get_group()
     group = process_group or dist.group.WORLD
@@ -99,9 +96,7 @@ def build_topology(
     return Topology(group, None, world, dist.get_rank(group), world, group, mesh)
 
 
-def _hybrid(
-    device: torch.device, mesh: Optional[DeviceMesh], shard_group_size: Optional[int]
-) -> Topology:
+def _hybrid(device: torch.device, mesh: DeviceMesh | None, shard_group_size: int | None) -> Topology:
     if mesh is None:
         world = dist.get_world_size()
         size = shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -110,9 +105,7 @@ def _hybrid(
                 f"HYBRID_SHARD cannot split world size {world} into shard groups of {size}: "
                 "pass shard_group_size that divides the world size, or a 2-D DeviceMesh"
             )
-        mesh = init_device_mesh(
-            device.type, (world // size, size), mesh_dim_names=("replicate", "shard")
-        )
+        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
     elif mesh.ndim != 2:
         raise ValueError(
             f"HYBRID_SHARD needs a 2-D (replicate, shard) DeviceMesh, got {mesh.ndim}-D; "

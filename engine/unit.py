@@ -1,27 +1,87 @@
 """A sharded unit: one module's flat parameter, its unshard/reshard and gradient reduction.
 
-Memory model (why the aliases): `_full` is the preallocated padded buffer the all-gather writes
-into; resharding frees its storage (`resize_(0)`) and unsharding re-allocates the same storage,
-so views saved by autograd during forward see the re-gathered values in backward.  `flat_leaf`
-shares that storage but is a separate tensor object with its own version counter (made with
-`.data`), so collectives writing into `_full` never trip autograd's in-place checks.  Gradients
-of the original-shaped views accumulate into `flat_leaf.grad` (padded, zero on padding), which
-is reduce-scattered as is.
+Buffers and who owns them (see `collectives.py` for the stream invariants they rely on):
+
+* ``shard`` — this rank's chunk of the flat buffer in full precision (the master copy; on CPU
+  with offload).  The optimizer updates it in place through the exposed parameters (views of
+  it, or the flat parameter itself: see `params.py`).  Persistent.
+* ``_full`` — the padded unsharded buffer the all-gather writes into, in the compute dtype.
+  Resharding frees its storage (``resize_(0)``) and unsharding re-allocates *the same storage
+  object* on the compute stream, so views autograd saved during forward see the re-gathered
+  values in backward.  Never freed or resized while an all-gather into it is in flight
+  (``_gather`` is waited first).  Aliases ``shard`` when one rank holds everything and nothing
+  is cast or offloaded (no gather, no copy).
+* ``flat_leaf`` — shares ``_full``'s storage but is a separate tensor with its own version
+  counter (made with ``.data``), so collectives writing into ``_full`` never trip autograd's
+  in-place checks.  Compute views are ``split`` from it; their gradients accumulate into
+  ``flat_leaf.grad`` (padded, zero on padding), which is reduce-scattered as is.
+* ``_staging`` — the compute-dtype / on-device copy of ``shard`` that the all-gather reads under
+  mixed precision or offload.  Persistent; rewritten only by this unit's next gather, which
+  runs after the previous one (same stream on CUDA; after `wait()` on CPU).
+* A reduction's input (the unsharded gradient) and output (this rank's reduced chunk) belong to
+  its `GradReduction` until `complete()`; the output then becomes the stored gradient.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from . import collectives
-from .config import ShardingStrategy
-from .flat_param import FlatLayout, ParamInfo, maybe_wrap
-from .topology import Topology
+from engine import collectives
+from engine.config import ShardingStrategy
+from engine.flat_param import FlatLayout, ParamInfo, maybe_wrap
+from engine.params import FlatParams, OriginalParams, ParamExposure
+from engine.topology import Topology
 
 if TYPE_CHECKING:
-    from .state import RootState
+    from engine.state import RootState
+
+
+class GradReduction:
+    """One unit's gradient reduction, issued and not yet handed out.
+
+    `complete()` waits for the collective, finishes the reduction (all-reduce across replica
+    groups for HYBRID_SHARD, average) and adds the result to the stored gradients.
+    """
+
+    __slots__ = ("_across_replicas", "_pending", "_reduced", "_source", "unit")
+
+    def __init__(
+        self,
+        unit: ShardedUnit,
+        reduced: torch.Tensor,
+        pending: collectives.Pending | None,
+        source: torch.Tensor,
+        across_replicas: bool,
+    ) -> None:
+        self.unit = unit
+        self._reduced = reduced
+        self._pending = pending
+        self._source: torch.Tensor | None = source  # the collective's input: kept until done
+        self._across_replicas = across_replicas
+
+    def abandon(self) -> None:
+        """Forget the reduction without completing it (its backward failed)."""
+        if self._pending is not None:
+            self._pending.abandon()
+        self._source = None
+
+    def complete(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+        self._source = None  # the unsharded gradient may be freed now
+        unit, reduced = self.unit, self._reduced
+        topology = unit.topology
+        if self._across_replicas:
+            with collectives.labelled(unit.label):
+                collectives.all_reduce_sum(reduced, topology.replicate_group)
+        if topology.dp_world_size > 1:
+            reduced.div_(topology.dp_world_size)
+        if reduced.device != unit.shard.device:
+            reduced = reduced.to(unit.shard.device)
+        unit.exposure.accumulate_grad(reduced)
 
 
 class ShardedUnit:
@@ -33,47 +93,52 @@ class ShardedUnit:
         params: list[ParamInfo],
         topology: Topology,
         strategy: ShardingStrategy,
-        param_dtype: Optional[torch.dtype],
+        param_dtype: torch.dtype | None,
         offload_params: bool,
         device: torch.device,
+        flat_param_owner: nn.Module | None = None,
     ) -> None:
+        """`flat_param_owner`: expose one flat parameter registered on that module
+        (use_orig_params=False); None exposes the original parameters."""
         self.module = module
         self.topology = topology
         self.strategy = strategy
         self.device = device
         self.offload_params = offload_params
         self.layout = FlatLayout(params, topology.shard_size, topology.shard_rank)
-        self.root: Optional["RootState"] = None
+        self.root: RootState | None = None
         self.module_fqn = ""  # set by the root: unit module path relative to the root
         self.param_fqns: list[str] = [p.fqn for p in params]  # root-relative, set by the root
-        self.is_unsharded = False
+        self.is_unsharded = False  # `_full` holds (or, while `_gather` is pending, will hold) full values
         # True while unshard_params shows this unit's full parameters (possibly a separate
         # full-precision copy under mixed precision, with the compute buffer resharded).
         self.shown_by_unshard = False
-        self.backward_prepared = False
+        self.backward_prepared = False  # this backward already unsharded the unit
         self.master_dtype = _common_dtype(params)
         self.compute_dtype = param_dtype or self.master_dtype
         shard_device = torch.device("cpu") if offload_params else device
         self.shard = torch.zeros(self.layout.chunk, dtype=self.master_dtype, device=shard_device)
         if offload_params and device.type == "cuda":
-            self.shard = self.shard.pin_memory()
+            self.shard = self.shard.pin_memory()  # host-to-device copies can then be asynchronous
         self._fill_shard(params)
-        self.sharded_params = [self._make_sharded_param(info) for info in params]
-        self._install(self.sharded_params)
         # Shard size one without casting or offloading: compute directly on the master copy.
-        self.aliases_shard = (
-            topology.shard_size == 1 and self.compute_dtype == self.master_dtype and not offload_params
-        )
+        self.aliases_shard = topology.shard_size == 1 and self.compute_dtype == self.master_dtype and not offload_params
         if self.aliases_shard:
             self._full = self.shard
         else:
             self._full = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
             self._full.untyped_storage().resize_(0)
-        self._shard_on_device: Optional[torch.Tensor] = None  # staging for offload / casting
+        self._staging: torch.Tensor | None = None
+        self._gather: collectives.Pending | None = None  # all-gather into `_full` not yet waited
         self.flat_leaf = self._full.data
         padding = self.layout.padded_numel - self.layout.numel if not self.aliases_shard else 0
         self._split_sizes = [info.numel for info in params] + ([padding] if padding else [])
         self._grad_hook_registered = False
+        self.exposure: ParamExposure = (
+            OriginalParams(self.layout, self.shard)
+            if flat_param_owner is None
+            else FlatParams(self.layout, self.shard, flat_param_owner, self._full)
+        )
 
     # ------------------------------------------------------------------ set-up helpers
     def _fill_shard(self, params: list[ParamInfo]) -> None:
@@ -88,21 +153,15 @@ class ShardedUnit:
                 lo = a + start - info.offset
                 self.shard[a:b].copy_(local.detach().reshape(-1)[lo : lo + b - a])
 
-    def sharded_view(self, flat_shard: torch.Tensor, info: ParamInfo) -> torch.Tensor:
-        """This rank's part of `info` inside a chunk-sized tensor (original shape if unsharded)."""
-        if self.layout.shard_size == 1:
-            return self.layout.full_view(flat_shard, info)
-        a, b = self.layout.local_range(info)
-        return flat_shard[a:b]
+    @property
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What this unit contributes to `module.parameters()` outside the unshard context."""
+        return self.exposure.optimizer_params()
 
-    def _make_sharded_param(self, info: ParamInfo) -> nn.Parameter:
-        return nn.Parameter(self.sharded_view(self.shard, info), requires_grad=info.requires_grad)
-
-    def _install(self, tensors: list[torch.Tensor]) -> None:
-        """Point every module slot of every original parameter at `tensors` (one per param)."""
-        for info, tensor in zip(self.layout.params, tensors):
-            for ref in info.refs:
-                ref.module._parameters[ref.name] = tensor
+    @property
+    def flat_param(self) -> nn.Parameter | None:
+        """The unit's flat parameter (use_orig_params=False), else None."""
+        return self.exposure.flat_param if isinstance(self.exposure, FlatParams) else None
 
     @property
     def label(self) -> str:
@@ -121,45 +180,69 @@ class ShardedUnit:
         """Elements currently allocated for the unsharded buffer (0 while resharded)."""
         return self._full.untyped_storage().size() // self._full.element_size()
 
+    @property
+    def has_pending_gather(self) -> bool:
+        return self._gather is not None
+
     # ------------------------------------------------------------------ unshard / reshard
     def _log(self, event: str) -> None:
         if self.root is not None:
             self.root.events.append((event, self.module_fqn))
 
-    def unshard(self) -> None:
-        """Make the padded full flat buffer hold every rank's current values."""
-        if self.is_unsharded or not self.has_params:
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Make the padded full flat buffer hold every rank's current values.
+
+        With `async_op` only issue the all-gather (a prefetch, or the unit's own gather issued
+        before a prefetch so both are in flight together); `wait_for_unshard()` before any use.
+        """
+        if not self.has_params:
+            return
+        if self.is_unsharded:
+            if not async_op:
+                self.wait_for_unshard()
             return
         self.is_unsharded = True
         self._log("unshard")
         if self.aliases_shard:
             return
         storage = self._full.untyped_storage()
-        if storage.size() == 0:
+        if storage.size() == 0:  # allocated on the compute stream (collectives invariant 1)
             storage.resize_(self._full.numel() * self._full.element_size())
-        source = self.shard
-        if self.topology.shard_group is None:
-            self._full.copy_(source)
+        group = self.topology.shard_group
+        if group is None:  # one rank holds everything: a cast / host-to-device copy, no collective
+            self._full.copy_(self.shard)
             return
-        if source.device != self.device or source.dtype != self.compute_dtype:
-            if self._shard_on_device is None:
-                self._shard_on_device = torch.empty(
-                    self.layout.chunk, dtype=self.compute_dtype, device=self.device
-                )
-            self._shard_on_device.copy_(source, non_blocking=True)
-            source = self._shard_on_device
+        source: torch.Tensor | None = None
+        gathered_from = self.shard
+        if self.shard.device != self.device or self.shard.dtype != self.compute_dtype:
+            if self._staging is None:
+                self._staging = torch.empty(self.layout.chunk, dtype=self.compute_dtype, device=self.device)
+            source, gathered_from = self.shard, self._staging
         with collectives.labelled(self.label):
-            collectives.all_gather_flat(self._full, source, self.topology.shard_group)
+            self._gather = collectives.all_gather_flat(self._full, gathered_from, group, async_op=True, source=source)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Order the caller after this unit's all-gather: `_full` may be read from here on."""
+        gather, self._gather = self._gather, None
+        if gather is not None:
+            gather.wait()
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the unsharded buffer."""
         if not self.is_unsharded:
             return
-        self.is_unsharded = False
-        self._log("reshard")
-        self._install(self.sharded_params)
-        if not self.aliases_shard:
-            self._full.untyped_storage().resize_(0)
+        try:
+            # A gather still in flight (an unused prefetch) writes into `_full`: wait for it
+            # before the storage goes back to the allocator (collectives invariants 3 and 4).
+            self.wait_for_unshard()
+        finally:
+            self.is_unsharded = False
+            self._log("reshard")
+            self.exposure.show_idle()
+            if not self.aliases_shard:
+                self._full.untyped_storage().resize_(0)
 
     def install_compute_views(self) -> None:
         """Give modules original-shaped views of the unsharded buffer that autograd tracks.
@@ -167,42 +250,41 @@ class ShardedUnit:
         One `split` (not one slice per parameter) so backward assembles the flat gradient with a
         single concatenation instead of one zero-filled full-size tensor per parameter.
         """
-        trainable = [p.requires_grad for p in self.sharded_params]
+        if self._gather is not None:
+            raise RuntimeError(
+                f"internal error: unit [{self.label}] would compute before its all-gather was "
+                "waited; please report this engine bug"
+            )
+        trainable = self.exposure.requires_grad()
         leaf = self.flat_leaf
         leaf.requires_grad_(any(trainable))
         if leaf.requires_grad and not self._grad_hook_registered:
             leaf.register_post_accumulate_grad_hook(self._on_grad_ready)
             self._grad_hook_registered = True
         pieces = torch.split(leaf, self._split_sizes)
-        self._install(
+        self.exposure.show_compute(
             [
                 maybe_wrap(info, (piece if needs_grad else piece.detach()).view(info.shape))
                 for piece, info, needs_grad in zip(pieces, self.layout.params, trainable)
             ]
         )
 
-    def full_views(self) -> list[torch.Tensor]:
-        """Original-shaped views of the unsharded buffer (for the unshard context)."""
-        return [self.layout.full_view(self._full, info) for info in self.layout.params]
-
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, _leaf: torch.Tensor) -> None:
-        finish = self.start_grad_reduction()
-        if finish is not None:
-            self.root.defer_until_backward_ends(finish)
+        self.root.reduction_started(self.start_grad_reduction())
         self.reshard()
 
     def reduce_grad(self) -> None:
-        """Reduce the flat gradient into the sharded parameters' grads, synchronously."""
-        finish = self.start_grad_reduction()
-        if finish is not None:
-            finish()
+        """Reduce `flat_leaf.grad` into the stored gradients, synchronously."""
+        reduction = self.start_grad_reduction()
+        if reduction is not None:
+            reduction.complete()
 
-    def start_grad_reduction(self) -> Optional[Callable[[], None]]:
-        """Issue the reduce-scatter of `flat_leaf.grad`; returns what completes it (or None).
+    def start_grad_reduction(self) -> GradReduction | None:
+        """Issue the reduction of `flat_leaf.grad` asynchronously; None when there is no gradient.
 
-        The completion (wait, all-reduce across replicas, average, hand out grads) runs when
-        backward ends, so the reduce-scatter overlaps the rest of backward.
+        The first collective (reduce-scatter over the shard group, or for a one-rank shard
+        group the all-reduce over the replicas) runs while backward continues.
         """
         grad = self.flat_leaf.grad
         self.flat_leaf.grad = None
@@ -210,37 +292,17 @@ class ShardedUnit:
             return None
         if grad.dtype != self.master_dtype:
             grad = grad.to(self.master_dtype)
-        work = None
-        reduced = grad
-        if self.topology.shard_group is not None:
-            reduced = torch.empty(self.layout.chunk, dtype=grad.dtype, device=grad.device)
-            with collectives.labelled(self.label):
-                work = collectives.reduce_scatter_flat(reduced, grad, self.topology.shard_group, async_op=True)
-
-        def finish(source: torch.Tensor = grad) -> None:  # `source` outlives the async op
-            if work is not None:
-                work.wait()
-            self._finish_grad_reduction(reduced)
-
-        return finish
-
-    def _finish_grad_reduction(self, reduced: torch.Tensor) -> None:
         topology = self.topology
-        if topology.replicate_group is not None:
-            with collectives.labelled(self.label):
-                collectives.all_reduce_sum(reduced, topology.replicate_group)
-        if topology.dp_world_size > 1:
-            reduced.div_(topology.dp_world_size)
-        if reduced.device != self.shard.device:
-            reduced = reduced.to(self.shard.device)
-        for info, param in zip(self.layout.params, self.sharded_params):
-            if not param.requires_grad:
-                continue
-            piece = self.sharded_view(reduced, info)
-            if param.grad is None:
-                param.grad = piece
-            else:
-                param.grad.add_(piece)
+        pending = None
+        reduced = grad
+        with collectives.labelled(self.label):
+            if topology.shard_group is not None:
+                reduced = torch.empty(self.layout.chunk, dtype=grad.dtype, device=grad.device)
+                pending = collectives.reduce_scatter_flat(reduced, grad, topology.shard_group, async_op=True)
+            elif topology.replicate_group is not None:
+                pending = collectives.all_reduce_sum(grad, topology.replicate_group, async_op=True)
+        across_replicas = topology.shard_group is not None and topology.replicate_group is not None
+        return GradReduction(self, reduced, pending, grad, across_replicas)
 
 
 def _common_dtype(params: list[ParamInfo]) -> torch.dtype:

@@ -1,17 +1,29 @@
 """`unshard_params`: show full parameters (optionally gradients) outside forward/backward."""
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
-from .flat_param import maybe_wrap
-from .state import managing_unit, unit_of
-from .unit import ShardedUnit
+from engine import collectives
+from engine.flat_param import maybe_wrap
+from engine.state import managing_unit, unit_of
+from engine.unit import ShardedUnit
+
+
+@dataclass(frozen=True)
+class UnshardOptions:
+    """What `unshard_params` was asked for (see its docstring)."""
+
+    writeback: bool = True
+    rank0_only: bool = False
+    offload_to_cpu: bool = False
+    with_grads: bool = False
 
 
 class UnitUnshard:
@@ -20,23 +32,20 @@ class UnitUnshard:
     Mixed precision gathers a temporary full-precision copy (the compute buffer holds low
     precision), so a unit kept gathered by the strategy is resharded first and re-gathered by
     backward.  Writeback copies only this rank's real elements back: padding never persists.
+    On exit the unit shows what it showed before (compute views, or its idle parameters).
     """
 
-    def __init__(
-        self, unit: ShardedUnit, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
-    ) -> None:
+    def __init__(self, unit: ShardedUnit, options: UnshardOptions) -> None:
         self.unit = unit
-        self.writeback = writeback
-        self.offload_to_cpu = offload_to_cpu
-        self.with_grads = with_grads
-        self.visible = not rank0_only or dist.get_rank() == 0
-        self.shown: Optional[torch.Tensor] = None
-        self.shown_grads: Optional[torch.Tensor] = None
+        self.options = options
+        self.visible = not options.rank0_only or dist.get_rank() == 0
+        self.shown: torch.Tensor | None = None
+        self.shown_grads: torch.Tensor | None = None
         self.params: list[nn.Parameter] = []
 
     def enter(self) -> None:
-        unit = self.unit
-        self.previous = [info.refs[0].module._parameters[info.refs[0].name] for info in unit.layout.params]
+        unit, options = self.unit, self.options
+        self.previous = unit.exposure.snapshot()
         if unit.compute_dtype != unit.master_dtype:
             unit.reshard()
             self.was_unsharded = False
@@ -47,30 +56,34 @@ class UnitUnshard:
             full = unit._full
         # A one-rank shard group holds full gradients already: show those very tensors, so
         # in-place changes persist exactly as changes to the (aliased) parameters do.
-        alias_grads = self.with_grads and unit.topology.shard_group is None
-        grads = self._gather_grads() if self.with_grads and not alias_grads else None
+        alias_grads = options.with_grads and unit.topology.shard_group is None
+        grads = self._gather_grads() if options.with_grads and not alias_grads else None
         if not self.visible:
             self._restore()
             return
         unit.shown_by_unshard = True
-        if self.offload_to_cpu and full.device.type != "cpu":
+        if options.offload_to_cpu and full.device.type != "cpu":
             full = full.cpu()
             grads = grads.cpu() if grads is not None else None
         self.shown, self.shown_grads = full, grads
-        for info, sharded in zip(unit.layout.params, unit.sharded_params):
-            shown = maybe_wrap(info, unit.layout.full_view(full, info))
-            param = nn.Parameter(shown, requires_grad=sharded.requires_grad)
-            if alias_grads and sharded.grad is not None:
-                param.grad = sharded.grad.view(info.shape)
-            elif grads is not None and sharded.grad is not None:
+        exposure = unit.exposure
+        stored = exposure.stored_grad_views() if alias_grads else [None] * len(unit.layout.params)
+        has_grad = exposure.param_has_grad()
+        for info, requires_grad, stored_grad, local_has_grad in zip(
+            unit.layout.params, exposure.requires_grad(), stored, has_grad
+        ):
+            param = nn.Parameter(maybe_wrap(info, unit.layout.full_view(full, info)), requires_grad=requires_grad)
+            if stored_grad is not None:
+                param.grad = stored_grad
+            elif grads is not None and local_has_grad:
                 param.grad = maybe_wrap(info, unit.layout.full_view(grads, info))
             self.params.append(param)
-        unit._install(self.params)
+        exposure.show_full(self.params)
 
     def exit(self) -> None:
         if not self.visible:
             return
-        if self.writeback:
+        if self.options.writeback:
             self._write_back()
         self._restore()
 
@@ -84,24 +97,17 @@ class UnitUnshard:
                 if unit.is_unsharded and shown.data_ptr() != unit._full.data_ptr():
                     unit._full.copy_(shown)
             if self.shown_grads is not None:
-                for info, sharded in zip(layout.params, unit.sharded_params):
-                    if sharded.grad is not None:
-                        full_grad = self.shown_grads[info.offset : info.offset + info.numel]
-                        lo, hi = layout.local_range(info)
-                        if layout.shard_size == 1:
-                            sharded.grad.copy_(full_grad.view_as(sharded.grad))
-                        elif hi > lo:
-                            sharded.grad.copy_(full_grad[lo + start - info.offset : hi + start - info.offset])
+                unit.exposure.write_grad_chunk(self.shown_grads[start : start + layout.chunk])
 
     def _restore(self) -> None:
         unit = self.unit
         unit.shown_by_unshard = False
         if self.was_unsharded:
-            unit._install(self.previous)
+            unit.exposure.restore(self.previous)
         elif unit.is_unsharded:
             unit.reshard()
         else:
-            unit._install(unit.sharded_params)
+            unit.exposure.show_idle()
 
     def _gather_full_precision(self) -> torch.Tensor:
         unit = self.unit
@@ -114,11 +120,11 @@ class UnitUnshard:
             collectives.all_gather_flat(full, source, group)
         return full
 
-    def _gather_grads(self) -> Optional[torch.Tensor]:
+    def _gather_grads(self) -> torch.Tensor | None:
         """Full flat gradient, or None when no rank has a gradient for this unit."""
         unit = self.unit
         group = unit.topology.shard_group
-        has_grad = any(p.grad is not None for p in unit.sharded_params)
+        has_grad = unit.exposure.has_grad()
         if group is not None:
             flag = torch.tensor([int(has_grad)], device=unit.device)
             with collectives.labelled(unit.label):
@@ -126,10 +132,10 @@ class UnitUnshard:
             has_grad = bool(flag.item())
         if not has_grad:
             return None
-        local = torch.zeros(unit.layout.chunk, dtype=unit.master_dtype, device=unit.device)
-        for info, sharded in zip(unit.layout.params, unit.sharded_params):
-            if sharded.grad is not None:
-                unit.sharded_view(local, info).copy_(sharded.grad)
+        local = unit.exposure.grad_chunk()
+        if local is None:  # other ranks have gradients, this one none: contribute zeros
+            local = torch.zeros(unit.layout.chunk, dtype=unit.master_dtype, device=unit.device)
+        local = local.to(unit.device, unit.master_dtype)
         if group is None:
             return local
         full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
@@ -151,11 +157,9 @@ def units_in_scope(module: nn.Module, recurse: bool) -> list[ShardedUnit]:
     return units
 
 
-def check_unshard_request(
-    units: list[ShardedUnit], writeback: bool, rank0_only: bool, offload_to_cpu: bool
-) -> None:
+def check_unshard_request(units: list[ShardedUnit], options: UnshardOptions) -> None:
     """Raise the documented errors before any collective is issued."""
-    if rank0_only and writeback:
+    if options.rank0_only and options.writeback:
         raise NotImplementedError(
             "rank0_only=True with writeback=True is not supported: other ranks would not see the "
             "writes; pass writeback=False, or rank0_only=False to gather on every rank"
@@ -166,7 +170,7 @@ def check_unshard_request(
                 "Cannot manually unshard parameters during forward/backward: call unshard_params "
                 "before the forward or after backward has finished"
             )
-    if offload_to_cpu and any(unit.topology.shard_size == 1 for unit in units):
+    if options.offload_to_cpu and any(unit.topology.shard_size == 1 for unit in units):
         raise NotImplementedError(
             "offload_to_cpu=True with NO_SHARD (or a one-rank shard group) is not supported: "
             "parameters are already full on every rank; pass offload_to_cpu=False and copy "
@@ -187,13 +191,16 @@ def unshard_params(
 
     Collective: every rank of the shard groups involved must enter it.  With `writeback`,
     in-place changes to the shown parameters (and, with `with_grads`, gradients) persist.
+    Inside, the original parameters are registered nn.Parameters under their original names
+    (in both parameter modes; a unit's `_flat_param` is hidden meanwhile).
     """
+    options = UnshardOptions(writeback, rank0_only, offload_to_cpu, with_grads)
     units = units_in_scope(module, recurse)
-    check_unshard_request(units, writeback, rank0_only, offload_to_cpu)
+    check_unshard_request(units, options)
     entered: list[UnitUnshard] = []
     try:
         for unit in units:
-            shown = UnitUnshard(unit, writeback, rank0_only, offload_to_cpu, with_grads)
+            shown = UnitUnshard(unit, options)
             shown.enter()
             entered.append(shown)
         yield

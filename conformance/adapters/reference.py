@@ -1,7 +1,7 @@
 """Adapter for the in-repo reference engine (`engine/`): wrapper and composable forms.
 
-The reference declares every capability it really has; the one it lacks is flat parameters
-(`use_orig_params=False`): the engine always exposes the original parameters.
+The reference declares every capability: it is the suite's yardstick.  `use_orig_params=False`
+maps onto the engine's flat-parameter mode (one `_flat_param` per unit, as torch FSDP1).
 """
 from __future__ import annotations
 
@@ -43,15 +43,11 @@ def _clean(fqn: str) -> str:
 
 class ReferenceAdapter(BackendAdapter):
     name = "reference"
-    CAPABILITIES = frozenset(Capability) - {Capability.FLAT_PARAMETERS, Capability.SHARD_OPTIM_STATE}
+    CAPABILITIES = frozenset(Capability) - {Capability.SHARD_OPTIM_STATE}
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "the reference engine's strategies are FSDP's; none shards only optimizer state"
-        ),
-        Capability.FLAT_PARAMETERS: (
-            "the reference engine always exposes the original parameters (use_orig_params=True "
-            "semantics); flat-parameter exposure is a backend-internal layout it does not offer"
         ),
     }
 
@@ -90,6 +86,7 @@ class ReferenceAdapter(BackendAdapter):
             "mixed_precision": engine.MixedPrecision(param_dtype=spec.param_dtype) if spec.param_dtype else None,
             "offload_params": spec.offload_params,
             "ignored_modules": owned or None,
+            "use_orig_params": spec.use_orig_params,
             "device": self.env.device,
         }
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import engine
 import fixtures
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
@@ -153,20 +152,6 @@ for _option, _capability in (
     ("with_grads", Capability.UNSHARD_WITH_GRADS),
 ):
     proves("torch-fsdp2", _capability)(_fsdp2_unshard_lacks(_option))
-
-
-# -- reference -----------------------------------------------------------------------------------
-
-
-@proves("reference", Capability.FLAT_PARAMETERS)
-def _reference_has_no_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
-    for api in (engine.fully_shard, engine.ShardedModule):
-        options = inspect.signature(api).parameters
-        assert not {"use_orig_params", "flat_parameters", "flat_params"} & set(options), api
-    model = _two_linears(device)
-    names = [name for name, _ in model.named_parameters()]
-    engine.fully_shard(model, device=device)
-    assert [name for name, _ in model.named_parameters()] == names
 
 
 # -- the tests -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """2-D: tensor-parallel DTensor parameters sharded over the "dp" mesh dimension."""
+
 from __future__ import annotations
 
 import copy
@@ -11,13 +12,13 @@ import engine
 from fixtures.models import ThreeLayerMLP, UnevenMLP
 
 
-def two_d(local: nn.Module, device: torch.device):
+def two_d(local: nn.Module, device: torch.device, use_orig_params: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(copy.deepcopy(local), mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
-    return engine.fully_shard(model, mesh=mesh["dp"]), mesh
+    return engine.fully_shard(model, mesh=mesh["dp"], use_orig_params=use_orig_params), mesh
 
 
 def assert_full_parameters_equal(sharded: torch.nn.Module, local: torch.nn.Module) -> None:
@@ -29,10 +30,14 @@ def assert_full_parameters_equal(sharded: torch.nn.Module, local: torch.nn.Modul
 
 
 @pytest.mark.world_size(4)
-def test_2d_training_matches_single_process(rank, device):
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
+def test_2d_training_matches_single_process(rank, device, use_orig_params):
     torch.manual_seed(0)
     local = ThreeLayerMLP().to(device)
-    model, mesh = two_d(local, device)
+    model, mesh = two_d(local, device, use_orig_params)
+    if not use_orig_params:
+        (flat,) = model.parameters()  # TP-local pieces inside one plain flat parameter
+        assert type(flat) is torch.nn.Parameter and [n for n, _ in model.named_parameters()] == ["_flat_param"]
     dp_rank = mesh.get_local_rank("dp")
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -72,7 +77,7 @@ def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
 
     torch.manual_seed(0)
     local = ThreeLayerMLP().to(device)
-    model, mesh = two_d(local, device)
+    model, _mesh = two_d(local, device)
     engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
     state = model.state_dict()
     weight = state["net1.weight"]

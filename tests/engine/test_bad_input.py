@@ -1,4 +1,5 @@
 """Bad input gets a clear error that names the fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ def mlp() -> nn.Sequential:
 
 @pytest.mark.world_size(2)
 def test_auto_wrap_matching_nothing(device):
-    with pytest.raises(ValueError, match="matched no submodule.*omit auto_wrap_classes"):
+    with pytest.raises(ValueError, match=r"matched no submodule.*omit auto_wrap_classes"):
         engine.fully_shard(mlp().to(device), auto_wrap_classes={nn.TransformerEncoderLayer})
 
 
@@ -29,7 +30,7 @@ def test_parameters_on_mixed_devices(device):
 
 @pytest.mark.world_size(2)
 def test_hybrid_world_size_that_does_not_fit(device):
-    with pytest.raises(ValueError, match="cannot split world size 2 into shard groups of 3.*divides"):
+    with pytest.raises(ValueError, match=r"cannot split world size 2 into shard groups of 3.*divides"):
         engine.fully_shard(mlp().to(device), strategy=ShardingStrategy.HYBRID_SHARD, shard_group_size=3)
 
 
@@ -38,7 +39,7 @@ def test_hybrid_needs_a_2d_mesh(device):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (2,))
-    with pytest.raises(ValueError, match="2-D.*init_device_mesh"):
+    with pytest.raises(ValueError, match=r"2-D.*init_device_mesh"):
         engine.fully_shard(mlp().to(device), strategy=ShardingStrategy.HYBRID_SHARD, mesh=mesh)
 
 
@@ -60,7 +61,7 @@ def test_applying_to_a_submodule_after_its_ancestor(device):
 
 @pytest.mark.world_size(2)
 def test_ignoring_a_module_outside_the_model(device):
-    with pytest.raises(ValueError, match="not a submodule.*pass only submodules"):
+    with pytest.raises(ValueError, match=r"not a submodule.*pass only submodules"):
         engine.fully_shard(mlp().to(device), ignored_modules=[nn.Linear(1, 1)])
 
 
@@ -79,5 +80,5 @@ def test_parameter_shared_across_units(device):
 def test_mixed_parameter_dtypes_in_one_unit(device):
     model = mlp().to(device)
     model[2].double()
-    with pytest.raises(ValueError, match="one parameter dtype.*mixed_precision"):
+    with pytest.raises(ValueError, match=r"one parameter dtype.*mixed_precision"):
         engine.fully_shard(model)

@@ -4,6 +4,7 @@ Hypothesis is derandomized so all ranks draw the same examples in the same order
 collectives must match); values are generated from a per-example seed so every rank can also
 compute every other rank's data for the expected result.
 """
+
 from __future__ import annotations
 
 import math
@@ -87,9 +88,29 @@ def test_reduce_scatter_is_mean_of_rank_gradients_chunked(rank, world_size, devi
         expected_chunk = torch.zeros(unit.layout.chunk, dtype=dtype)
         start = unit.layout.chunk_start
         expected_chunk[: unit.layout.valid_in_chunk] = mean[start : start + unit.layout.valid_in_chunk]
-        for info, param in zip(unit.layout.params, unit.sharded_params):
-            expected = unit.sharded_view(expected_chunk, info)
+        for info, param in zip(unit.layout.params, unit.optimizer_params):
+            expected = unit.layout.sharded_view(expected_chunk, info)
             torch.testing.assert_close(param.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
+
+    check()
+
+
+@pytest.mark.world_size([1, 2, 4])
+def test_flat_gradient_is_this_ranks_chunk_of_the_mean_with_zero_padding(rank, world_size, device):
+    @SETTINGS
+    @given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))
+    def check(shape_list, dtype, seed):
+        model = engine.fully_shard(module_with(values(shape_list, dtype, seed, device)), use_orig_params=False)
+        unit = engine.units(model)[0]
+        (flat,) = model.parameters()
+        assert flat is unit.flat_param and flat.shape == (unit.layout.chunk,)
+        grads = flat_grads(shape_list, dtype, seed, world_size)
+        inject_and_reduce(unit, grads, rank, device)
+        mean = torch.stack(grads).mean(0)
+        expected = torch.zeros(unit.layout.chunk, dtype=dtype)
+        start, valid = unit.layout.chunk_start, unit.layout.valid_in_chunk
+        expected[:valid] = mean[start : start + valid]
+        torch.testing.assert_close(flat.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
 
     check()
 

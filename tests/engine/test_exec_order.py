@@ -1,4 +1,5 @@
 """Execution-order validation: first-iteration error across ranks, later-iteration warning."""
+
 from __future__ import annotations
 
 import contextlib
@@ -156,8 +157,12 @@ def test_collectives_are_labelled_with_unit_fqns(device):
         ("layer2", ("layer2.0.weight", "layer2.2.weight")),
     ]
     assert engine.events(model) == [
-        ("unshard", ""), ("unshard", "layer1"), ("reshard", "layer1"),
-        ("unshard", "layer1"), ("reshard", "layer1"), ("reshard", ""),
+        ("unshard", ""),
+        ("unshard", "layer1"),
+        ("reshard", "layer1"),
+        ("unshard", "layer1"),
+        ("reshard", "layer1"),
+        ("reshard", ""),
     ]
 
 

@@ -1,7 +1,9 @@
 """Model and optimizer state dicts: full / sharded round trips across sharding layouts."""
+
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -39,15 +41,19 @@ class Model(nn.Module):
 
 
 LAYOUTS = {
-    "auto": lambda m: engine.fully_shard(m, auto_wrap_classes={Block}),
-    "submodules_only": lambda m: (engine.fully_shard(m.b1), engine.fully_shard(m.b2), m)[-1],
-    "mixed_no_shard_root": lambda m: (
-        engine.fully_shard(m.b1), engine.fully_shard(m, strategy=ShardingStrategy.NO_SHARD)
+    "auto": lambda m, **o: engine.fully_shard(m, auto_wrap_classes={Block}, **o),
+    "submodules_only": lambda m, **o: (engine.fully_shard(m.b1, **o), engine.fully_shard(m.b2, **o), m)[-1],
+    "mixed_no_shard_root": lambda m, **o: (
+        engine.fully_shard(m.b1, **o),
+        engine.fully_shard(m, strategy=ShardingStrategy.NO_SHARD, **o),
     )[-1],
-    "ignored": lambda m: engine.fully_shard(m, auto_wrap_classes={Block}, ignored_modules=[m.b2]),
-    "wrapper": lambda m: engine.ShardedModule(m, auto_wrap_classes={Block}),
-    "shard_grad_op": lambda m: engine.fully_shard(m, auto_wrap_classes={Block}, strategy=ShardingStrategy.SHARD_GRAD_OP),
+    "ignored": lambda m, **o: engine.fully_shard(m, auto_wrap_classes={Block}, ignored_modules=[m.b2], **o),
+    "wrapper": lambda m, **o: engine.ShardedModule(m, auto_wrap_classes={Block}, **o),
+    "shard_grad_op": lambda m, **o: engine.fully_shard(
+        m, auto_wrap_classes={Block}, strategy=ShardingStrategy.SHARD_GRAD_OP, **o
+    ),
 }
+PARAMS = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
 
 
 def gathered(value: torch.Tensor) -> torch.Tensor:
@@ -67,12 +73,13 @@ def zero_(model: nn.Module) -> None:
 
 
 @pytest.mark.world_size([1, 2, 4])
+@PARAMS
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.name)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_save_matches_local_and_load_restores(device, layout, kind):
+def test_save_matches_local_and_load_restores(device, layout, kind, use_orig_params):
     torch.manual_seed(0)
     local = Model().to(device)
-    build = LAYOUTS[layout]
+    build = functools.partial(LAYOUTS[layout], use_orig_params=use_orig_params)
     saved = build(copy.deepcopy(local))
     engine.set_state_dict_type(saved, kind) if kind is StateDictKind.SHARDED else None
     state = saved.state_dict()
@@ -102,7 +109,7 @@ def test_full_state_dict_rank0_only_offloaded(rank, device):
         assert_same_state(state, local.state_dict())
         assert all(v.device.type == "cpu" for k, v in state.items() if k.endswith("weight"))
     else:
-        assert not [k for k in state if k.endswith("weight") or k.endswith("bias")]
+        assert not [k for k in state if k.endswith(("weight", "bias"))]
 
 
 @pytest.mark.world_size(4)
@@ -118,30 +125,71 @@ def test_hybrid_sharded_state_dict_is_replicate_shard(device):
     assert_same_state(state, local.state_dict())
 
 
+def trained_with_adam(local: nn.Module, use_orig_params: bool, device: torch.device):
+    """(sharded model, its optimizer) after one Adam step on the batch every rank shares."""
+    model = engine.fully_shard(copy.deepcopy(local), auto_wrap_classes={Block}, use_orig_params=use_orig_params)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 12, generator=torch.Generator().manual_seed(1)).to(device)).backward()
+    optim.step()
+    return model, optim
+
+
+def assert_same_tree(got, expected, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert set(got) == set(expected), where
+        for key in expected:
+            assert_same_tree(got[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, list):
+        assert len(got) == len(expected), where
+        for index, (a, b) in enumerate(zip(got, expected)):
+            assert_same_tree(a, b, f"{where}/{index}")
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(gathered(got), gathered(expected), rtol=0, atol=0, msg=where)
+    else:
+        assert got == expected, where
+
+
 @pytest.mark.world_size([2, 4])
+@PARAMS
 @pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
-def test_optimizer_state_dict_round_trip(device, sharded):
+def test_optimizer_state_dict_round_trip(device, sharded, use_orig_params):
     torch.manual_seed(0)
     local = Model().to(device)
-    model = engine.fully_shard(copy.deepcopy(local), auto_wrap_classes={Block})
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optim = trained_with_adam(local, use_orig_params, device)
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
-    x = torch.randn(2, 12, device=device)
-    for target, target_optim in ((model, optim), (local, local_optim)):
-        target(x).backward()
-        target_optim.step()
+    local(torch.randn(2, 12, generator=torch.Generator().manual_seed(1)).to(device)).backward()
+    local_optim.step()
     state = engine.optim_state_dict(model, optim, sharded=sharded)
     names = [n for n, _ in local.named_parameters()]
-    assert set(state["state"]) == set(names) and state["param_groups"][0]["params"] == names
+    assert set(state["state"]) == set(names)
+    assert sorted(state["param_groups"][0]["params"]) == sorted(names)
     for name, param in local.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             # every rank saw the same batch, so the engine's averaged gradient equals the local one
             torch.testing.assert_close(
                 gathered(state["state"][name][key]), local_optim.state[param][key], msg=f"{name}.{key}"
             )
-    fresh = engine.fully_shard(copy.deepcopy(local), auto_wrap_classes={Block})
+    fresh = engine.fully_shard(copy.deepcopy(local), auto_wrap_classes={Block}, use_orig_params=use_orig_params)
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     engine.load_optim_state_dict(fresh, fresh_optim, state)
     for p_old, p_new in zip(optim.param_groups[0]["params"], fresh_optim.param_groups[0]["params"]):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(fresh_optim.state[p_new][key], optim.state[p_old][key])
+
+
+@pytest.mark.world_size([2, 4])
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_optimizer_state_dicts_agree_across_parameter_modes(device, sharded):
+    """Both modes step the same elements alike: their FQN-keyed dicts are equal, and each loads
+    into the other mode to give the same dict back."""
+    torch.manual_seed(0)
+    local = Model().to(device)
+    trained = {mode: trained_with_adam(local, mode, device) for mode in (True, False)}
+    states = {mode: engine.optim_state_dict(*trained[mode], sharded=sharded) for mode in trained}
+    # Groups list FQNs in optimizer order, which differs between the modes; state must not.
+    assert_same_tree(states[False]["state"], states[True]["state"], "flat vs orig")
+    for source, target in ((True, False), (False, True)):
+        model = engine.fully_shard(copy.deepcopy(local), auto_wrap_classes={Block}, use_orig_params=target)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        engine.load_optim_state_dict(model, optim, copy.deepcopy(states[source]))
+        assert_same_tree(engine.optim_state_dict(model, optim, sharded=sharded)["state"], states[target]["state"])

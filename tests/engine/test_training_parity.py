@@ -1,4 +1,5 @@
 """Training parity: the engine on per-rank batches vs one plain model on the global batch."""
+
 from __future__ import annotations
 
 import copy
@@ -75,38 +76,95 @@ def assert_same_params(local, model, atol=2e-4):
             torch.testing.assert_close(got, expected, atol=atol, rtol=1e-3, msg=name)
 
 
+PARAMS = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
+
+
 @pytest.mark.world_size([2, 4])
+@PARAMS
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("auto", [True, False], ids=["auto", "manual"])
 @pytest.mark.parametrize("api", ["wrapper", "composable"])
-def test_training_matches_single_process(rank, world_size, device, api, auto, strategy):
+def test_training_matches_single_process(rank, world_size, device, api, auto, strategy, use_orig_params):
     torch.manual_seed(0)
     local = Net().to(device)
-    model = shard(copy.deepcopy(local), api, auto, world_size, strategy=strategy)
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in local.named_parameters()]
+    model = shard(copy.deepcopy(local), api, auto, world_size, strategy=strategy, use_orig_params=use_orig_params)
+    names = [n for n, _ in model.named_parameters()]
+    if use_orig_params:
+        assert names == [n for n, _ in local.named_parameters()]
+    else:
+        assert (
+            names == ["_flat_param", "b1._flat_param", "b2._flat_param"] if auto else ["_flat_param", "b2._flat_param"]
+        )
+    train_both(local, model, rank, world_size, device)
+    assert_same_params(local, model)
+
+
+@pytest.mark.world_size(1)
+@PARAMS
+@pytest.mark.parametrize("api", ["wrapper", "composable"])
+def test_one_rank_trains_like_the_plain_model(rank, world_size, device, api, use_orig_params):
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = shard(copy.deepcopy(local), api, True, world_size, use_orig_params=use_orig_params)
+    train_both(local, model, rank, world_size, device)
+    assert_same_params(local, model)
+
+
+@pytest.mark.world_size([2, 4])
+@PARAMS
+@pytest.mark.parametrize("forward_prefetch", [True, False], ids=["forward_prefetch", "no_forward_prefetch"])
+@pytest.mark.parametrize("backward_prefetch", [True, False], ids=["backward_prefetch", "no_backward_prefetch"])
+def test_prefetching_trains_like_the_plain_model(
+    rank, world_size, device, forward_prefetch, backward_prefetch, use_orig_params
+):
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = shard(
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        use_orig_params=use_orig_params,
+    )
     train_both(local, model, rank, world_size, device)
     assert_same_params(local, model)
 
 
 @pytest.mark.world_size(2)
+@PARAMS
 @pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
-def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, strategy):
+def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, strategy, use_orig_params):
     torch.manual_seed(0)
     local = Net().to(device)
-    model = shard(copy.deepcopy(local), "composable", True, world_size, strategy=strategy, offload_params=True)
+    model = shard(
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
+        strategy=strategy,
+        offload_params=True,
+        use_orig_params=use_orig_params,
+    )
     train_both(local, model, rank, world_size, device)
     for param in model.parameters():
         assert param.device.type == "cpu" and param.grad.device.type == "cpu"
     assert_same_params(local, model)
 
 
-@pytest.mark.world_size(2)
-def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device):
+@pytest.mark.world_size([1, 2])
+@PARAMS
+def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device, use_orig_params):
     torch.manual_seed(0)
     local = Net().to(device)
     model = shard(
-        copy.deepcopy(local), "composable", True, world_size,
+        copy.deepcopy(local),
+        "composable",
+        True,
+        world_size,
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        use_orig_params=use_orig_params,
     )
     seen: list[torch.dtype] = []
     model.b1.proj.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
@@ -121,14 +179,19 @@ def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device
 
 
 @pytest.mark.world_size(4)
-def test_hybrid_shard_from_explicit_2d_mesh(rank, world_size, device):
+@PARAMS
+def test_hybrid_shard_from_explicit_2d_mesh(rank, world_size, device, use_orig_params):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     local = Net().to(device)
     model = engine.fully_shard(
-        copy.deepcopy(local), auto_wrap_classes={Block}, strategy=ShardingStrategy.HYBRID_SHARD, mesh=mesh
+        copy.deepcopy(local),
+        auto_wrap_classes={Block},
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        mesh=mesh,
+        use_orig_params=use_orig_params,
     )
     unit = engine.units(model)[1]
     assert (unit.topology.shard_size, unit.topology.dp_world_size) == (2, 4)

@@ -1,4 +1,5 @@
 """`unshard_params` semantics: writeback, padding, reshard behaviour, recurse, grads, errors."""
+
 from __future__ import annotations
 
 import copy
@@ -24,11 +25,14 @@ def nested(device, **options) -> engine.ShardedModule:
 @pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
 @pytest.mark.parametrize("offload", [False, True], ids=["gpu_params", "offload"])
 @pytest.mark.parametrize("mixed", [None, FP16], ids=["fp32", "fp16"])
-def test_writeback(rank, world_size, device, strategy, offload, mixed):
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
+def test_writeback(rank, world_size, device, strategy, offload, mixed, use_orig_params):
     for writeback, check_outer in itertools.product([True, False], [True, False]):
-        model = nested(device, strategy=strategy, offload_params=offload, mixed_precision=mixed)
+        model = nested(
+            device, strategy=strategy, offload_params=offload, mixed_precision=mixed, use_orig_params=use_orig_params
+        )
         outer, inner = engine.units(model)
-        param = (outer if check_outer else inner).sharded_params[0]
+        param = (outer if check_outer else inner).optimizer_params[0]
         with torch.no_grad():
             param.fill_(rank + 2)
         with engine.unshard_params(model, writeback=writeback), torch.no_grad():
@@ -112,7 +116,9 @@ def test_named_parameters_show_original_names_shapes_values(rank, device, offloa
         if rank0_only and rank != 0:
             assert all(p.dim() == 1 for p in model.parameters())
             return
-        for (name, expected), (got_name, got) in itertools.zip_longest(local.named_parameters(), model.named_parameters()):
+        for (name, expected), (got_name, got) in itertools.zip_longest(
+            local.named_parameters(), model.named_parameters()
+        ):
             assert name == got_name and isinstance(got, nn.Parameter)
             assert got.device.type == ("cpu" if offload_to_cpu else device.type)
             torch.testing.assert_close(got.to(device), expected)
@@ -121,7 +127,11 @@ def test_named_parameters_show_original_names_shapes_values(rank, device, offloa
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "strategy",
+    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+    ids=lambda s: s.name,
+)
 @pytest.mark.parametrize("writeback", [False, True])
 def test_with_grads_shows_reduced_full_gradients(rank, world_size, device, strategy, writeback):
     torch.manual_seed(0)
@@ -192,14 +202,18 @@ def test_unshard_from_backward_raises(device):
 @pytest.mark.world_size(2)
 def test_rank0_only_with_writeback_raises(device):
     model = nested(device)
-    with pytest.raises(NotImplementedError, match="is not supported.*writeback=False"):
-        with engine.unshard_params(model, rank0_only=True, writeback=True):
-            pass
+    with (
+        pytest.raises(NotImplementedError, match=r"is not supported.*writeback=False"),
+        engine.unshard_params(model, rank0_only=True, writeback=True),
+    ):
+        pass
 
 
 @pytest.mark.world_size(2)
 def test_offload_to_cpu_with_no_shard_raises(device):
     model = nested(device, strategy=ShardingStrategy.NO_SHARD)
-    with pytest.raises(NotImplementedError, match="is not supported.*offload_to_cpu=False"):
-        with engine.unshard_params(model, offload_to_cpu=True):
-            pass
+    with (
+        pytest.raises(NotImplementedError, match=r"is not supported.*offload_to_cpu=False"),
+        engine.unshard_params(model, offload_to_cpu=True),
+    ):
+        pass
