@@ -102,7 +102,7 @@ class AgentStore:
         self._listener: socket.socket | None = listener
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"agent-store-{self.port}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"agent-store-{self.port}")
         self._thread.start()
 
     def _serve(self) -> None:

@@ -191,7 +191,8 @@ class SessionWorldSizes:
     def refusal(self, spec: WorldSizeSpec, size: int | None, params: Mapping[str, Any]) -> str | None:
         """Why a generated test does not run in this session, or None if it runs."""
         if size is None:  # constraints that allow none of the fallback sizes, and no default
-            return f"{spec.refusal(max(self.fallback))}, and gives no default= size"
+            reasons = dict.fromkeys(r for s in self.fallback if (r := spec.refusal(s)) is not None)
+            return f"allows none of {_join(self.fallback)} ({'; '.join(reasons)}) and has no default= sizes"
         if self.chosen is not None and size not in self.chosen:  # a pinned test
             return f"runs only at world size {size}"
         reason = spec.refusal(size)
