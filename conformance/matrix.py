@@ -2,6 +2,7 @@
 
 Written after a run as `reports/conformance.md` (for a CI job summary) and
 `reports/conformance.html`, where each failed cell links to its failures' text and repro lines.
+Stale expected-failure entries (see `conformance.expectations`) get a section of their own.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Matrix:
     failures: dict[tuple[str, str], list[Failure]] = field(default_factory=lambda: defaultdict(list))
     unsupported: Counter[tuple[str, str]] = field(default_factory=Counter)
     backends: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)  # one line per stale expectation entry
 
     def record(self, scenario: str, backend: str, test_id: str, outcome: str, text: str) -> None:
         if backend not in self.backends:
@@ -85,6 +87,9 @@ def render_markdown(matrix: Matrix) -> str:
         lines += ["", "## Unsupported capabilities", "", "| backend | reason | tests |", "| --- | --- | --- |"]
         for (backend, reason), count in sorted(matrix.unsupported.items()):
             lines.append(f"| {backend} | {reason} | {count} |")
+    if matrix.stale:
+        lines += ["", "## Stale expectations", ""]
+        lines += [f"- {entry}" for entry in matrix.stale]
     if matrix.failures:
         lines += ["", "## Failures", ""]
         for (scenario, backend), failures in sorted(matrix.failures.items()):
@@ -120,10 +125,12 @@ def render_html(matrix: Matrix) -> str:
             if failure.repro:
                 details.append(f"<p><code>{esc(failure.repro)}</code></p>")
             details.append(f"<pre>{esc(failure.text)}</pre>")
+    stale = "".join(f"<li>{esc(entry)}</li>" for entry in matrix.stale)
+    stale_section = f"<h2>Stale expectations</h2><ul>{stale}</ul>" if stale else ""
     style = ("body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
              "padding:3px 8px;text-align:left}.fail{background:#f8c0c0}.xfail{background:#f4e6b0}"
              ".unsup{background:#dde4f0}.ok{background:#c8ecc8}pre{background:#f4f4f4;padding:6px;overflow:auto}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>Conformance matrix</title>"
             f"<style>{style}</style></head><body><h1>Conformance matrix</h1>"
             f"<table><tr><th>scenario</th>{head}</tr>{''.join(rows)}<tr><th>total</th>{totals}</tr></table>"
-            f"<h2>Failures</h2>{''.join(details) or '<p>none</p>'}</body></html>\n")
+            f"{stale_section}<h2>Failures</h2>{''.join(details) or '<p>none</p>'}</body></html>\n")

@@ -3,6 +3,9 @@
 Loaded by the root conftest (``pytest_plugins = ["harness.plugin", "conformance.plugin"]``).
 Every test that takes a ``backend`` argument runs once per selected backend; the rank-side
 fixture in ``conformance.rank_fixtures`` turns the name into an adapter inside each rank.
+Expected failures are matched by scenario id and run context (device, torch version, world
+size); entries that describe nothing the run checked are reported as stale, and fail the run
+under ``--strict-expectations``.
 """
 
 from __future__ import annotations
@@ -10,24 +13,29 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from conformance import expectations, registry
 from conformance.matrix import Matrix, classify, render_html, render_markdown
-from harness.plugin import reports_dir
+from harness.devices import plan_devices
+from harness.plugin import reports_dir, world_size_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
 pytest_plugins = ["harness.plugin"]
 
 _STATE = pytest.StashKey["BackendSelection"]()
 _MATRIX = pytest.StashKey[Matrix]()
+_RUN = pytest.StashKey[expectations.RunRecord]()
+_STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 
 
 @dataclass(frozen=True)
 class BackendSelection:
     backends: list[str]  # selections, in the order given: parametrize values and ids
-    expected: dict[str, dict[str, expectations.ExpectedFailure]]  # selection -> scenario -> entry
+    expected: dict[str, expectations.Expectations]  # selection -> its backend's entries
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +57,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         help="where <backend>.toml expected-failure files are read (default: %(default)s)",
     )
+    group.addoption(
+        "--strict-expectations",
+        action="store_true",
+        help=(
+            "fail the run when an expected-failure entry is stale: its scenario matches no "
+            "collected test of a file collected whole, or its test was skipped"
+        ),
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,6 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(error)) from None
     config.stash[_STATE] = BackendSelection(backends, expected)
     config.stash[_MATRIX] = Matrix()
+    config.stash[_RUN] = expectations.RunRecord()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -85,19 +102,47 @@ def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
     return False
 
 
+def _selection(item: Any) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "backend" not in callspec.params:
+        return None
+    return callspec.params["backend"]
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """Note every test collected with a backend, before any deselection (-k, -m, --lf)."""
+    for node in report.result:
+        selection = _selection(node)
+        if selection is not None and isinstance(node, pytest.Item):
+            record = node.config.stash.get(_RUN, None)
+            if record is not None:
+                record.note_collected(selection, expectations.scenario_id(node.nodeid, selection))
+
+
+def run_context(item: pytest.Item) -> expectations.RunContext:
+    """Device, torch version and world size an item runs with (what ``when`` conditions test)."""
+    size = world_size_of(item)
+    device = plan_devices(item.config.getoption("device"), size).kind if size else None
+    return expectations.RunContext(device=device, torch_version=torch.__version__, world_size=size)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or "backend" not in callspec.params:
+    selection = _selection(item)
+    if selection is None:
         return report
-    selection = callspec.params["backend"]
+    scenario = expectations.scenario_id(item.nodeid, selection)
     if report.when == "call":
-        entries = item.config.stash[_STATE].expected.get(selection, {})
-        entry = entries.get(expectations.scenario_id(item.nodeid, selection))
-        judgement = expectations.judge(entry, report.outcome, report.longreprtext)
+        entries = item.config.stash[_STATE].expected.get(selection)
+        matching = entries.matching(scenario, run_context(item)) if entries else []
+        if len(matching) > 1:
+            judgement = expectations.ambiguous(matching)
+        else:
+            entry = matching[0] if matching else None
+            judgement = expectations.judge(entry, report.outcome, report.longreprtext)
         if judgement is not None:
             report.outcome = judgement.outcome  # type: ignore[assignment]
             if judgement.xfail_reason is not None:
@@ -107,13 +152,25 @@ def pytest_runtest_makereport(
                 report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
     if report.when == "call" or report.failed or report.skipped:
         _record(item, selection, report)
+    if report.skipped and not getattr(report, "wasxfail", None):
+        context = run_context(item)
+        # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
+        # the entry: only skips of a test that had its devices make an entry stale.
+        if context.device is not None or context.world_size is None:
+            item.config.stash[_RUN].note_skipped(
+                selection, scenario, context, _skip_reason(report) or "skipped"
+            )
     return report
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+    return reason.removeprefix("Skipped: ")
 
 
 def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> None:
     """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
-    skip_reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
-    skip_reason = skip_reason.removeprefix("Skipped: ")
+    skip_reason = _skip_reason(report)
     outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
     module, _, function = item.nodeid.partition("::")
     scenario = f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
@@ -140,10 +197,52 @@ def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
     return {"backend": str(callspec.params["backend"])}
 
 
+def _covered_files(config: pytest.Config) -> set[Path]:
+    """Files and directories the run asked for whole (a ``file::test`` argument covers nothing)."""
+    covered = set()
+    for arg in config.args:
+        if "::" in arg:
+            continue
+        covered.add((config.invocation_params.dir / arg.split("[", 1)[0]).resolve())
+    return covered
+
+
+def _stale(config: pytest.Config) -> list[expectations.StaleEntry]:
+    roots = _covered_files(config)
+
+    def covered(file: str) -> bool:
+        path = (config.rootpath / file).resolve()
+        return any(path == root or root in path.parents for root in roots)
+
+    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    matrix = session.config.stash.get(_MATRIX, None)
-    if matrix is None or not matrix.cells:
+    config = session.config
+    if _STATE not in config.stash:
         return
-    directory = Path(reports_dir(session.config))
+    stale = config.stash[_STALE] = _stale(config)
+    if stale and config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    matrix = config.stash.get(_MATRIX, None)
+    if matrix is None or not (matrix.cells or stale):
+        return
+    matrix.stale = [str(entry) for entry in stale]
+    directory = Path(reports_dir(config))
     (directory / "conformance.md").write_text(render_markdown(matrix), encoding="utf-8")
     (directory / "conformance.html").write_text(render_html(matrix), encoding="utf-8")
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    stale = config.stash.get(_STALE, [])
+    if not stale:
+        return
+    strict = config.getoption("strict_expectations")
+    terminalreporter.section("stale expectations", sep="=", red=strict, yellow=not strict)
+    for entry in stale:
+        terminalreporter.write_line(str(entry))
+    terminalreporter.write_line(
+        f"{len(stale)} stale expected-failure entr{'y' if len(stale) == 1 else 'ies'}: remove "
+        "or fix them" + ("; --strict-expectations fails the run" if strict else "")
+    )

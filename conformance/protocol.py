@@ -156,8 +156,12 @@ class ShardingSpec:
 
     def needed_capabilities(self, form: ApiForm) -> set[Capability]:
         """Every capability this spec uses, so an adapter can refuse before touching the model."""
-        needed = {Capability.for_form(form)}
-        needed |= {Capability.for_strategy(s) for s in self.strategies()}
+        return {Capability.for_form(form)} | self.feature_capabilities()
+
+    def feature_capabilities(self) -> set[Capability]:
+        """What this spec uses besides the API form: what a scenario requires before it builds
+        anything, whichever forms the backend has."""
+        needed = {Capability.for_strategy(s) for s in self.strategies()}
         if self.auto_wrap_classes:
             needed.add(Capability.AUTO_WRAP)
         if self.param_dtype is not None:
@@ -170,6 +174,13 @@ class ShardingSpec:
             needed.add(Capability.FLAT_PARAMETERS)
         if self.check_exec_order:
             needed.add(Capability.EXEC_ORDER_CHECK)
+        # Structure: submodules as units of their own, a root nobody manages, per-unit strategies.
+        if self.auto_wrap_classes or self.manual_units:
+            needed.add(Capability.UNITS)
+        if not self.shard_root:
+            needed.add(Capability.UNMANAGED_ROOT)
+        if len(self.strategies()) > 1:
+            needed.add(Capability.MIXED_STRATEGIES)
         return needed
 
 
@@ -209,6 +220,11 @@ class BackendAdapter(abc.ABC):
     CAPABILITIES: ClassVar[frozenset[Capability]]
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
+    # Module path components the backend's *wrappers* insert between a module and its children
+    # (torch FSDP1: "_fsdp_wrapped_module"). Scenarios compare parameter names after removing
+    # exactly these and nothing else (see :func:`declared_fqn`): a backend that leaks any other
+    # prefix into names fails. Declare them; there is no other way to have names cleaned.
+    WRAPPER_COMPONENTS: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -264,7 +280,8 @@ class BackendAdapter(abc.ABC):
         """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters.
 
         Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
-        tensors (names through :meth:`original_fqn`). ``writeback``: changes made inside
+        tensors under the original FQNs once the declared :attr:`WRAPPER_COMPONENTS` are
+        removed (also with flat parameters: the originals, not ``_flat_param``). ``writeback``: changes made inside
         persist after exit. ``rank0_only``: only rank 0 materialises full parameters.
         ``offload_to_cpu``: the full parameters live on CPU. ``recurse=False``: only the unit
         at ``fqn`` is unsharded, not units nested in it.
@@ -273,8 +290,10 @@ class BackendAdapter(abc.ABC):
         """
 
     def original_fqn(self, name: str) -> str:
-        """The original model's FQN for a name seen on a sharded model (wrappers add parts)."""
-        return name
+        """The original model's FQN for a name seen on a sharded model: the name without the
+        declared :attr:`WRAPPER_COMPONENTS`. Scenarios use :func:`declared_fqn`, which an
+        override of this method cannot widen."""
+        return declared_fqn(self, name)
 
     # -- state dicts ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -421,6 +440,46 @@ class BackendAdapter(abc.ABC):
         (e.g. process groups a library keeps in module globals). Default: nothing."""
 
 
+# With ``use_orig_params=False`` the only parameter a unit shows outside the unshard context is
+# ``<unit FQN>.{FLAT_PARAM}`` (``FLAT_PARAM`` alone for the root), after removing the declared
+# wrapper components; each rank's holds ceil(N / world size) elements for a unit managing N
+# parameter elements (the flat buffer is padded at its end to split evenly).
+FLAT_PARAM = "_flat_param"
+
+
+def declared_fqn(backend: BackendAdapter, name: str) -> str:
+    """``name`` without the path components ``backend`` declares in ``WRAPPER_COMPONENTS``."""
+    components = type(backend).WRAPPER_COMPONENTS
+    return ".".join(part for part in name.split(".") if part and part not in components)
+
+
+def flat_param_fqn(unit: str) -> str:
+    """The name a unit's flat parameter must have (see :data:`FLAT_PARAM`)."""
+    return f"{unit}.{FLAT_PARAM}" if unit else FLAT_PARAM
+
+
+def unshard_capabilities(
+    *,
+    writeback: bool = False,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    recurse: bool = True,
+    with_grads: bool = False,
+) -> set[Capability]:
+    """What an ``unshard()`` call with these options exercises (defaults: a plain read)."""
+    needed = {Capability.UNSHARD}
+    for wanted, capability in (
+        (writeback, Capability.UNSHARD_WRITEBACK),
+        (rank0_only, Capability.UNSHARD_RANK0_ONLY),
+        (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
+        (not recurse, Capability.UNSHARD_NON_RECURSIVE),
+        (with_grads, Capability.UNSHARD_WITH_GRADS),
+    ):
+        if wanted:
+            needed.add(capability)
+    return needed
+
+
 def require(backend: BackendAdapter, capability: Capability) -> None:
     """Skip the running test as ``unsupported: <capability>: <reason>`` unless supported.
 
@@ -453,44 +512,6 @@ def innermost_first(fqns: tuple[str, ...]) -> list[str]:
     same order.
     """
     return sorted(dict.fromkeys(fqns), key=lambda fqn: -(fqn.count(".") + 1) if fqn else 0)
-
-
-def require_unshard_options(
-    backend: BackendAdapter,
-    *,
-    writeback: bool = False,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    recurse: bool = True,
-    with_grads: bool = False,
-) -> None:
-    """Skip as unsupported unless ``backend`` offers every :meth:`BackendAdapter.unshard`
-    option asked for (an adapter's unshard() and a scenario call this alike)."""
-    for wanted, capability in (
-        (writeback, Capability.UNSHARD_WRITEBACK),
-        (rank0_only, Capability.UNSHARD_RANK0_ONLY),
-        (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
-        (not recurse, Capability.UNSHARD_NON_RECURSIVE),
-        (with_grads, Capability.UNSHARD_WITH_GRADS),
-    ):
-        if wanted:
-            require(backend, capability)
-
-
-def structural_capabilities(spec: ShardingSpec) -> set[Capability]:
-    """The capabilities a spec's structure needs: units, an unmanaged root, mixed strategies.
-
-    Kept apart from :meth:`ShardingSpec.needed_capabilities` so it can be merged into it in
-    one line; until then an adapter that lacks one of these requires them itself.
-    """
-    needed: set[Capability] = set()
-    if spec.auto_wrap_classes or spec.manual_units:
-        needed.add(Capability.UNITS)
-    if not spec.shard_root:
-        needed.add(Capability.UNMANAGED_ROOT)
-    if len(spec.strategies()) > 1:
-        needed.add(Capability.MIXED_STRATEGIES)
-    return needed
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:

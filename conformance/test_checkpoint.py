@@ -9,6 +9,7 @@ says why.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from harness import current_seed
 from torch.distributed.tensor import DTensor
 
 import fixtures
+from fixtures.compare import EXACT, Tolerance, describe_difference, differences
 from conformance.protocol import (
     BackendAdapter,
     Capability,
@@ -29,6 +31,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     require,
+    require_all,
 )
 
 # A forward through a sharded model against the same computation unsharded: same values, same
@@ -40,9 +43,12 @@ FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 # run the same program; only accelerator kernels that reorder sums may differ, and an ulp in a
 # gradient moves an Adam update by ~1e-9 here. A lost or mis-keyed optimizer state changes the
 # update by the order of lr = 1e-2.
-STEP_TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
+param_offload_axis = pytest.mark.parametrize(
+    "param_offload", [False, True], ids=["no_param_offload", "param_offload"]
+)
 _STATE_DICT_CAPABILITY = {
     StateDictKind.FULL: Capability.FULL_STATE_DICT,
     StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
@@ -63,20 +69,21 @@ def _layout_spec(layout: str) -> ShardingSpec:
 
 
 @pytest.mark.world_size([2, 4])
+@param_offload_axis
 @pytest.mark.parametrize("layout", ["root", "submodules", "mixed"])
 def test_full_state_dict(
-    backend: BackendAdapter, layout: str, rank: int, device: torch.device
+    backend: BackendAdapter, layout: str, param_offload: bool, rank: int, device: torch.device
 ) -> None:
     """The full state dict equals the unsharded model's and reloads into a zeroed sharded model.
 
     Keys are the original FQNs, values equal bit for bit; after loading into a sharded copy
     whose parameters and buffers were zeroed, its full state dict is the original again and its
-    forward matches the unsharded model's.
+    forward matches the unsharded model's. ``param_offload``: the shards live on CPU, so saving
+    gathers from and loading writes into the offloaded copies.
     """
     require(backend, Capability.FULL_STATE_DICT)
-    spec = _layout_spec(layout)
-    for strategy in sorted(spec.strategies(), key=lambda s: s.name):
-        require(backend, Capability.for_strategy(strategy))
+    spec = dataclasses.replace(_layout_spec(layout), offload_params=param_offload)
+    require_all(backend, spec.feature_capabilities())
     local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
@@ -87,7 +94,7 @@ def test_full_state_dict(
         expected_output = local(*inputs)
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {layout} layout"
+        where = f"rank {rank}: {form.value}, {layout} layout, param_offload={param_offload}"
         saved = backend.shard(copy.deepcopy(local), spec, form)
         state = backend.state_dict(saved, StateDictKind.FULL)
         _assert_plain(state, where)
@@ -113,9 +120,14 @@ def test_full_state_dict(
 
 @pytest.mark.world_size([2, 4])
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
-@pytest.mark.parametrize("ignore", [False, True], ids=["none-ignored", "ignored"])
+@pytest.mark.parametrize(
+    ("ignore", "param_offload"),
+    [(False, False), (True, False), (False, True)],
+    ids=["none-ignored", "ignored", "none-ignored-param_offload"],
+)
 def test_save_load_flow(
-    backend: BackendAdapter, kind: StateDictKind, ignore: bool, rank: int, device: torch.device
+    backend: BackendAdapter, kind: StateDictKind, ignore: bool, param_offload: bool, rank: int,
+    device: torch.device,
 ) -> None:
     """Save a trained tied-weight transformer, load it into a fresh sharded model, match.
 
@@ -124,14 +136,17 @@ def test_save_load_flow(
     kinds of state dict under their original FQNs, as plain full tensors, and round-trip like
     the rest. Before training, the (gathered) state dict equals the unsharded model's; after
     one SGD step, a model built from another seed, sharded alike, zeroed and loaded, holds the
-    saved state bit for bit and computes the same forward.
+    saved state bit for bit and computes the same forward. ``param_offload``: the same flow
+    with CPU-offloaded shards (saved from and loaded into the offloaded copies).
     """
     require(backend, _STATE_DICT_CAPABILITY[kind])
-    if ignore:
-        require(backend, Capability.IGNORED_MODULES)
     model_cls = fixtures.TiedTransformer
     ignored = model_cls.IGNORABLE_MODULES if ignore else ()
-    spec = ShardingSpec(auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored)
+    spec = ShardingSpec(
+        auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored,
+        offload_params=param_offload,
+    )
+    require_all(backend, spec.feature_capabilities())
     local = fixtures.build(model_cls, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
@@ -144,7 +159,10 @@ def test_save_load_flow(
     )
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {kind.value} state dict, ignored={list(ignored)}"
+        where = (
+            f"rank {rank}: {form.value}, {kind.value} state dict, ignored={list(ignored)}, "
+            f"param_offload={param_offload}"
+        )
         saved = backend.shard(copy.deepcopy(local), spec, form)
         state = backend.state_dict(saved, kind)
         _assert_kind(state, kind, local, ignored_params, where)
@@ -161,12 +179,11 @@ def test_save_load_flow(
             fixtures.build(model_cls, current_seed() + 1, device), spec, form
         )
         _zero_local_storage(target)
-        _assert_all_zero(_gathered(backend.state_dict(target, kind), device), where)
+        _assert_stored_zero(backend.state_dict(target, kind), where, device)
         backend.load_state_dict(target, checkpoint, kind)
-        _assert_same_state(
-            _gathered(backend.state_dict(target, kind), device),
-            _gathered(backend.state_dict(saved, kind), device),
-            f"{where}: loaded model vs the trained model it was saved from",
+        _assert_stores_alike(
+            backend.state_dict(target, kind), backend.state_dict(saved, kind),
+            f"{where}: loaded model vs the trained model it was saved from", device,
         )
         inputs = batch(iteration=1)
         with torch.no_grad():
@@ -180,24 +197,30 @@ def test_save_load_flow(
 
 
 @pytest.mark.world_size([2, 4])
+@param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 def test_optim_state_dict_round_trip(
-    backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device
+    backend: BackendAdapter, kind: StateDictKind, param_offload: bool, rank: int,
+    device: torch.device,
 ) -> None:
     """Optimizer state survives get -> load into a fresh model and optimizer -> get.
 
     The optimizer state dict is keyed by the original parameter FQNs; the one read back after
     loading equals the saved one bit for bit; one more Adam step on the original and on the
-    restored pair gives the same parameters.
+    restored pair gives the same parameters. ``param_offload``: shards and Adam's state on CPU.
     """
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, _STATE_DICT_CAPABILITY[kind])
-    spec = ShardingSpec(auto_wrap_classes=(fixtures.Unit,))
+    spec = ShardingSpec(auto_wrap_classes=(fixtures.Unit,), offload_params=param_offload)
+    require_all(backend, spec.feature_capabilities())
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {kind.value} optimizer state dict"
+        where = (
+            f"rank {rank}: {form.value}, {kind.value} optimizer state dict, "
+            f"param_offload={param_offload}"
+        )
         loss_model = fixtures.build(model_cls, current_seed(), device, dim=16)
         param_fqns = {name for name, _ in loss_model.named_parameters()}
         trained = backend.shard(loss_model, spec, form)
@@ -221,24 +244,18 @@ def test_optim_state_dict_round_trip(
         backend.load_optim_state_dict(
             restored, restored_optim, copy.deepcopy(optim_checkpoint), kind
         )
-        _assert_same_tree(
+        _assert_stores_alike(
             backend.optim_state_dict(restored, restored_optim, kind), optim_checkpoint,
-            where, device,
+            f"{where}: optimizer state read back after loading", device,
         )
 
         _train_step(trained, optim, loss_model, 2, rank, device)
         _train_step(restored, restored_optim, loss_model, 2, rank, device)
-        after, expected = (
-            _gathered(backend.state_dict(m, kind), device) for m in (trained, restored)
+        _assert_stores_alike(
+            backend.state_dict(restored, kind), backend.state_dict(trained, kind),
+            f"{where}: parameters after one more step, restored vs original model+optimizer",
+            device, STEP_TOLERANCE,
         )
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                after[name], value, **STEP_TOLERANCE,
-                msg=lambda m, name=name: (
-                    f"{where}: {name} after one more step differs between the original and the "
-                    f"restored model+optimizer\n{m}"
-                ),
-            )
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -358,7 +375,7 @@ def _assert_same_state(
             f"{tuple(want.shape)}"
         )
         assert torch.equal(got.detach().cpu(), want.detach().cpu()), (
-            f"{where}: {name}: {_describe_difference(got, want)}"
+            f"{where}: {name}: {describe_difference(got, want)}"
         )
 
 
@@ -368,35 +385,65 @@ def _assert_all_zero(state: Mapping[str, torch.Tensor], where: str) -> None:
     assert not nonzero, f"{where}: still nonzero after zeroing every rank's storage: {nonzero}"
 
 
-def _assert_same_tree(actual: Any, expected: Any, where: str, device: torch.device) -> None:
-    """Nested dicts/lists equal; tensors (gathered when sharded) bit for bit."""
-    if isinstance(expected, Mapping):
-        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), (
-            f"{where}: keys {sorted(map(str, actual))} differ from {sorted(map(str, expected))}"
-        )
-        for key in sorted(expected, key=str):
-            _assert_same_tree(actual[key], expected[key], f"{where} / {key}", device)
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
-            f"{where}: {actual!r} differs from {expected!r}"
-        )
-        for index, (got, want) in enumerate(zip(actual, expected)):
-            _assert_same_tree(got, want, f"{where} / {index}", device)
-    elif isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {actual!r} is not a tensor"
-        got, want = _full(actual, device), _full(expected, device)
-        assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), (
-            f"{where}: {_describe_difference(got, want)}"
-        )
+def _stored(value: Any) -> torch.Tensor:
+    """What this rank stores of a state-dict value: a DTensor's local tensor, a ShardedTensor's
+    local shards (flattened, in order), or the plain tensor itself."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if hasattr(value, "local_shards"):
+        shards = [shard.tensor.reshape(-1) for shard in value.local_shards()]
+        dtype = value.metadata().tensor_properties.dtype
+        return torch.cat(shards) if shards else torch.empty(0, dtype=dtype)
+    return value
+
+
+def _leaves(tree: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf of nested dicts/lists by its path ("state / unit1.inp.weight / exp_avg")."""
+    if isinstance(tree, Mapping):
+        items = [(str(key), tree[key]) for key in sorted(tree, key=str)]
+    elif isinstance(tree, (list, tuple)):
+        items = [(str(index), item) for index, item in enumerate(tree)]
     else:
-        assert actual == expected, f"{where}: {actual!r} differs from {expected!r}"
+        return {path: tree}
+    leaves: dict[str, Any] = {}
+    for key, item in items:
+        leaves.update(_leaves(item, f"{path} / {key}" if path else key))
+    return leaves
 
 
-def _describe_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    got, want = got.detach().cpu(), want.detach().cpu()
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} differs from {tuple(want.shape)}"
-    if got.numel() == 1:
-        return f"{got.item()} differs from {want.item()}"
-    difference = (got.double() - want.double()).abs().max().item()
-    return f"differs (max abs difference {difference:.3g})"
+def _fail_together(problems: list[str], where: str, device: torch.device) -> None:
+    """Assert on every rank at once that no rank found a problem (one all-reduce), so a rank
+    that found none does not run on into collectives its failed peer never issues."""
+    found = torch.tensor([len(problems)], device=device)
+    dist.all_reduce(found)
+    here = "\n  ".join(problems) if problems else "none on this rank (see the other ranks)"
+    assert found.item() == 0, f"{where}: {found.item()} differences over all ranks; here:\n  {here}"
+
+
+def _assert_stores_alike(
+    actual: Any, expected: Any, where: str, device: torch.device,
+    tolerance: Tolerance = EXACT,
+) -> None:
+    """Two state dicts (or optimizer state dicts) of the same kind and layout hold the same
+    values: every rank compares what it stores of each value, so no value is gathered, and a
+    value stored differently (another shape or layout) counts as a difference."""
+    got, want = _leaves(actual), _leaves(expected)
+    problems = [f"missing {key}" for key in sorted(want.keys() - got.keys())]
+    problems += [f"unexpected {key}" for key in sorted(got.keys() - want.keys())]
+    tensors_got, tensors_want = {}, {}
+    for key in sorted(want.keys() & got.keys()):
+        if isinstance(want[key], torch.Tensor):
+            if not isinstance(got[key], torch.Tensor):
+                problems.append(f"{key}: {got[key]!r} is not a tensor")
+                continue
+            tensors_got[key], tensors_want[key] = _stored(got[key]), _stored(want[key])
+        elif got[key] != want[key]:
+            problems.append(f"{key}: {got[key]!r} differs from {want[key]!r}")
+    problems += differences(tensors_got, tensors_want, tolerance)
+    _fail_together(problems, where, device)
+
+
+def _assert_stored_zero(state: Mapping[str, Any], where: str, device: torch.device) -> None:
+    """Every rank's stored part of every value is zero (the zeroing took effect everywhere)."""
+    nonzero = sorted(name for name, value in state.items() if torch.count_nonzero(_stored(value)))
+    _fail_together([f"{name} is not zero" for name in nonzero], where, device)

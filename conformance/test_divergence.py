@@ -16,6 +16,13 @@ default):
 * anything else (another error, a rank raising alone and the others timing out): **fail**.
 
 A backend whose users are exposed to this records the failure in its expectations file.
+
+:func:`test_unequal_shape_divergence_is_not_silent` runs the seed's own model
+(:class:`fixtures.UnequalTwoPathModel`), where the two units' collectives differ in size once a
+backend pads or aligns per parameter: a backend without a first-iteration check then issues
+mismatched collectives, gloo aborts the process, and the harness turns the crash into this
+test's failure (with the trace diff naming the collective). World size 2 only: each such crash
+costs a pool restart, and a second world size adds nothing the first does not show.
 """
 
 from __future__ import annotations
@@ -76,6 +83,11 @@ def training_step(
     model.loss(sharded(*inputs)).backward()
 
 
+def _raise_unless_order_error(error: RuntimeError) -> None:
+    if not re.match(ORDER_ERROR, str(error)):
+        raise error
+
+
 @pytest.mark.world_size([2, 4])
 def test_same_shape_divergence_is_not_silent(
     backend: BackendAdapter, rank: int, device: torch.device
@@ -89,5 +101,27 @@ def test_same_shape_divergence_is_not_silent(
         try:
             training_step(backend, form, rank, device, crossed=True)
         except RuntimeError as error:
-            if not re.match(ORDER_ERROR, str(error)):
-                raise
+            _raise_unless_order_error(error)
+
+
+@pytest.mark.world_size(2)
+def test_unequal_shape_divergence_is_not_silent(
+    backend: BackendAdapter, rank: int, device: torch.device
+) -> None:
+    """The seed's model, default configuration: rank 0 runs ``path_a``, rank 1 ``path_b`` in
+    the first step. Passes when every rank raises the order error before any mismatched
+    collective; a crash or a hang fails it (module docstring)."""
+    for form in backend.forms():
+        model = fixtures.build(fixtures.UnequalTwoPathModel, current_seed(), device)
+        sharded = backend.shard(
+            model, ShardingSpec(manual_units=fixtures.UnequalTwoPathModel.UNIT_FQNS), form
+        )
+        if rank != 0:
+            model.flip_path()
+        inputs = fixtures.local_batch(
+            model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device
+        )
+        try:
+            model.loss(sharded(*inputs)).backward()
+        except RuntimeError as error:
+            _raise_unless_order_error(error)

@@ -1,10 +1,15 @@
 """Execution-order scenarios: a backend that validates the forward order catches ranks that
 disagree on it (an error in the first iteration, a one-time warning later) and leaves eval alone.
 
-All scenarios shard :class:`fixtures.TwoPathModel`: ``stem`` is the root unit, ``path_a`` and
+The scenarios shard :class:`fixtures.TwoPathModel`: ``stem`` is the root unit, ``path_a`` and
 ``path_b`` are units of 36 elements each. A rank that takes the other path therefore all-gathers
 (and reduce-scatters) a tensor of exactly the size its peers use for theirs: no shape check in
-the collective library notices, only an execution-order check can.
+the collective library notices, only an execution-order check can. The first-iteration check
+also runs on the seed's own model (:class:`fixtures.UnequalTwoPathModel`), whose paths differ in
+shape: there the check must fire before the first mismatched collective, which gloo would
+answer by aborting the process (the harness turns that into this test's failure). The
+later-iteration scenarios keep the equal-shape model: after the warning the ranks issue the
+mismatched collectives on purpose, and with unequal sizes no backend could complete them.
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ from conformance.protocol import (
 )
 
 STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
+MODELS = {"equal": fixtures.TwoPathModel, "seed": fixtures.UnequalTwoPathModel}
 LOCAL_BATCH = 8
 ORDER_WARNING_PREFIX = "Forward order differs"
+# The seed's later-iteration warning, verbatim up to the rank's own details.
+LATER_WARNING = (
+    "Forward order differs from that of the first iteration on rank {rank}. Collectives are "
+    "unchecked and may give incorrect results or hang"
+)
 
 
 def _sharded_models(
@@ -36,6 +47,7 @@ def _sharded_models(
     strategy: ShardingStrategy,
     device: torch.device,
     use_orig_params: bool = True,
+    model_cls: type[fixtures.TwoPathModel] = fixtures.TwoPathModel,
 ) -> Iterator[tuple[fixtures.TwoPathModel, torch.nn.Module]]:
     """(original model, module to run) for every form the backend has, with order checking on.
 
@@ -53,7 +65,7 @@ def _sharded_models(
         check_exec_order=True,
     )
     for form in backend.forms():
-        model = fixtures.build(fixtures.TwoPathModel, current_seed(), device)
+        model = fixtures.build(model_cls, current_seed(), device)
         yield model, backend.shard(model, spec, form)
 
 
@@ -88,8 +100,10 @@ def _train_step(
 @pytest.mark.world_size([2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("params", ["original", "flat"])
+@pytest.mark.parametrize("model", list(MODELS))
 def test_first_iteration_order_mismatch_raises(
     backend: BackendAdapter,
+    model: str,
     strategy: ShardingStrategy,
     params: str,
     rank: int,
@@ -100,16 +114,19 @@ def test_first_iteration_order_mismatch_raises(
     Rank 0 takes ``path_a``, every other rank ``path_b``. Every rank must raise
     ``RuntimeError("Forward order differs across ranks ...")``: on one rank only, the others
     would block in a collective. ``params``: the model exposes its original parameters
-    (``use_orig_params=True``) or flat parameters (the seed's configuration).
+    (``use_orig_params=True``) or flat parameters (the seed's configuration). ``model``:
+    ``equal`` (paths of equal shapes) or ``seed`` (the seed's unequal shapes, module docstring).
     Marked ``expect_divergence`` because of the labels of the check's own collectives (above);
     the ``pytest.raises`` on every rank is what this scenario asserts.
     """
-    models = _sharded_models(backend, strategy, device, use_orig_params=params == "original")
-    for model, sharded in models:
+    models = _sharded_models(
+        backend, strategy, device, use_orig_params=params == "original", model_cls=MODELS[model]
+    )
+    for two_path, sharded in models:
         if rank != 0:
-            model.flip_path()
+            two_path.flip_path()
         with pytest.raises(RuntimeError, match=r"^Forward order differs across ranks"):
-            sharded(*_inputs(model, 0, rank, device))
+            sharded(*_inputs(two_path, 0, rank, device))
 
 
 # The ranks other than 0 all-gather and reduce-scatter path_b where rank 0 uses path_a: the
@@ -130,16 +147,15 @@ def test_later_iteration_order_change_warns_once(
 
     All ranks train ``iters_before_path_change`` steps on ``path_a``; then every rank but 0
     switches to ``path_b``. Each switching rank R issues exactly one ``UserWarning("Forward
-    order differs from that of the first iteration on rank R ...")`` during the changed step
-    and none in the step after; rank 0 and the steps before the change warn nothing.
+    order differs from that of the first iteration on rank R. Collectives are unchecked and may
+    give incorrect results or hang ...")`` (the seed's text) during the changed step and none
+    in the step after; rank 0 and the steps before the change warn nothing.
 
     Marked ``expect_divergence``: after the switch the ranks issue collectives for different
     units on purpose (equal sizes, so they still pair up and complete), which the harness's
     trace diff would otherwise report as a failure.
     """
-    expected_warning = (
-        rf"^Forward order differs from that of the first iteration on rank {rank}\b"
-    )
+    expected_warning = "^" + re.escape(LATER_WARNING.format(rank=rank))
     for model, sharded in _sharded_models(backend, strategy, device):
         for iteration in range(iters_before_path_change):
             assert _train_step(model, sharded, iteration, rank, device) == [], (

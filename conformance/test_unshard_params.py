@@ -12,18 +12,24 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
 * Unsharding outside forward/backward does not change what the strategy keeps gathered between
   forward and backward, except under mixed precision, where the full-precision view replaces the
   low-precision gathered copy (so the unit is resharded and backward gathers again).
-* Refusals: unsharding during forward or backward raises ``RuntimeError`` or ``AssertionError``
-  whose message says ``unshard`` and ``forward`` or ``backward``; an option combination the
-  backend cannot honour (``rank0_only`` with ``writeback``, ``offload_to_cpu`` with
-  ``NO_SHARD``) raises ``NotImplementedError`` or ``ValueError`` whose message names the
-  option(s) and says "not supported" or "unsupported". Matching on these few words, not on a
-  backend's full sentence, keeps the contract neutral.
+* Names: outside the context a unit with original parameters shows them under their original
+  FQNs, one with flat parameters (``use_orig_params=False``) shows ``<unit FQN>._flat_param``;
+  inside, every unshared unit shows its original parameters under their original FQNs. Names
+  are compared after removing only the adapter's declared ``WRAPPER_COMPONENTS``.
+* Storage: each rank's flat parameter of a unit managing N elements holds ceil(N / world size)
+  elements (the padding that evens out the shards); sharded original parameters hold disjoint
+  parts, so their local sizes summed over ranks are the parameter's size (no padding shows).
+* Refusals, with the error type and text the seeds require: unsharding during forward or
+  backward raises ``AssertionError`` (FSDP1's) or ``RuntimeError`` whose message contains
+  "Cannot manually unshard parameters during forward/backward"; ``rank0_only`` with
+  ``writeback``, and ``offload_to_cpu`` with ``NO_SHARD``, raise ``NotImplementedError`` whose
+  message contains "is not supported" and names the option(s). A backend whose error differs
+  records its real text in its expectations file.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -41,7 +47,11 @@ from conformance.protocol import (
     Capability,
     ShardingSpec,
     ShardingStrategy,
+    declared_fqn,
+    flat_param_fqn,
     require,
+    require_all,
+    unshard_capabilities,
 )
 
 # Gathering and copying move values bit for bit: every comparison of parameters is exact.
@@ -53,9 +63,13 @@ EXACT = {"rtol": 0.0, "atol": 0.0}
 GRAD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 WRITEBACK_FACTOR = 2.0  # gradients are scaled by this inside the context to test writeback
 
-MISUSE_ERRORS = (RuntimeError, AssertionError)
-REFUSAL_ERRORS = (NotImplementedError, ValueError)
-REFUSAL_WORDS = re.compile(r"not supported|unsupported", re.IGNORECASE)
+# The seeds require AssertionError (FSDP1 raises it through its internal assert helper);
+# RuntimeError, Python's error for a call made in the wrong state, is accepted as well. The text
+# is the seeds', verbatim.
+MISUSE_ERRORS = (AssertionError, RuntimeError)
+MISUSE_TEXT = "Cannot manually unshard parameters during forward/backward"
+REFUSAL_ERROR = NotImplementedError
+REFUSAL_TEXT = "is not supported"
 
 
 class TwoLayer(nn.Sequential):
@@ -143,26 +157,16 @@ grad_strategy_axis = pytest.mark.parametrize(
 )
 
 
-def _require_unshard(
-    backend: BackendAdapter,
-    *,
-    writeback: bool = False,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    recurse: bool = True,
-    with_grads: bool = False,
-) -> None:
+def _require_unshard(backend: BackendAdapter, **options: bool) -> None:
     """Skip as unsupported unless the backend offers ``unshard()`` with these options."""
-    require(backend, Capability.UNSHARD)
-    for wanted, capability in (
-        (writeback, Capability.UNSHARD_WRITEBACK),
-        (rank0_only, Capability.UNSHARD_RANK0_ONLY),
-        (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
-        (not recurse, Capability.UNSHARD_NON_RECURSIVE),
-        (with_grads, Capability.UNSHARD_WITH_GRADS),
-    ):
-        if wanted:
-            require(backend, capability)
+    require_all(backend, unshard_capabilities(**options))
+
+
+def _read_only_writeback(backend: BackendAdapter, rank0_only: bool) -> bool:
+    """``writeback`` for a context whose body only reads: the seeds' ``not rank0_only`` where
+    the backend has writeback (what is read cannot depend on it), else False, so a backend
+    without writeback still runs every read-only check."""
+    return not rank0_only and backend.supports(Capability.UNSHARD_WRITEBACK)
 
 
 def _sharded_models(
@@ -172,18 +176,15 @@ def _sharded_models(
     device: torch.device,
 ) -> Iterator[tuple[ApiForm, nn.Module]]:
     """A freshly built and sharded ``model_cls`` for every form the backend has."""
-    for capability in sorted(
-        spec.needed_capabilities(ApiForm.WRAPPER) - {Capability.WRAPPER},
-        key=lambda c: list(Capability).index(c),
-    ):
-        require(backend, capability)  # skip before building anything
+    require_all(backend, spec.feature_capabilities())  # skip before building anything
     for form in backend.forms():
         model = fixtures.build(model_cls, current_seed(), device)
         yield form, backend.shard(model, spec, form)
 
 
 def _named_params(backend: BackendAdapter, sharded: nn.Module) -> dict[str, nn.Parameter]:
-    return {backend.original_fqn(name): p for name, p in sharded.named_parameters()}
+    """Parameters by name, only the adapter's declared wrapper components removed."""
+    return {declared_fqn(backend, name): p for name, p in sharded.named_parameters()}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -213,14 +214,20 @@ def _full_values(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch
         return {name: p.detach().clone() for name, p in _named_params(backend, sharded).items()}
 
 
-def _assert_words(error: BaseException, *words: str, refusal: bool) -> None:
+def _assert_refusal(error: BaseException, *options: str) -> None:
+    """The seeds' refusal: NotImplementedError "... is not supported", naming the options."""
     message = str(error)
-    missing = [w for w in words if w.lower() not in message.lower()]
-    if refusal and not REFUSAL_WORDS.search(message):
-        missing.append("'not supported' or 'unsupported'")
-    assert not missing, (
-        f"{type(error).__name__} message lacks {missing} (the backend-neutral contract): "
-        f"{message!r}"
+    missing = [text for text in (REFUSAL_TEXT, *options) if text not in message]
+    assert isinstance(error, REFUSAL_ERROR) and not missing, (
+        f"expected {REFUSAL_ERROR.__name__} whose message contains {[REFUSAL_TEXT, *options]}, "
+        f"got {type(error).__name__}: {message!r} (lacks {missing})"
+    )
+
+
+def _assert_misuse(error: BaseException, form: ApiForm) -> None:
+    message = str(error)
+    assert MISUSE_TEXT in message, (
+        f"{form.value}: {type(error).__name__} does not say {MISUSE_TEXT!r}: {message!r}"
     )
 
 
@@ -318,7 +325,7 @@ def _check_param_data(
     device: torch.device,
 ) -> None:
     """Full parameters of a plain root over several sharded roots match an unsharded copy."""
-    writeback = not rank0_only  # writeback with rank0_only is refused (test_rank0_only_...)
+    writeback = _read_only_writeback(backend, rank0_only)
     _require_unshard(
         backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
     )
@@ -344,7 +351,7 @@ def _check_param_data(
                 continue
             pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
             for (name, expected), (seen_name, seen) in pairs:
-                assert backend.original_fqn(seen_name) == name, (
+                assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
                     f"{form.value}: parameter {seen_name!r} where {name!r} was expected"
                 )
                 assert isinstance(seen, nn.Parameter), f"{form.value}: {name} is {type(seen)}"
@@ -475,8 +482,9 @@ def test_unshard_respects_reshard(
     """FULL_SHARD: forward leaves the root unsharded and unit ``0`` resharded, backward
     reshards both; an unshard between them or after backward changes none of that, except
     that under mixed precision the root is resharded by it (backward gathers again)."""
+    writeback = _read_only_writeback(backend, rank0_only)
     _require_unshard(
-        backend, writeback=not rank0_only, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+        backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
     )
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
@@ -498,19 +506,117 @@ def test_unshard_respects_reshard(
 
         output = sharded(torch.zeros(5, device=device))
         with backend.unshard(
-            sharded, rank0_only=rank0_only, writeback=not rank0_only, offload_to_cpu=offload_to_cpu
+            sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
         ):
             pass
         check(sharded, not mixed_precision, f"{where}: after an unshard before backward")
         output.sum().backward()
         with backend.unshard(
-            sharded, rank0_only=rank0_only, writeback=not rank0_only, offload_to_cpu=offload_to_cpu
+            sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
         ):
             pass
         check(sharded, False, f"{where}: after an unshard following backward")
 
 
-# -- recurse, names -------------------------------------------------------------------------
+# -- recurse, names, storage --------------------------------------------------------------
+
+# TwoLayer sharded with manual unit "0" under a sharded root: what each unit manages.
+_TWO_LAYER_UNITS = {"": ("1.weight",), "0": ("0.weight",)}
+
+
+def _check_names_and_storage(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    unsharded: dict[str, bool],
+    use_orig_params: bool,
+    world_size: int,
+    device: torch.device,
+    where: str,
+) -> None:
+    """TwoLayer's parameter names and per-rank storage, given which units are unsharded.
+
+    Unsharded unit: its original parameters, full shape. Sharded unit: with original parameters,
+    disjoint parts whose local sizes sum over ranks to the parameter's size; with flat
+    parameters, ``<unit>._flat_param`` of ceil(N / world size) elements on every rank.
+    Collective (one all-reduce), so every rank calls it at the same point.
+    """
+    shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
+    params = _named_params(backend, sharded)
+    wanted_names: set[str] = set()
+    for unit, names in _TWO_LAYER_UNITS.items():
+        if unsharded[unit] or use_orig_params:
+            wanted_names.update(names)
+        else:
+            wanted_names.add(flat_param_fqn(unit))
+    assert set(params) == wanted_names, (
+        f"{where}: parameters are named {sorted(params)}, expected {sorted(wanted_names)} "
+        f"(unsharded units: {sorted(u for u, state in unsharded.items() if state)})"
+    )
+    partitioned = [
+        name for unit, names in _TWO_LAYER_UNITS.items() if not unsharded[unit] and use_orig_params
+        for name in names
+    ]
+    local_sizes = torch.tensor(
+        [_local(params[name]).numel() for name in partitioned], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(local_sizes)
+    for name, total in zip(partitioned, local_sizes.tolist()):
+        numel = shapes[name].numel()
+        assert total == numel and not _shows_full(params[name], shapes[name]), (
+            f"{where}: sharded {name} stores {total} elements summed over ranks "
+            f"(this rank: {tuple(params[name].shape)}), expected disjoint parts of its {numel}"
+        )
+    for unit, names in _TWO_LAYER_UNITS.items():
+        if unsharded[unit]:
+            for name in names:
+                assert _shows_full(params[name], shapes[name]), (
+                    f"{where}: {name} of unsharded unit {unit!r} shows "
+                    f"{type(params[name]).__name__} {tuple(params[name].shape)}, expected full "
+                    f"{tuple(shapes[name])}"
+                )
+        elif not use_orig_params:
+            flat = params[flat_param_fqn(unit)]
+            numel = sum(shapes[name].numel() for name in names)
+            padded_shard = -(-numel // world_size)
+            assert _local(flat).numel() == padded_shard, (
+                f"{where}: {flat_param_fqn(unit)} holds {_local(flat).numel()} elements on this "
+                f"rank; a unit of {numel} elements sharded {world_size} ways holds "
+                f"ceil({numel}/{world_size}) = {padded_shard}"
+            )
+
+
+@pytest.mark.world_size(2)
+@orig_params_axis
+def test_unshard_names_and_storage(
+    backend: BackendAdapter, use_orig_params: bool, world_size: int, device: torch.device
+) -> None:
+    """Names and storage outside, inside and after a full unshard (module docstring).
+
+    Unit ``0`` of TwoLayer under a sharded root. Before the context: original names
+    (``orig_params``) or ``_flat_param``, ``0._flat_param`` (``flat_params``), with the
+    contract's storage sizes; inside: exactly the unsharded model's names in its order, full
+    shapes; after: as before. Only the adapter's declared wrapper components are removed from
+    names, so a backend that leaks any other prefix fails.
+    """
+    _require_unshard(backend)
+    spec = ShardingSpec(manual_units=("0",), use_orig_params=use_orig_params)
+    everything = {"": True, "0": True}
+    nothing = {"": False, "0": False}
+    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
+        where = f"{form.value}, {'original' if use_orig_params else 'flat'} parameters"
+        _check_names_and_storage(
+            backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, before"
+        )
+        with backend.unshard(sharded, writeback=False):
+            names = [declared_fqn(backend, name) for name, _ in sharded.named_parameters()]
+            expected = [name for name, _ in TwoLayer().named_parameters()]
+            assert names == expected, f"{where}: inside the context {names}, expected {expected}"
+            _check_names_and_storage(
+                backend, sharded, everything, use_orig_params, world_size, device, f"{where}, inside"
+            )
+        _check_names_and_storage(
+            backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, after"
+        )
 
 
 @pytest.mark.world_size(2)
@@ -524,10 +630,13 @@ def test_unshard_recurse(
     target: str,
     mixed_precision: bool,
     use_orig_params: bool,
+    world_size: int,
     device: torch.device,
 ) -> None:
     """Unsharding the root unshards unit ``0`` too only with ``recurse``; unsharding unit ``0``
-    never unshards the root. Original parameters show full shapes exactly where unsharded."""
+    never unshards the root. Inside, unsharded units show full original parameters and sharded
+    ones their shards, with the storage sizes of the module docstring (the seed's numel checks,
+    padding included)."""
     _require_unshard(backend, recurse=recurse)
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
@@ -535,20 +644,16 @@ def test_unshard_recurse(
         param_dtype=torch.float16 if mixed_precision else None,
         use_orig_params=use_orig_params,
     )
-    shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
-    owners = {"0.weight": "0", "1.weight": ""}
     expected = {"": target == "outer", "0": recurse or target == "inner"}
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
         fqn = "" if target == "outer" else "0"
         with backend.unshard(sharded, fqn, recurse=recurse, writeback=False):
             state = {unit: backend.is_unsharded(sharded, unit) for unit in expected}
             assert state == expected, f"{form.value}: unsharded per unit {state}"
-            if use_orig_params:
-                params = _named_params(backend, sharded)
-                full = {name: _shows_full(params[name], shape) for name, shape in shapes.items()}
-                assert full == {name: expected[owners[name]] for name in shapes}, (
-                    f"{form.value}: parameters showing their full shape: {full}"
-                )
+            _check_names_and_storage(
+                backend, sharded, expected, use_orig_params, world_size, device,
+                f"{form.value}: inside unshard({fqn!r}, recurse={recurse})",
+            )
 
 
 @pytest.mark.world_size(2)
@@ -571,7 +676,7 @@ def test_unshard_named_parameters_and_buffers(
         with backend.unshard(sharded, writeback=False):
             for call in ("named_parameters", "named_buffers"):
                 seen = [
-                    (backend.original_fqn(name), tensor)
+                    (declared_fqn(backend, name), tensor)
                     for name, tensor in getattr(sharded, call)(prefix=prefix, recurse=recurse)
                 ]
                 wanted = list(getattr(local, call)(prefix=prefix, recurse=recurse))
@@ -635,15 +740,17 @@ def test_unshard_with_grads(
                 sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
             )
             if refused:
-                with pytest.raises(REFUSAL_ERRORS) as refusal:
+                with pytest.raises(Exception) as refusal:
                     with context:
                         pass
-                _assert_words(refusal.value, "offload_to_cpu", refusal=True)
+                _assert_refusal(refusal.value, "offload_to_cpu")
                 return
             with context, torch.no_grad():
                 pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
                 for (name, expected), (seen_name, seen) in pairs:
-                    assert backend.original_fqn(seen_name) == name, f"{form.value}: {seen_name!r}"
+                    assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
+                        f"{form.value}: {seen_name!r} where {name!r} was expected"
+                    )
                     assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
                     torch.testing.assert_close(
                         seen.grad, expected.grad.to(seen.grad.device), **GRAD_TOLERANCE,
@@ -788,10 +895,7 @@ def test_unshard_from_forward_raises(backend: BackendAdapter, device: torch.devi
         target.during_forward = unshard_now
         with pytest.raises(MISUSE_ERRORS) as misuse:
             sharded(torch.ones(5, device=device))
-        _assert_words(misuse.value, "unshard", refusal=False)
-        assert re.search("forward|backward", str(misuse.value), re.IGNORECASE), (
-            f"{form.value}: message does not say forward or backward: {misuse.value}"
-        )
+        _assert_misuse(misuse.value, form)
 
 
 @pytest.mark.world_size(2)
@@ -809,24 +913,24 @@ def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.dev
         output.register_hook(unshard_now)
         with pytest.raises(MISUSE_ERRORS) as misuse:
             output.sum().backward()
-        _assert_words(misuse.value, "unshard", refusal=False)
-        assert re.search("forward|backward", str(misuse.value), re.IGNORECASE), (
-            f"{form.value}: message does not say forward or backward: {misuse.value}"
-        )
+        _assert_misuse(misuse.value, form)
 
 
 @pytest.mark.world_size(2)
 def test_unshard_rank0_only_with_writeback_raises(
     backend: BackendAdapter, device: torch.device
 ) -> None:
-    """``rank0_only`` with ``writeback`` is refused: other ranks could not persist writes."""
-    _require_unshard(backend, writeback=True, rank0_only=True)
+    """``rank0_only`` with ``writeback`` is refused: other ranks could not persist writes.
+
+    Needs only ``rank0_only``: a backend that has it must refuse this combination whether or not
+    it has writeback."""
+    _require_unshard(backend, rank0_only=True)
     spec = ShardingSpec(manual_units=fixtures.NestedModel.UNIT_FQNS)
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(REFUSAL_ERRORS) as refusal:
+        with pytest.raises(Exception) as refusal:
             with backend.unshard(sharded, rank0_only=True, writeback=True):
                 pass
-        _assert_words(refusal.value, "rank0_only", "writeback", refusal=True)
+        _assert_refusal(refusal.value, "rank0_only", "writeback")
 
 
 @pytest.mark.world_size(2)
@@ -843,7 +947,7 @@ def test_unshard_offload_to_cpu_no_shard_raises(
         strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS
     )
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(REFUSAL_ERRORS) as refusal:
+        with pytest.raises(Exception) as refusal:
             with backend.unshard(sharded, offload_to_cpu=True, writeback=False):
                 pass
-        _assert_words(refusal.value, "offload_to_cpu", refusal=True)
+        _assert_refusal(refusal.value, "offload_to_cpu")

@@ -15,16 +15,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from conformance.protocol import BackendAdapter, Capability, ShardEvent, StateDictKind, submodule
+from conformance.protocol import BackendAdapter, ShardEvent, StateDictKind, submodule
 
-# Path components wrappers insert between a module and its children.
+# Path components wrappers insert between a module and its children: for finding a unit by its
+# original FQN (not for judging names: scenarios strip only an adapter's WRAPPER_COMPONENTS).
 _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-CPU_OFFLOAD_NEEDS_ACCELERATOR = (
-    "torch offloads parameters only from an accelerator; on a CPU device it raises "
-    "'Cannot access accelerator device when none is available'"
-)
 
 
 def dcp_options(kind: StateDictKind) -> StateDictOptions:
@@ -33,13 +28,8 @@ def dcp_options(kind: StateDictKind) -> StateDictOptions:
 
 
 class TorchAdapter(BackendAdapter):
-    """What the torch adapters share: offload needs an accelerator; optimizer state goes
-    through torch.distributed.checkpoint, which both FSDP versions support."""
-
-    def capabilities(self) -> frozenset[Capability]:
-        if self.env.device.type == "cpu":
-            return self.CAPABILITIES - {Capability.CPU_OFFLOAD}
-        return self.CAPABILITIES
+    """What the torch adapters share: optimizer state goes through torch.distributed.checkpoint,
+    which both FSDP versions support."""
 
     def optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind

@@ -65,8 +65,7 @@ from conformance.protocol import (
     innermost_first,
     require,
     require_all,
-    require_unshard_options,
-    structural_capabilities,
+    unshard_capabilities,
     submodule,
 )
 
@@ -297,7 +296,7 @@ class DeepSpeedAdapter(BackendAdapter):
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form) | structural_capabilities(spec))
+        require_all(self, spec.needed_capabilities(form))
         if spec.mesh is not None:
             raise ValueError(
                 "deepspeed adapter: ZeRO shards over the whole world; it takes no DeviceMesh "
@@ -400,8 +399,8 @@ class DeepSpeedAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
-                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
+        require_all(self, unshard_capabilities(writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads))
         root = _root(model)
         if recurse:
             params = list(submodule(root.module, fqn).parameters())

@@ -27,7 +27,7 @@ from conformance.protocol import (
     submodule,
 )
 
-_WRAPPER_COMPONENT = "_sharded_wrapped_module"
+_WRAPPER_COMPONENTS = frozenset({"_sharded_wrapped_module"})  # engine.ShardedModule's child
 _STRATEGIES = {
     ShardingStrategy.FULL_SHARD: engine.ShardingStrategy.FULL_SHARD,
     ShardingStrategy.SHARD_GRAD_OP: engine.ShardingStrategy.SHARD_GRAD_OP,
@@ -38,12 +38,13 @@ _KINDS = {StateDictKind.FULL: engine.StateDictKind.FULL, StateDictKind.SHARDED: 
 
 
 def _clean(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part and part != _WRAPPER_COMPONENT)
+    return ".".join(part for part in fqn.split(".") if part and part not in _WRAPPER_COMPONENTS)
 
 
 class ReferenceAdapter(BackendAdapter):
     name = "reference"
     CAPABILITIES = frozenset(Capability) - {Capability.FLAT_PARAMETERS, Capability.SHARD_OPTIM_STATE}
+    WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "the reference engine's strategies are FSDP's; none shards only optimizer state"
@@ -98,9 +99,6 @@ class ReferenceAdapter(BackendAdapter):
                 with_grads: bool = False) -> contextlib.AbstractContextManager[None]:
         return engine.unshard_params(_module_at(model, fqn), recurse=recurse, writeback=writeback,
                                      rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
-
-    def original_fqn(self, name: str) -> str:
-        return _clean(name)
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:

@@ -39,8 +39,7 @@ from conformance.protocol import (
     StateDictKind,
     require,
     require_all,
-    require_unshard_options,
-    structural_capabilities,
+    unshard_capabilities,
 )
 
 # The path component the wrapper inserts between itself and the model (DDP: "module").
@@ -77,7 +76,7 @@ class TemplateAdapter(BackendAdapter):
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         # Refuse (skip) before touching the model if the spec asks for anything missing.
-        require_all(self, spec.needed_capabilities(form) | structural_capabilities(spec))
+        require_all(self, spec.needed_capabilities(form))
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -114,8 +113,8 @@ class TemplateAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_unshard_options(self, writeback=writeback, rank0_only=rank0_only,
-                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads)
+        require_all(self, unshard_capabilities(writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads))
         # DDP's parameters are always full: nothing to gather, and changes made inside are
         # made to the stored parameters (they persist whatever `writeback` says).
         yield

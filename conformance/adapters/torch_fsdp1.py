@@ -28,7 +28,6 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from conformance.adapters._labels import current_label, label_calls
 from conformance.adapters._common import (
-    CPU_OFFLOAD_NEEDS_ACCELERATOR,
     TorchAdapter,
     clean_fqn,
     parent_and_name,
@@ -44,6 +43,7 @@ from conformance.protocol import (
     innermost_first,
     require_all,
     submodule,
+    unshard_capabilities,
 )
 
 _STRATEGIES = {
@@ -81,14 +81,20 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 class TorchFSDP1Adapter(TorchAdapter):
     name = "torch-fsdp1"
-    # Everything but the listed gaps: review this when Capability grows.
+    # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
+    # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
     CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE, Capability.SHARD_OPTIM_STATE}
+    WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
             "parameters, and NO_SHARD replicates optimizer state too"
         ),
-        Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
+        Capability.CPU_OFFLOAD: (
+            "FSDP1 pins every offloaded shard (FlatParamHandle.init_flat_param_attributes calls "
+            "pin_memory(); CPUOffload has no switch for it), which on a CPU device raises "
+            "'Cannot access accelerator device when none is available' at the first forward"
+        ),
         Capability.COMPOSABLE: (
             "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
             "from torch; use the torch-fsdp2 backend for fully_shard"
@@ -102,8 +108,8 @@ class TorchFSDP1Adapter(TorchAdapter):
 
     def capabilities(self) -> frozenset[Capability]:
         if self.env.device.type == "cpu":
-            return super().capabilities() - {Capability.UNSHARD_OFFLOAD_TO_CPU}
-        return super().capabilities()
+            return self.CAPABILITIES - {Capability.CPU_OFFLOAD, Capability.UNSHARD_OFFLOAD_TO_CPU}
+        return self.CAPABILITIES
 
     # -- collective labels (the unit FQNs published by the wrappers _label_collectives installs)
     def collective_label(self) -> str | None:
@@ -160,6 +166,10 @@ class TorchFSDP1Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
+        require_all(self, unshard_capabilities(
+            writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+            recurse=recurse, with_grads=with_grads,
+        ))
         return FSDP.summon_full_params(
             _wrapped_submodule(model, fqn),
             recurse=recurse,
@@ -168,9 +178,6 @@ class TorchFSDP1Adapter(TorchAdapter):
             offload_to_cpu=offload_to_cpu,
             with_grads=with_grads,
         )
-
-    def original_fqn(self, name: str) -> str:
-        return clean_fqn(name)
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:

@@ -3,13 +3,18 @@
 Strategy mapping: FULL_SHARD / SHARD_GRAD_OP are ``reshard_after_forward`` True / False on a
 1-D mesh; HYBRID_SHARD is the caller's 2-D (replicate, shard) mesh; NO_SHARD is a 2-D mesh
 with every rank its own replica group (shard size 1), which is FSDP2's replicate-only mode.
-Features FSDP2 does not have are declared missing, never emulated.
+FULL_SHARD leaves ``reshard_after_forward`` to fully_shard's default where it has one (None:
+every unit but the root reshards after forward, the root keeps its parameters for backward,
+as FSDP1's FULL_SHARD root does); an explicit True would make the root reshard too.
+Features FSDP2 does not have are declared missing, never emulated; each declared gap has a test
+that tries it on torch (tests/conformance/test_declared_absences.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,9 +33,8 @@ from torch.distributed.fsdp import (
 )
 
 from conformance.adapters._common import (
-    dcp_options,
-    CPU_OFFLOAD_NEEDS_ACCELERATOR,
     TorchAdapter,
+    dcp_options,
     record_transitions,
 )
 from conformance.adapters._labels import current_label, label_calls
@@ -43,12 +47,17 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require,
     require_all,
     submodule,
+    unshard_capabilities,
 )
 
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
+# torch >= 2.7 (roughly): reshard_after_forward=None means "True, except for the root". Older
+# fully_shard takes a bool and always keeps the root unsharded after forward.
+_RESHARD_DEFAULT_IS_AUTO = (
+    inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+)
 
 
 def _label_collectives() -> None:
@@ -83,7 +92,6 @@ class TorchFSDP2Adapter(TorchAdapter):
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
             "parameters, and NO_SHARD replicates optimizer state too"
         ),
-        Capability.CPU_OFFLOAD: CPU_OFFLOAD_NEEDS_ACCELERATOR,
         Capability.WRAPPER: "fully_shard has no wrapper form; it changes the module in place",
         Capability.FLAT_PARAMETERS: "fully_shard always exposes the original parameters (DTensor)",
         Capability.EXEC_ORDER_CHECK: "fully_shard performs no execution-order validation",
@@ -136,14 +144,27 @@ class TorchFSDP2Adapter(TorchAdapter):
         strategy = spec.strategy_for(unit)
         kwargs: dict[str, Any] = {
             "mesh": self._mesh(spec, strategy),
-            "reshard_after_forward": strategy is not ShardingStrategy.SHARD_GRAD_OP,
-            "offload_policy": CPUOffloadPolicy() if spec.offload_params else OffloadPolicy(),
+            "reshard_after_forward": self._reshard_after_forward(strategy),
+            "offload_policy": self._offload_policy(spec),
         }
         if spec.param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype)
         if ignored_params:
             kwargs["ignored_params"] = ignored_params
         return kwargs
+
+    @staticmethod
+    def _reshard_after_forward(strategy: ShardingStrategy) -> bool | None:
+        if strategy is ShardingStrategy.SHARD_GRAD_OP:
+            return False
+        return None if _RESHARD_DEFAULT_IS_AUTO else True
+
+    def _offload_policy(self, spec: ShardingSpec) -> OffloadPolicy:
+        if not spec.offload_params:
+            return OffloadPolicy()
+        # Pinned host memory needs an accelerator; on a CPU device the shards live in plain
+        # (pageable) CPU memory, which is all offloading means there.
+        return CPUOffloadPolicy(pin_memory=self.env.device.type != "cpu")
 
     def _mesh(self, spec: ShardingSpec, strategy: ShardingStrategy) -> DeviceMesh | None:
         if strategy is not ShardingStrategy.NO_SHARD:
@@ -174,25 +195,24 @@ class TorchFSDP2Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        for wanted, capability in (
-            (writeback, Capability.UNSHARD_WRITEBACK),
-            (rank0_only, Capability.UNSHARD_RANK0_ONLY),
-            (offload_to_cpu, Capability.UNSHARD_OFFLOAD_TO_CPU),
-            (with_grads, Capability.UNSHARD_WITH_GRADS),
-        ):
-            if wanted:
-                require(self, capability)
+        require_all(self, unshard_capabilities(
+            writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+            recurse=recurse, with_grads=with_grads,
+        ))
         target = submodule(model, fqn)
         if recurse:
             units = [m for m in target.modules() if isinstance(m, FSDPModule)]
         else:
             units = [_fsdp_module(target)]
-        for unit in units:
+        # A unit already unsharded (the root between forward and backward) stays so afterwards:
+        # the context must not change what the strategy keeps gathered.
+        gathered = [unit for unit in units if not _holds_unsharded(unit)]
+        for unit in gathered:
             unit.unshard()
         try:
             yield
         finally:
-            for unit in reversed(units):
+            for unit in reversed(gathered):
                 unit.reshard()
 
     # -- state dicts ----------------------------------------------------------------------
@@ -240,6 +260,11 @@ def _fsdp_module(module: nn.Module) -> FSDPModule:
     if not isinstance(module, FSDPModule):
         raise ValueError(f"{type(module).__name__} was not sharded with fully_shard")
     return module
+
+
+def _holds_unsharded(module: FSDPModule) -> bool:
+    groups = _param_groups(module)
+    return bool(groups) and all(group.is_unsharded for group in groups)
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Expected-failure files: parsing, scenario ids, and how outcomes change."""
+"""Expected-failure files: parsing, conditions, scenario ids, outcomes, and stale entries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 
 from conformance import expectations
-from conformance.expectations import ExpectedFailure, Judgement
+from conformance.expectations import (
+    Condition,
+    Expectations,
+    ExpectedFailure,
+    Judgement,
+    RunContext,
+    RunRecord,
+)
+
+CPU2 = RunContext(device="cpu", torch_version="2.13.0+cpu", world_size=2)
+CUDA2 = RunContext(device="cuda", torch_version="2.11.0+cu128", world_size=2)
 
 ENTRY = ExpectedFailure(
     scenario="conformance/test_runtime.py::test_training[ws2-auto-HYBRID_SHARD]",
@@ -71,8 +81,57 @@ reason = "{ENTRY.reason}"
 link = "https://example.invalid/issue/1"
 ''')
     loaded = expectations.load("torch-fsdp1", tmp_path)
-    assert loaded == {ENTRY.scenario: ExpectedFailure(**{**vars(ENTRY), "link": "https://example.invalid/issue/1"})}
-    assert expectations.load("no-file-backend", tmp_path) == {}
+    assert loaded.entries == [ExpectedFailure(**{**vars(ENTRY), "link": "https://example.invalid/issue/1"})]
+    assert loaded.matching(ENTRY.scenario, CPU2) == loaded.entries
+    assert len(expectations.load("no-file-backend", tmp_path)) == 0
+
+
+def test_when_limits_an_entry_to_the_runs_it_describes(tmp_path: Path) -> None:
+    write(tmp_path, "torch-fsdp2", f'''
+[[expected_failure]]
+scenario = "{ENTRY.scenario}"
+failure = "fp16"
+reason = "on CUDA"
+when = {{ device = "cuda", torch = ">=2.11, <2.14", world_size = [2, 4] }}
+
+[[expected_failure]]
+scenario = "{ENTRY.scenario}"
+failure = "other text"
+reason = "on CPU"
+when = {{ device = "cpu" }}
+''')
+    loaded = expectations.load("torch-fsdp2", tmp_path)
+    cuda, cpu = loaded.entries
+    assert cuda.when == Condition(("cuda",), ">=2.11, <2.14", (2, 4))
+    assert loaded.matching(ENTRY.scenario, CUDA2) == [cuda]
+    assert loaded.matching(ENTRY.scenario, CPU2) == [cpu]
+    assert loaded.matching(ENTRY.scenario, RunContext("cuda", "2.14.0", 2)) == []
+    assert loaded.matching(ENTRY.scenario, RunContext("cuda", "2.11.1", 8)) == []
+    assert loaded.matching(ENTRY.scenario, RunContext(None, "2.11.1", 2)) == []
+    assert str(cuda.when) == "device cuda, torch >=2.11, <2.14, world size 2 or 4"
+
+
+@pytest.mark.parametrize(
+    ("condition", "version", "matches"),
+    [
+        (">=2.11", "2.13.0+cpu", True),
+        ("<2.13", "2.13.0+cpu", False),
+        ("<2.14", "2.14.0a0+git1234", True),  # a 2.14 pre-release comes before 2.14
+        ("==2.13.*", "2.13.1+cu121", True),
+        ("==2.13.*", "2.14.0", False),
+        ("!=2.12.*", "2.12.0", False),
+        (">2.6, !=2.9.0, <=2.10", "2.9.0", False),
+        (">2.6, !=2.9.0, <=2.10", "2.10.0+cpu", True),
+    ],
+)
+def test_torch_conditions_compare_public_versions(condition: str, version: str, matches: bool) -> None:
+    assert expectations.torch_matches(condition, version) is matches
+
+
+def test_several_matching_entries_fail_the_test() -> None:
+    entries = [ENTRY, ExpectedFailure(**{**vars(ENTRY), "when": Condition(devices=("cpu",))})]
+    judgement = expectations.ambiguous(entries)
+    assert judgement.outcome == "failed" and "matches 2 expected-failure entries" in judgement.message
 
 
 @pytest.mark.parametrize(
@@ -82,6 +141,19 @@ link = "https://example.invalid/issue/1"
         ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhy = "w"\n', r"unknown \['why'\]"),
         ('[[expected_failure]]\nscenario = "a"\nfailure = ""\nreason = "r"\n', "non-empty string"),
         ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\n' * 2, "listed twice"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "cpu" }\n' * 2,
+         r"listed twice with the same condition"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "tpu" }\n',
+         r"when.device \['tpu'\] is not one of"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = "2.13" }\n',
+         "not a version comparison"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = ">=2.*" }\n',
+         r"'\.\*' only goes with == or !="),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { world_size = 0 }\n',
+         "positive int"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { gpu = "h100" }\n',
+         r"unknown keys \['gpu'\]"),
+        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = {}\n', "non-empty table"),
         ('[[expected_fail]]\nscenario = "a"\n', "entries go in"),
         ("[[expected_failure]\n", "not valid TOML"),
     ],
@@ -100,6 +172,35 @@ def test_reference_may_not_expect_failures(tmp_path: Path) -> None:
 
 def test_shipped_expectation_files_are_valid() -> None:
     for path in sorted(expectations.EXPECTATIONS_DIR.glob("*.toml")):
-        entries = expectations.load(path.stem)
-        for entry in entries.values():
+        for entry in expectations.load(path.stem):
             assert "::" in entry.scenario, f"{path}: {entry.scenario} is not a scenario id"
+            assert (Path(__file__).parents[2] / entry.file).exists(), f"{path}: {entry.file}"
+
+
+def _record(*collected: str, skipped: tuple[str, RunContext] | None = None) -> RunRecord:
+    record = RunRecord()
+    for scenario in collected:
+        record.note_collected("torch-fsdp2", scenario)
+    if skipped is not None:
+        record.note_skipped("torch-fsdp2", skipped[0], skipped[1], "unsupported: x: y")
+    return record
+
+
+def test_an_entry_matching_no_collected_test_is_stale_only_if_its_file_was_covered() -> None:
+    expected = {"torch-fsdp2": Expectations("torch-fsdp2", [ENTRY])}
+    sibling = "conformance/test_runtime.py::test_training[ws4-auto-FULL_SHARD]"
+    other_file = "conformance/test_checkpoint.py::test_full_state_dict[ws2-root]"
+    stale = expectations.stale_entries(expected, _record(sibling), lambda file: True)
+    assert [(s.entry, s.why) for s in stale] == [(ENTRY, "matches no collected test")]
+    assert expectations.stale_entries(expected, _record(sibling), lambda file: False) == []
+    assert expectations.stale_entries(expected, _record(other_file), lambda file: True) == []
+    assert expectations.stale_entries(expected, _record(ENTRY.scenario), lambda file: True) == []
+
+
+def test_an_entry_whose_test_was_skipped_is_stale_when_its_condition_held() -> None:
+    cuda_only = ExpectedFailure(**{**vars(ENTRY), "when": Condition(devices=("cuda",))})
+    for entry, context, is_stale in ((ENTRY, CPU2, True), (cuda_only, CPU2, False), (cuda_only, CUDA2, True)):
+        expected = {"torch-fsdp2": Expectations("torch-fsdp2", [entry])}
+        record = _record(ENTRY.scenario, skipped=(ENTRY.scenario, context))
+        stale = expectations.stale_entries(expected, record, lambda file: True)
+        assert [s.why for s in stale] == (["its test was skipped (unsupported: x: y)"] if is_stale else [])

@@ -9,11 +9,19 @@ import pytest
 import torch
 
 import fixtures
+from fixtures.compare import (
+    EXACT,
+    Tolerance,
+    assert_tensors_close,
+    describe_difference,
+    differences,
+)
 
 CPU = torch.device("cpu")
 MODELS = [
     fixtures.CompositeModel,
     fixtures.TwoPathModel,
+    fixtures.UnequalTwoPathModel,
     fixtures.NestedModel,
     fixtures.TiedTransformer,
     fixtures.ThreeLayerMLP,
@@ -50,6 +58,16 @@ def test_two_path_model_freezes_the_unused_path() -> None:
     model.flip_path()
     assert not any(p.requires_grad for p in model.path_a.parameters())
     assert all(p.requires_grad for p in model.path_b.parameters())
+
+
+def test_unequal_two_path_model_has_the_seeds_shapes() -> None:
+    model = fixtures.UnequalTwoPathModel()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if "path" in name}
+    assert shapes == {"path_a.weight": (6, 6), "path_b.0.weight": (3, 6), "path_b.2.weight": (6, 3)}
+    assert not any(p.requires_grad for p in model.path_b.parameters())
+    assert model(torch.zeros(2, 5)).shape == (2, 6)
+    model.flip_path()
+    assert model(torch.zeros(2, 5)).shape == (2, 6)
 
 
 @pytest.mark.parametrize("model_cls", MODELS, ids=lambda c: c.__name__)
@@ -94,3 +112,29 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
     for name, param in model.named_parameters():
         torch.testing.assert_close(run.state_dict[name], param.detach() - grads[name],
                                    rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(run.grads[0][name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert torch.equal(run.params[0][name], run.state_dict[name]), name
+
+
+def test_differences_name_each_tensor_and_its_size() -> None:
+    expected = {"a": torch.zeros(3), "b": torch.ones(2, 2), "c": torch.ones(1)}
+    actual = {"a": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(2, 2), "d": torch.ones(1)}
+    problems = differences(actual, expected, Tolerance(rtol=0.0, atol=1e-3))
+    assert problems == [
+        "c: missing", "d: unexpected", "a: max abs difference 0.5 at index (1,)",
+    ]
+    assert differences(expected, expected, EXACT) == []
+    close = {"b": torch.ones(2, 2) * (1 + 1e-7)}
+    assert differences(close, {"b": torch.ones(2, 2)}, Tolerance(rtol=1e-6, atol=0.0)) == []
+    scaled = Tolerance(rtol=0.0, atol=0.0, scaled_atol=1e-3)
+    big = {"g": torch.tensor([100.0, 0.0])}
+    assert differences({"g": torch.tensor([100.0, 0.05])}, big, scaled) == []
+    assert differences({"g": torch.tensor([100.0, 0.2])}, big, scaled) == [
+        "g: max abs difference 0.2 at index (1,)"
+    ]
+    assert describe_difference(torch.tensor([2.0]), torch.tensor([1.0])) == (
+        "max abs difference 1 (relative 1) at index (0,)"
+    )
+    assert "dtype" not in describe_difference(torch.zeros(2), torch.zeros(3))
+    with pytest.raises(AssertionError, match=r"what: 1 of 1 differ \(rtol 0, atol 0\):\n  a: max abs"):
+        assert_tensors_close({"a": torch.ones(1)}, {"a": torch.zeros(1)}, EXACT, "what")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest_plugins = ["pytester"]
 
 SCENARIO = """
 import pytest
+import torch
 
 @pytest.mark.parametrize("mode", ["a"])
 def test_case(backend, mode):
@@ -79,3 +81,103 @@ def test_reference_expectations_are_refused(pytester: pytest.Pytester) -> None:
     result = run(pytester, "reference")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*reference backend may not have expected failures*"])
+
+
+STALE_SCENARIOS = """
+import pytest
+import torch
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_case(backend, mode):
+    if mode == "b":
+        pytest.skip("unsupported: planned: the backend lacks it")
+    assert False, "planned failure"
+"""
+
+
+def write_entries(pytester: pytest.Pytester, *scenarios: str) -> None:
+    pytester.mkdir("expectations")
+    entries = "".join(
+        f'[[expected_failure]]\nscenario = "{scenario}"\nfailure = "planned failure"\n'
+        'reason = "tracked"\n\n'
+        for scenario in scenarios
+    )
+    (pytester.path / "expectations" / "torch-fsdp1.toml").write_text(entries)
+
+
+def run_stale(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_scenario=STALE_SCENARIOS)
+    write_entries(
+        pytester,
+        "test_scenario.py::test_case[a]",  # runs and fails as recorded: fine
+        "test_scenario.py::test_case[b]",  # skipped: stale
+        "test_scenario.py::test_case[gone]",  # no such test: stale
+    )
+    return pytester.runpytest(
+        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--backend", "torch-fsdp1",
+        "--expectations-dir", str(pytester.path / "expectations"),
+        "--reports-dir", str(pytester.path / "reports"), *args,
+    )
+
+
+def test_stale_entries_are_reported_and_fail_a_strict_run(pytester: pytest.Pytester) -> None:
+    result = run_stale(pytester, "--strict-expectations")
+    result.assert_outcomes(xfailed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "*stale expectations*",
+        (
+            "torch-fsdp1: test_scenario.py::test_case[[]b[]]: its test was skipped "
+            "(unsupported: planned: the backend lacks it)"
+        ),
+        "torch-fsdp1: test_scenario.py::test_case[[]gone[]]: matches no collected test",
+        "2 stale expected-failure entries: remove or fix them; --strict-expectations fails the run",
+    ])
+    matrix = (pytester.path / "reports" / "conformance.md").read_text()
+    assert "## Stale expectations" in matrix and "test_case[gone]: matches no collected test" in matrix
+    assert "Stale expectations" in (pytester.path / "reports" / "conformance.html").read_text()
+
+
+def test_stale_entries_alone_do_not_fail_a_run(pytester: pytest.Pytester) -> None:
+    result = run_stale(pytester)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["2 stale expected-failure entries: remove or fix them"])
+
+
+def test_deselected_tests_are_not_stale(pytester: pytest.Pytester) -> None:
+    """-k leaves the skipped-but-deselected entry alone; the file was still collected whole, so
+    the entry that matches no test at all is stale."""
+    result = run_stale(pytester, "--strict-expectations", "-k", "not b")
+    result.assert_outcomes(xfailed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["torch-fsdp1: test_scenario.py::test_case[[]gone[]]: matches no collected test"])
+    assert "test_case[b]" not in result.stdout.str()
+
+
+def test_a_node_id_selection_calls_nothing_stale(pytester: pytest.Pytester) -> None:
+    result = run_stale(pytester, "--strict-expectations", "test_scenario.py::test_case[torch-fsdp1-a]")
+    result.assert_outcomes(xfailed=1)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "stale expect" not in result.stdout.str()
+
+
+def test_a_test_skipped_for_lack_of_devices_is_not_stale(pytester: pytest.Pytester) -> None:
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs: nothing is skipped for lack of them")
+    pytester.makepyfile(test_scenario="""
+import pytest
+import torch
+
+@pytest.mark.world_size(2)
+def test_case(backend):
+    assert False, "planned failure"
+""")
+    write_entries(pytester, "test_scenario.py::test_case")
+    result = pytester.runpytest(
+        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--backend", "torch-fsdp1",
+        "--expectations-dir", str(pytester.path / "expectations"), "--device", "cuda",
+        "--reports-dir", str(pytester.path / "reports"), "--strict-expectations",
+    )
+    result.assert_outcomes(skipped=1)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "stale expect" not in result.stdout.str()

@@ -1,0 +1,205 @@
+"""Every capability a built-in adapter declares missing is really missing from its backend.
+
+"Unsupported" is a claim about a backend, so each one is backed by a proof: a test that tries the
+feature on the real backend and shows it absent, refused or broken. Without this, an adapter
+could skip whatever it finds inconvenient and the matrix would call it a backend gap. The
+meta-test below fails when an adapter declares a new gap without a proof, or when a proof is left
+behind after the gap was closed (then delete the proof).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+import fixtures
+from conformance import registry
+from conformance.protocol import BackendAdapter, BackendEnv, Capability
+from conformance.test_divergence import training_step
+from harness import current_seed
+
+Proof = Callable[[int, int, torch.device], None]
+PROOFS: dict[tuple[str, Capability], Proof] = {}
+DEVICES = ("cpu", "cuda")
+
+
+def proves(backend: str, capability: Capability) -> Callable[[Proof], Proof]:
+    def register(proof: Proof) -> Proof:
+        PROOFS[backend, capability] = proof
+        return proof
+    return register
+
+
+def _declared_missing(backend: str, device: str) -> set[Capability]:
+    """What the adapter declares missing on ``device``, without running its constructor."""
+    adapter_cls = registry.load(backend)
+    adapter = adapter_cls.__new__(adapter_cls)
+    BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=2, device=torch.device(device)))
+    return set(Capability) - adapter.capabilities()
+
+
+def _two_linears(device: torch.device) -> nn.Sequential:
+    return fixtures.build(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), current_seed(), device)
+
+
+# -- torch FSDP1 ---------------------------------------------------------------------------------
+
+
+@proves("torch-fsdp1", Capability.COMPOSABLE)
+def _fsdp1_has_no_composable_form(rank: int, world_size: int, device: torch.device) -> None:
+    import torch.distributed._composable as composable
+
+    with pytest.raises(ImportError):
+        from torch.distributed._composable import fully_shard  # noqa: F401
+    assert not hasattr(composable, "fully_shard"), "torch ships FSDP1's composable fully_shard again"
+
+
+@proves("torch-fsdp1", Capability.CPU_OFFLOAD)
+def _fsdp1_cannot_offload_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    assert "pin_memory" not in inspect.signature(CPUOffload).parameters
+    model = FSDP(_two_linears(device), cpu_offload=CPUOffload(offload_params=True), device_id=device)
+    with pytest.raises(RuntimeError, match="Cannot access accelerator device when none is available"):
+        model(torch.ones(1, 4, device=device))
+
+
+@proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)
+def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    # Flat parameters raise; with use_orig_params=True the views point at freed memory and the
+    # process may crash instead, so only the flat case is shown here.
+    model = FSDP(_two_linears(device), device_id=device, use_orig_params=False)
+    with pytest.raises(RuntimeError, match=r"setStorage: .* out of bounds for storage of size 0"):
+        with FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False):
+            pass
+
+
+# -- torch FSDP2 ---------------------------------------------------------------------------------
+
+
+@proves("torch-fsdp2", Capability.WRAPPER)
+def _fsdp2_shards_in_place(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = _two_linears(device)
+    children = list(model.children())
+    assert fully_shard(model) is model, "fully_shard returned a wrapper"
+    assert isinstance(model, FSDPModule) and list(model.children()) == children
+
+
+@proves("torch-fsdp2", Capability.FLAT_PARAMETERS)
+def _fsdp2_has_no_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    assert "use_orig_params" not in inspect.signature(fully_shard).parameters
+    model = _two_linears(device)
+    names = [name for name, _ in model.named_parameters()]
+    fully_shard(model)
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+@proves("torch-fsdp2", Capability.EXEC_ORDER_CHECK)
+def _fsdp2_does_not_check_the_order(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    assert not {"check_exec_order", "forward_prefetch"} & set(inspect.signature(fully_shard).parameters)
+    # Ranks run two same-sized units in opposite orders: the step completes, nothing raises.
+    backend = registry.load("torch-fsdp2")(BackendEnv(rank, world_size, device))
+    training_step(backend, backend.forms()[0], rank, device, crossed=True)
+
+
+@proves("torch-fsdp2", Capability.UNSHARD_WRITEBACK)
+def _fsdp2_drops_changes_made_while_unsharded(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _two_linears(device)
+    fully_shard(model)
+    before = [p.to_local().clone() for p in model.parameters()]
+    model.unshard()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    model.reshard()
+    after = [p.to_local() for p in model.parameters()]
+    assert any(b.count_nonzero() for b in before)
+    assert all(torch.equal(a, b) for a, b in zip(after, before)), "the zeros persisted"
+
+
+def _fsdp2_unshard_lacks(option: str) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        assert option not in inspect.signature(FSDPModule.unshard).parameters
+        model = _two_linears(device)
+        fully_shard(model)
+        with pytest.raises(TypeError, match=option):
+            model.unshard(**{option: True})
+    return proof
+
+
+for _option, _capability in (
+    ("rank0_only", Capability.UNSHARD_RANK0_ONLY),
+    ("offload_to_cpu", Capability.UNSHARD_OFFLOAD_TO_CPU),
+    ("with_grads", Capability.UNSHARD_WITH_GRADS),
+):
+    proves("torch-fsdp2", _capability)(_fsdp2_unshard_lacks(_option))
+
+
+# -- reference -----------------------------------------------------------------------------------
+
+
+@proves("reference", Capability.FLAT_PARAMETERS)
+def _reference_has_no_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    for api in (engine.fully_shard, engine.ShardedModule):
+        options = inspect.signature(api).parameters
+        assert not {"use_orig_params", "flat_parameters", "flat_params"} & set(options), api
+    model = _two_linears(device)
+    names = [name for name, _ in model.named_parameters()]
+    engine.fully_shard(model, device=device)
+    assert [name for name, _ in model.named_parameters()] == names
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+def test_every_declared_absence_has_a_proof() -> None:
+    declared = {
+        (backend, capability)
+        for backend in registry.BUILTIN
+        for device in DEVICES
+        for capability in _declared_missing(backend, device)
+    }
+    missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
+    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared)
+    assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
+    assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
+
+
+def _proof_params() -> list:
+    params = []
+    for backend, capability in sorted(PROOFS, key=lambda key: (key[0], key[1].name)):
+        # The order proof runs two units in opposite orders on purpose.
+        marks = [pytest.mark.expect_divergence] if capability is Capability.EXEC_ORDER_CHECK else []
+        params.append(pytest.param(backend, capability, marks=marks, id=f"{backend}-{capability.name}"))
+    return params
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(("backend_name", "capability"), _proof_params())
+def test_declared_absence_is_real(
+    backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
+) -> None:
+    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+    if adapter.supports(capability):
+        pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
+    PROOFS[backend_name, capability](rank, world_size, device)
