@@ -21,6 +21,7 @@ from harness.devices import DEVICE_CHOICES, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
 from harness.session import HarnessSession, session_properties
+from harness.world_sizes import world_size_of  # also imported from here by other plugins
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _JUNIT_PLUGIN = "harness-junit"
@@ -185,7 +186,7 @@ def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not world_sizes.is_distributed(pyfuncitem):
         return None
-    size = world_sizes.world_size_of(pyfuncitem)
+    size = world_size_of(pyfuncitem)
     assert size is not None, f"{pyfuncitem.nodeid} runs at no world size: it should have been deselected"
     pyfuncitem.config.stash[_SESSION].run_item(pyfuncitem, size)
     return True
