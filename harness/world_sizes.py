@@ -172,15 +172,9 @@ class SessionWorldSizes:
     def shape(self, size: int) -> WorldShape:
         return WorldShape(size, self.local_size if self.local_size is not None else size)
 
-    def candidates(self, spec: WorldSizeSpec) -> tuple[int, ...]:
-        """The sizes a parametrized test is generated at; those it refuses are deselected later.
-
-        A session that chose sizes generates all of them (each refusal is then reported); one that
-        did not generates the test's own sizes: its list, or its defaults (else `fallback`) and
-        the number of visible GPUs, as far as its constraints allow them.
-        """
-        if self.chosen is not None:
-            return self.chosen
+    def own_sizes(self, spec: WorldSizeSpec) -> tuple[int, ...]:
+        """The sizes a test runs at when the session chose none: its list, or its defaults (else
+        `fallback`) and the number of visible GPUs, as far as its constraints allow them."""
         if spec.listed is not None:
             return spec.listed
         wanted = [*(spec.default or self.fallback)]
@@ -188,13 +182,25 @@ class SessionWorldSizes:
             wanted.append(self.visible_gpus)
         return tuple(size for size in dict.fromkeys(wanted) if spec.refusal(size) is None)
 
+    def candidates(self, spec: WorldSizeSpec) -> tuple[int, ...]:
+        """The sizes a parametrized test is generated at; those it does not run at are deselected.
+
+        A session that chose sizes generates each of them (a refusal is then reported) and the
+        test's own sizes as well, deselected: the test exists at those sizes, this session does
+        not run them (so an expected-failure entry recorded at one is not stale).
+        """
+        own = self.own_sizes(spec)
+        if self.chosen is None:
+            return own
+        return tuple(sorted({*self.chosen, *own}))
+
     def refusal(self, spec: WorldSizeSpec, size: int | None, params: Mapping[str, Any]) -> str | None:
         """Why a generated test does not run in this session, or None if it runs."""
         if size is None:  # constraints that allow none of the fallback sizes, and no default
             reasons = dict.fromkeys(r for s in self.fallback if (r := spec.refusal(s)) is not None)
             return f"allows none of {_join(self.fallback)} ({'; '.join(reasons)}) and has no default= sizes"
-        if self.chosen is not None and size not in self.chosen:  # a pinned test
-            return f"runs only at world size {size}"
+        if self.chosen is not None and size not in self.chosen:
+            return f"runs only at world size {size}" if spec.pinned else "not among this session's world sizes"
         reason = spec.refusal(size)
         if reason is None and spec.exclude is not None:
             reason = spec.exclude(self.shape(size), params)

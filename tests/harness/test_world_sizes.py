@@ -67,7 +67,11 @@ def test_sizes_a_session_generates() -> None:
     assert on_8_gpus.candidates(spec(min=2, default=[2, 4])) == (2, 4, 8)
     assert on_8_gpus.candidates(spec(min=2, max=4, default=2)) == (2,)
     assert on_8_gpus.candidates(spec([2, 4])) == (2, 4)  # listed sizes are not widened
-    assert chosen.candidates(spec([2, 4])) == (3, 8)  # generated, then deselected with the reason
+    # A chosen session generates its sizes and the test's own; what it does not run is deselected.
+    assert chosen.candidates(spec([2, 4])) == (2, 3, 4, 8)
+    assert chosen.candidates(spec(min=2, default=2)) == (2, 3, 8)
+    assert chosen.refusal(spec([2, 4]), 2, {}) == "not among this session's world sizes"
+    assert chosen.refusal(spec([2, 4]), 3, {}) == "runs only at world sizes 2, 4"
     assert chosen.refusal(spec(2), 2, {}) == "runs only at world size 2"
     assert chosen.refusal(spec(min=4), 3, {}) == "needs world size >= 4"
     assert default.refusal(spec(min=8), None, {}) == (
@@ -165,8 +169,9 @@ def test_sessions_run_what_the_markers_allow(inner: InnerSession) -> None:
         "test_sizes.py::test_needs_three[ws3]",
         "test_sizes.py::test_pinned",
     ]
-    assert "5 passed, 4 deselected" in result.stdout
+    assert "5 passed, 5 deselected" in result.stdout
     for line in (
+        "test_sizes.py::test_listed[ws1]: not among this session's world sizes",
         "test_sizes.py::test_listed[ws3]: runs only at world sizes 1, 2",
         "test_sizes.py::test_constrained[ws3-1]: n=1 is odd",
         "test_sizes.py::test_needs_three[ws2]: needs world size >= 3",
