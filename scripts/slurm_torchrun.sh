@@ -35,7 +35,10 @@ RDZV_PORT=${RDZV_PORT:-29500}
 REPORTS_DIR=${REPORTS_DIR:-reports/slurm-$SLURM_JOB_ID}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
-    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+    if [[ "$DEVICE" != cuda ]]; then
+        echo "DEVICE=$DEVICE: set NPROC_PER_NODE to the number of ranks per node" >&2
+        exit 2
+    elif [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
         NPROC_PER_NODE=$SLURM_GPUS_ON_NODE
     else
         NPROC_PER_NODE=$(nvidia-smi --list-gpus | wc -l)
@@ -69,5 +72,7 @@ srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
 status=$?
 set -e
 
-ls "$REPORTS_DIR"/junit/rank-*.xml 2>/dev/null | wc -l | xargs echo "fsdp-conformance: per-rank JUnit files:"
+shopt -s nullglob
+junit_files=("$REPORTS_DIR"/junit/rank-*.xml)
+echo "fsdp-conformance: exit status $status, ${#junit_files[@]} per-rank JUnit files in $REPORTS_DIR/junit"
 exit $status
