@@ -36,18 +36,24 @@ def _timed(what: str, lookup) -> None:
 
 
 def _rank(rank: int, store_path: str, groups: int) -> None:
+    start = time.perf_counter()
     import torch
     import torch.distributed as dist
 
+    imported = time.perf_counter()
     store = dist.FileStore(store_path, 2)
-    start = time.perf_counter()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     for _ in range(groups):
         group = dist.new_group([0, 1])
         dist.all_reduce(torch.ones(1), group=group)
-    if rank == 0:
-        print(f"    init + {groups} new_group/all_reduce: {time.perf_counter() - start:.2f} s", flush=True)
+    worked = time.perf_counter()
     dist.destroy_process_group()
+    if rank == 0:
+        print(
+            f"    rank 0: import torch {imported - start:.2f} s, init + {groups} new_group/all_reduce "
+            f"{worked - imported:.2f} s, destroy {time.perf_counter() - worked:.2f} s",
+            flush=True,
+        )
 
 
 def _world(groups: int, interface: str | None) -> None:
