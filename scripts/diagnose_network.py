@@ -23,8 +23,6 @@ import tempfile
 import time
 from datetime import timedelta
 
-from harness.rank_env import loopback_interface
-
 
 def _timed(what: str, lookup) -> None:
     start = time.perf_counter()
@@ -35,8 +33,10 @@ def _timed(what: str, lookup) -> None:
     print(f"  {what}: {result} ({time.perf_counter() - start:.2f} s)", flush=True)
 
 
-def _rank(rank: int, store_path: str, groups: int) -> None:
+def _rank(rank: int, store_path: str, groups: int, spawned: float) -> None:
+    # Imported here, not at the top: the parent's lookups and the ranks' start-up are timed apart.
     start = time.perf_counter()
+    python_start = time.time() - spawned
     import torch
     import torch.distributed as dist
 
@@ -50,8 +50,9 @@ def _rank(rank: int, store_path: str, groups: int) -> None:
     dist.destroy_process_group()
     if rank == 0:
         print(
-            f"    rank 0: import torch {imported - start:.2f} s, init + {groups} new_group/all_reduce "
-            f"{worked - imported:.2f} s, destroy {time.perf_counter() - worked:.2f} s",
+            f"    rank 0: python start {python_start:.2f} s, import torch {imported - start:.2f} s, "
+            f"init + {groups} new_group/all_reduce {worked - imported:.2f} s, "
+            f"destroy {time.perf_counter() - worked:.2f} s",
             flush=True,
         )
 
@@ -67,7 +68,9 @@ def _world(groups: int, interface: str | None) -> None:
         store_path = os.path.join(directory, "store")
         start = time.perf_counter()
         ranks = [
-            subprocess.Popen([sys.executable, __file__, "--rank", str(rank), store_path, str(groups)], env=env)
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(rank), store_path, str(groups), repr(time.time())], env=env
+            )
             for rank in range(2)
         ]
         codes = [rank.wait(timeout=900) for rank in ranks]
@@ -75,9 +78,11 @@ def _world(groups: int, interface: str | None) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--rank":
-        _rank(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--rank":
+        _rank(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
         return
+    from harness.rank_env import loopback_interface
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=3, help="process groups each world creates (default 3)")
     args = parser.parse_args()
