@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+import fixtures
 from conftest import InnerSession
 from harness.world_sizes import (
     DEFAULT_WORLD_SIZES,
@@ -93,6 +94,29 @@ def test_exclude_sees_the_world_shape_and_the_parameters() -> None:
     assert torchrun.refusal(marker, 4, {"n": 2}) is None
     assert seen[0][0] == WorldShape(4, 2) and seen[0][0].hosts == 2
     assert SessionWorldSizes(None, "defaults").shape(4) == WorldShape(4, 4)  # a pool is one host
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "shard"),
+    [
+        (1, None, None),  # one rank: one group, HYBRID cannot run
+        (2, None, 1),  # one host: two groups of one
+        (3, None, 1),  # prime: three groups of one
+        (4, None, 2),
+        (6, None, 3),
+        (8, None, 4),
+        (4, 2, 2),  # two hosts of two: shard within a host, replicate across hosts
+        (16, 8, 8),
+        (8, 8, 4),  # a one-node torchrun world is one host
+        (6, 4, 3),  # ranks per host that do not divide the world: as on one host
+    ],
+)
+def test_hybrid_shard_group_size(world: int, local: int | None, shard: int | None) -> None:
+    assert fixtures.hybrid_shard_group_size(world, local) == shard
+    reason = fixtures.hybrid_shard_exclusion(world, local)
+    assert (reason is None) == (shard is not None)
+    if shard is not None:
+        assert world // shard >= 2  # at least two shard groups, so gradients cross groups
 
 
 def test_session_sizes_from_options_and_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
