@@ -1,6 +1,7 @@
 """2-D scenarios: data-parallel sharding of a tensor-parallel model (FSDP + TP).
 
-Setup shared by every scenario: world size 4, a (2, 2) DeviceMesh named ("dp", "tp"); the model
+Setup shared by every scenario: a (world size / 2, 2) DeviceMesh named ("dp", "tp") (world size 4
+by default, any even size >= 4 when a session chooses one); the model
 is tensor-parallelized over ``mesh["tp"]`` (``net1`` column-wise, ``net2`` row-wise) and then
 handed to the backend with ``ShardingSpec(mesh=mesh["dp"])``. Ranks of one dp group feed
 identical batches (the batch of their dp rank), as tensor parallelism requires.
@@ -75,7 +76,10 @@ SGD_PARAM_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 ITERATIONS = 5
 LOCAL_BATCH = 2
-MESH_SHAPE = (2, 2)
+# The mesh is (world size / TP_DEGREE, TP_DEGREE) named ("dp", "tp"): (2, 2) at the default world
+# size 4, (4, 2) at 8. 2-D needs the TP degree to divide the world and at least two dp ranks.
+TP_DEGREE = 2
+two_d_world = pytest.mark.world_size(min=2 * TP_DEGREE, multiple_of=TP_DEGREE, default=4)
 _MODELS = {"even": fixtures.ThreeLayerMLP, "uneven": fixtures.UnevenMLP}
 _STATE_DICT_CAPABILITY = {
     StateDictKind.FULL: Capability.FULL_STATE_DICT,
@@ -84,7 +88,8 @@ _STATE_DICT_CAPABILITY = {
 
 
 def _mesh(device: torch.device, dim_names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
-    return init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=dim_names)
+    shape = (dist.get_world_size() // TP_DEGREE, TP_DEGREE)
+    return init_device_mesh(device.type, shape, mesh_dim_names=dim_names)
 
 
 def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
@@ -138,17 +143,17 @@ def _train_step(
 # -- training ---------------------------------------------------------------------------------
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("params", ["orig_params", "flat_params"])
 def test_2d_training(
     backend: BackendAdapter, params: str, optimizer: str, rank: int, device: torch.device
 ) -> None:
-    """2-D trains like 1-D sharding over all four ranks and like the single-process oracle.
+    """2-D trains like 1-D sharding over all ranks and like the single-process oracle.
 
     Adam or plain SGD (lr 1e-2), five steps, ``fixtures.ThreeLayerMLP``. The 1-D model shards the same
     initial model over the default group; both see this rank's dp batch, so both optimise the
-    mean over the two dp batches. Checked: parameter names equal; initial full state dicts
+    mean over the dp batches. Checked: parameter names equal; initial full state dicts
     equal the unwrapped model; outputs equal before and after every step; the 2-D local losses
     equal the oracle's for this dp rank; final parameters equal the oracle's (and so each
     other). ``flat_params`` is ``use_orig_params=False`` (``Capability.FLAT_PARAMETERS``).
@@ -170,7 +175,7 @@ def test_2d_training(
     initial = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
     mesh = _mesh(device)
     dp_rank = mesh.get_local_rank("dp")
-    oracle = fixtures.train_oracle(unwrapped, plan, world_size=MESH_SHAPE[0], device=device)
+    oracle = fixtures.train_oracle(unwrapped, plan, world_size=mesh["dp"].size(), device=device)
 
     for form in backend.forms():
         where = f"rank {rank}: {form.value}, {params}, {optimizer}"
@@ -228,7 +233,7 @@ def test_2d_training(
 # -- invalid composition ------------------------------------------------------------------
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """Tensor parallelism on the outer dimension of a ("tp", "dp") mesh is refused.
 
@@ -256,7 +261,7 @@ def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: t
 # -- state dicts ------------------------------------------------------------------------------
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 @pytest.mark.parametrize("model_name", list(_MODELS))
 def test_2d_full_state_dict(
     backend: BackendAdapter, model_name: str, rank: int, device: torch.device
@@ -290,7 +295,7 @@ def test_2d_full_state_dict(
             assert_tensors_close(got, expected, EXACT, f"{where}: {label}")
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 @pytest.mark.parametrize("model_name", list(_MODELS))
 def test_2d_sharded_state_dict(
     backend: BackendAdapter, model_name: str, world_size: int, rank: int, device: torch.device
@@ -334,7 +339,7 @@ def test_2d_sharded_state_dict(
             )
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 @pytest.mark.parametrize("model_name", list(_MODELS))
 def test_2d_load_state_dict(
     backend: BackendAdapter, model_name: str, rank: int, device: torch.device
@@ -381,7 +386,7 @@ def test_2d_load_state_dict(
             assert torch.equal(_local(got), _local(want)), f"{where}: {name}: local tensor differs"
 
 
-@pytest.mark.world_size(4)
+@two_d_world
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 def test_2d_optim_state_dict(
     backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device

@@ -68,7 +68,7 @@ def _layout_spec(layout: str) -> ShardingSpec:
     raise ValueError(f"unknown layout {layout!r}: use root, submodules or mixed")
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @param_offload_axis
 @pytest.mark.parametrize("layout", ["root", "submodules", "mixed"])
 def test_full_state_dict(
@@ -118,7 +118,7 @@ def test_full_state_dict(
         )
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 @pytest.mark.parametrize(
     ("ignore", "param_offload"),
@@ -196,7 +196,7 @@ def test_save_load_flow(
         )
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 def test_optim_state_dict_round_trip(

@@ -88,7 +88,7 @@ def _raise_unless_order_error(error: RuntimeError) -> None:
         raise error
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 def test_same_shape_divergence_is_not_silent(
     backend: BackendAdapter, rank: int, device: torch.device
 ) -> None:
@@ -104,7 +104,7 @@ def test_same_shape_divergence_is_not_silent(
             _raise_unless_order_error(error)
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(min=2, default=2)
 def test_unequal_shape_divergence_is_not_silent(
     backend: BackendAdapter, rank: int, device: torch.device
 ) -> None:

@@ -97,7 +97,7 @@ def _train_step(
 # check carries no label of its own (FSDP1's), the harness labels it with the running module and
 # sees path_a on rank 0 and path_b elsewhere, although the ranks issue the same check on purpose.
 @pytest.mark.expect_divergence
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("params", ["original", "flat"])
 @pytest.mark.parametrize("model", list(MODELS))
@@ -133,7 +133,7 @@ def test_first_iteration_order_mismatch_raises(
 # harness would report that as divergent collectives, yet detecting it is the point here. Both
 # paths are 36 elements, so the mismatched pairs still have equal sizes and complete.
 @pytest.mark.expect_divergence
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("iters_before_path_change", [1, 3])
 def test_later_iteration_order_change_warns_once(
@@ -175,7 +175,7 @@ def test_later_iteration_order_change_warns_once(
         assert after == [], f"rank {rank} warned again in the step after the change: {after}"
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 def test_train_eval_alternation_warns_nothing(
     backend: BackendAdapter, strategy: ShardingStrategy, rank: int, device: torch.device

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
 import torch.nn as nn
-from harness import current_seed
+from harness import WorldShape, current_seed
 
 import fixtures
 from conformance.protocol import (
@@ -103,6 +103,13 @@ def _shown(backend: BackendAdapter, sharded: nn.Module, *, grads: bool) -> dict[
 
 
 strategy_axis = pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
+
+
+def _hybrid_fits(world: WorldShape, params: Mapping[str, object]) -> str | None:
+    """``exclude=`` of the world-size marker: HYBRID_SHARD needs two shard groups or more."""
+    if params.get("strategy") is ShardingStrategy.HYBRID_SHARD:
+        return fixtures.hybrid_shard_exclusion(world.size, world.local_size)
+    return None
 wrap_axis = pytest.mark.parametrize("wrap", ["auto", "manual"])
 
 
@@ -118,7 +125,7 @@ def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) 
 TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=_hybrid_fits)
 @pytest.mark.parametrize(
     ("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"]
 )
@@ -210,7 +217,7 @@ def test_training(
 TRAINED_STEPS = 2
 
 
-@pytest.mark.world_size([2, 4])
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=_hybrid_fits)
 @pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 @strategy_axis
 @wrap_axis
@@ -259,7 +266,7 @@ def test_unshard_after_training(
     )
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(min=2, default=2)
 @wrap_axis
 def test_unshard_reshard_order(
     backend: BackendAdapter, wrap: str, rank: int, device: torch.device

@@ -1,13 +1,17 @@
 """Which device and communication backend a world of N ranks gets, and GPU reservations.
 
-N ranks get cuda:0..N-1 with NCCL when this machine has at least N GPUs; otherwise CPU with
-gloo. GPUs are reserved with machine-wide file locks so two pytest sessions never share one.
+N ranks get N GPUs with NCCL when this machine has at least N visible GPUs; otherwise CPU with
+gloo. A pool reserves any N GPUs that no other pool holds (machine-wide file locks), so pytest
+sessions sharing a GPU runner run side by side; its ranks see only those GPUs
+(CUDA_VISIBLE_DEVICES), so rank r's device is cuda:r whichever GPUs the pool got.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,9 +33,25 @@ class DevicePlan:
         return "nccl" if self.kind == "cuda" else "gloo"
 
 
+def visible_gpu_count() -> int:
+    """GPUs this process may use (counted without creating a CUDA context)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_gpu_names(count: int) -> list[str]:
+    """Machine-wide names of the visible GPUs in CUDA index order: CUDA_VISIBLE_DEVICES's entries
+    (indices or UUIDs) when it is set, else 0..count-1. Reserving by these names keeps two sessions
+    apart even when each sees the GPUs under other indices; each name is also what a rank's
+    CUDA_VISIBLE_DEVICES lists for that GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(index) for index in range(count)]
+    return [entry.strip() for entry in visible.split(",") if entry.strip()][:count]
+
+
 def plan_devices(requested: str, world_size: int) -> DevicePlan:
     """Resolve `--device` for one world size; `kind=None` means the test must be skipped."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpu_count()
     if requested == "cpu":
         return DevicePlan("cpu")
     if requested == "cuda":
@@ -48,24 +68,50 @@ def rank_device(kind: DeviceKind, local_rank: int) -> torch.device:
 
 
 class GpuReservation:
-    """Holds file locks on GPUs 0..n-1 for as long as a pool uses them."""
+    """Holds machine-wide file locks on `count` GPUs, any that are free, for as long as a pool uses them.
 
-    def __init__(self, count: int, timeout_s: float = 600.0) -> None:
-        os.makedirs(_LOCK_DIR, exist_ok=True)
+    All or nothing: GPUs are taken without waiting and given back at once unless `count` of them
+    were free, then tried again, so two sessions that each hold some GPUs never wait for each other.
+    `names` are the reserved GPUs (see `visible_gpu_names`), for the ranks' CUDA_VISIBLE_DEVICES.
+    """
+
+    def __init__(self, count: int, timeout_s: float = 600.0, poll_s: float = 0.5, lock_dir: str | None = None) -> None:
+        candidates = visible_gpu_names(visible_gpu_count())
+        if count > len(candidates):
+            raise RuntimeError(f"a pool of {count} ranks needs {count} GPUs; {len(candidates)} are visible")
+        self._lock_dir = lock_dir or _LOCK_DIR
+        os.makedirs(self._lock_dir, exist_ok=True)
         self._locks: list[FileLock] = []
-        try:
-            for index in range(count):
-                lock = FileLock(os.path.join(_LOCK_DIR, f"gpu-{index}.lock"))
-                lock.acquire(timeout=timeout_s)
-                self._locks.append(lock)
-        except Timeout:
-            self.release()
-            raise RuntimeError(
-                f"GPU {len(self._locks)} stayed reserved by another pytest session for "
-                f"{timeout_s:.0f} s; wait for it to finish or run with --device cpu"
-            ) from None
+        self.names: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while not self._take(candidates, count):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{count} of the {len(candidates)} visible GPUs ({', '.join(candidates)}) did not come free "
+                    f"within {timeout_s:.0f} s: other pytest sessions hold them; wait, or run with --device cpu"
+                )
+            time.sleep(poll_s)
+
+    def _take(self, candidates: list[str], count: int) -> bool:
+        for name in candidates:
+            lock = FileLock(os.path.join(self._lock_dir, f"gpu-{_lock_name(name)}.lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            self._locks.append(lock)
+            self.names.append(name)
+            if len(self._locks) == count:
+                return True
+        self.release()
+        return False
 
     def release(self) -> None:
         for lock in self._locks:
             lock.release()
         self._locks.clear()
+        self.names.clear()
+
+
+def _lock_name(gpu: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)

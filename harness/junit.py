@@ -68,7 +68,7 @@ class JUnitReport:
             path = os.path.join(self.directory, f"rank-{rank}.xml")
             tree = ET.ElementTree(self._rank_element(rank, suites))
             ET.indent(tree)
-            temporary = path + ".tmp"
+            temporary = f"{path}.{os.getpid()}.tmp"  # another session may be writing this report too
             tree.write(temporary, encoding="utf-8", xml_declaration=True)
             os.replace(temporary, path)
             written.append(path)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from harness.devices import DevicePlan, plan_devices, rank_device
 from harness.messages import RankLoss, RankResult, TestTask
+from harness.rank_env import loopback_interface
 from harness.runner import TestRunner
 from harness.session import Execution, HarnessSession
 from harness.tracefile import CollectiveRecord, last_unfinished, read_trace_or_empty
@@ -33,6 +34,10 @@ class LockstepSession(HarnessSession):
         self.world_size = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world == self.world_size:
+            # The whole world is on this host: gloo needs no network but loopback, and must not
+            # depend on how the host name resolves (see harness.rank_env). Set before any group.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         self.device_plan = plan_devices(self.options.device, local_world)
         if self.device_plan.kind is None:
             raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")

@@ -25,8 +25,8 @@ class WorkerConfig:
     world_size: int
     local_rank: int
     device_kind: Literal["cpu", "cuda"]
-    store_host: str
-    store_port: int
+    store_path: str
+    """The FileStore the ranks rendezvous through (in the pool's private directory)."""
     collective_timeout_s: float
     run_dir: str
     sys_path: list[str]

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
-from harness import hookspecs, rank_fixtures, repro
-from harness.devices import DEVICE_CHOICES
+from harness import hookspecs, rank_fixtures, repro, world_sizes
+from harness.devices import DEVICE_CHOICES, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
 from harness.session import HarnessSession, session_properties
+from harness.world_sizes import world_size_of  # also imported from here by other plugins
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _JUNIT_PLUGIN = "harness-junit"
@@ -38,6 +39,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="auto",
         help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
         "auto: cuda when enough GPUs exist (default)",
+    )
+    group.addoption(
+        "--world-sizes",
+        metavar="N,M,...",
+        default=None,
+        help="run distributed tests at these world sizes, as far as each test's world_size marker allows "
+        "(default: each test's own sizes; constrained tests without defaults run at 1,2,4 and, with CUDA, "
+        "at the number of visible GPUs); under torchrun the world size is WORLD_SIZE",
     )
     group.addoption("--seed", type=int, default=1234, help="seed every rank gets before each test")
     group.addoption(
@@ -86,9 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
-    config.addinivalue_line(
-        "markers", "world_size(n): run the test body on n ranks (an int, or a list to parametrize over world sizes)"
-    )
+    world_sizes.configure(config, visible_gpu_count())
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
     config.addinivalue_line(
         "markers",
@@ -163,50 +170,24 @@ def _reports_dir(config: pytest.Config) -> str:
     return directory
 
 
-def parse_world_size(marker: pytest.Mark, where: str) -> list[int] | int:
-    """The marker's argument: one int (no parametrization) or a non-empty list of ints."""
-    if len(marker.args) != 1 or marker.kwargs:
-        raise TypeError(f"{where}: use @pytest.mark.world_size(N) or world_size([N1, N2]), got {marker}")
-    value = marker.args[0]
-    sizes = list(value) if isinstance(value, (list, tuple)) else [value]
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"{where}: world_size must be an int or a list of ints, got {size!r}")
-        if size < 1:
-            raise ValueError(f"{where}: world_size must be >= 1, got {size}")
-    if not sizes:
-        raise ValueError(f"{where}: world_size list is empty")
-    return sizes if isinstance(value, (list, tuple)) else sizes[0]
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    marker = metafunc.definition.get_closest_marker("world_size")
-    if marker is None:
-        return
-    spec = parse_world_size(marker, metafunc.definition.nodeid)
-    if isinstance(spec, list):
-        if "world_size" not in metafunc.fixturenames:
-            metafunc.fixturenames.append("world_size")
-        metafunc.parametrize("world_size", spec, ids=[f"ws{n}" for n in spec])
+    world_sizes.generate(metafunc)
 
 
-def world_size_of(item: pytest.Item) -> int | None:
-    marker = item.get_closest_marker("world_size")
-    if marker is None:
-        return None
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "world_size" in callspec.params:
-        return int(callspec.params["world_size"])
-    spec = parse_world_size(marker, item.nodeid)
-    assert isinstance(spec, int)
-    return spec
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    world_sizes.deselect(config, items)
+
+
+def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
+    return world_sizes.repro_args(item)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    size = world_size_of(pyfuncitem)
-    if size is None:
+    if not world_sizes.is_distributed(pyfuncitem):
         return None
+    size = world_size_of(pyfuncitem)
+    assert size is not None, f"{pyfuncitem.nodeid} runs at no world size: it should have been deselected"
     pyfuncitem.config.stash[_SESSION].run_item(pyfuncitem, size)
     return True
 
@@ -218,6 +199,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    for line in world_sizes.summary_lines(config):
+        terminalreporter.write_line(line)
     session = config.stash.get(_SESSION, None)
     if session is not None and session.dispatched:
         files = session.finish()

@@ -2,8 +2,9 @@
 
 The pool owns process lifetimes and nothing else: it knows nothing about pytest. Each rank runs
 `python -m harness.worker` in its own session, so killing its process group removes everything
-the rank started. The parent hosts the rendezvous store on an OS-assigned loopback port, so
-concurrent sessions on one machine never collide.
+the rank started. The ranks rendezvous through a FileStore in the pool's private directory and
+start with torchrun's environment (`harness.rank_env`), whose MASTER_PORT is a TCPStore the
+parent hosts on an OS-assigned loopback port, so concurrent sessions on one machine never collide.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-import torch.distributed as dist
-
 from harness.devices import DeviceKind, GpuReservation
 from harness.messages import RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
+from harness.rank_env import AgentStore, rank_environment
 
 SESSION_ENV = "FSDP_HARNESS_SESSION"
 _HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -107,7 +107,7 @@ class WorkerPool:
         self._label_providers = label_providers
         self._session_tag = session_tag
         self._ranks: list[_RankProcess] = []
-        self._store: dist.TCPStore | None = None
+        self._agent_store: AgentStore | None = None
         self._gpus: GpuReservation | None = None
 
     def rank_files(self, rank: int) -> RankFiles:
@@ -116,8 +116,11 @@ class WorkerPool:
     def start(self, timeout_s: float = 300.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         if self.key.device_kind == "cuda":
-            self._gpus = GpuReservation(self.key.world_size)
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            try:
+                self._gpus = GpuReservation(self.key.world_size)
+            except RuntimeError as error:
+                raise PoolStartError(str(error)) from None
+        self._agent_store = AgentStore()
         try:
             for rank in range(self.key.world_size):
                 self._ranks.append(self._spawn(rank))
@@ -130,7 +133,14 @@ class WorkerPool:
         files = RankFiles(self.run_dir, rank)
         parent_to_child = os.pipe()
         child_to_parent = os.pipe()
-        env = dict(os.environ)
+        assert self._agent_store is not None
+        env = rank_environment(
+            os.environ,
+            rank=rank,
+            world_size=self.key.world_size,
+            master_port=self._agent_store.port,
+            cuda_devices=self._gpus.names if self._gpus is not None else None,
+        )
         env[SESSION_ENV] = self._session_tag
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not oversubscribe the cores
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
@@ -162,15 +172,13 @@ class WorkerPool:
             Connection(child_to_parent[0], writable=False),
             files,
         )
-        assert self._store is not None
         proc.to_rank.send(
             WorkerConfig(
                 rank=rank,
                 world_size=self.key.world_size,
                 local_rank=rank,
                 device_kind=self.key.device_kind,
-                store_host="127.0.0.1",
-                store_port=self._store.port,
+                store_path=os.path.join(self.run_dir, "store"),
                 collective_timeout_s=self.key.collective_timeout_s,
                 run_dir=self.run_dir,
                 sys_path=list(sys.path),
@@ -288,7 +296,9 @@ class WorkerPool:
         for proc in self._ranks:
             proc.kill()
         self._ranks.clear()
-        self._store = None
+        if self._agent_store is not None:
+            self._agent_store.close()
+            self._agent_store = None
         if self._gpus is not None:
             self._gpus.release()
             self._gpus = None

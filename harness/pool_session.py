@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from harness.devices import visible_gpu_count
 from harness.messages import TestTask
 from harness.pool import PoolKey, PoolStartError, WorkerPool, tail
 from harness.session import Execution, HarnessSession, WorldStartError
@@ -32,12 +33,25 @@ class PoolSession(HarnessSession):
     def pool_for(self, key: PoolKey) -> WorkerPool:
         pool = self.pools.get(key)
         if pool is None:
+            if key.device_kind == "cuda":
+                self._make_room_on_gpus(key.world_size)
             run_dir = os.path.join(self.run_dir, f"ws{key.world_size}-{key.device_kind}-{self.pool_starts}")
             pool = WorkerPool(key, run_dir, self.rank_fixture_modules, self.tag, self.label_providers)
             self.pool_starts += 1
             pool.start()
             self.pools[key] = pool
         return pool
+
+    def _make_room_on_gpus(self, needed: int) -> None:
+        """Close this session's idle CUDA pools when they hold GPUs a new pool needs.
+
+        Otherwise a warm pool of 2 ranks on a 4-GPU runner would make a pool of 4 wait for
+        GPUs that only this session could give back (until the reservation timed out).
+        """
+        held = sum(k.world_size for k in self.pools if k.device_kind == "cuda")
+        if held and held + needed > visible_gpu_count():
+            for key in [k for k in self.pools if k.device_kind == "cuda"]:
+                self.pools.pop(key).close()
 
     def discard_pool(self, key: PoolKey) -> None:
         pool = self.pools.pop(key, None)

@@ -81,8 +81,10 @@ class RankWorker:
         )
 
     def _join_world(self) -> None:
+        # A FileStore, not a TCP one: no socket, so no name lookup can slow the rendezvous
+        # down (see harness.rank_env). The rank's torchrun variables came with its environment.
         cfg = self.config
-        store = dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False, timeout=timedelta(seconds=120))
+        store = dist.FileStore(cfg.store_path, cfg.world_size)
         kwargs: dict[str, Any] = {}
         if cfg.device_kind == "cuda":
             torch.cuda.set_device(self.device)

@@ -1,7 +1,8 @@
 """torchrun mode: two torchrun agents on this machine act as two nodes (c10d rendezvous on loopback).
 
 Every rank runs the same selection in lockstep; a failure on one rank fails that test on both
-"nodes" without a hang, and each rank writes its own rank-<r>.xml.
+"nodes" without a hang, and each rank writes its own rank-<r>.xml. Conformance scenarios run
+(not skip) at a world size none of them lists (3).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from conftest import SCHEMA, InnerSession
+from conftest import REPO, SCHEMA, InnerSession
 
 TESTS = """
 import pytest, torch, torch.distributed as dist
@@ -77,17 +78,48 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode != 0, output  # one test failed, on both nodes
-        assert "1 failed, 3 passed, 1 skipped" in output, output
+        assert "1 failed, 3 passed, 1 deselected" in output, output
         assert "only rank 1 disagrees" in output
-        assert "needs world size 4; this torchrun world has 2 ranks" in output or "1 skipped" in output
+        assert "1 deselected for their world size (torchrun WORLD_SIZE=2): 1 runs only at world size 4" in output
     for rank in (0, 1):
         SCHEMA.validate(str(inner.junit(rank)))
         cases = {c.get("name"): c for c in ET.parse(inner.junit(rank)).iter("testcase")}
-        assert set(cases) == {
-            "test_a_allreduce",
-            "test_b_fails_on_rank_1",
-            "test_c_world_still_usable",
-            "test_d_needs_four",
-        }
+        assert set(cases) == {"test_a_allreduce", "test_b_fails_on_rank_1", "test_c_world_still_usable"}
         assert (cases["test_b_fails_on_rank_1"].find("failure") is not None) == (rank == 1)
-        assert cases["test_d_needs_four"].find("skipped") is not None
+
+
+SCENARIOS_AT_THREE = [
+    "conformance/test_runtime.py::test_unshard_reshard_order[reference-ws3-auto]",
+    # HYBRID_SHARD on one host of 3 ranks: three shard groups of one rank, gradients all-reduced across them
+    "conformance/test_runtime.py::test_training[reference-ws3-manual-HYBRID_SHARD-sgd]",
+]
+
+
+def test_conformance_scenarios_run_at_three_torchrun_ranks(inner: InnerSession) -> None:
+    reports = inner.directory / "reports"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=3",
+        "--max-restarts=0",
+        "-m",
+        "pytest",
+        *SCENARIOS_AT_THREE,
+        "--backend=reference",
+        "--device=cpu",
+        "-p",
+        "no:cacheprovider",
+        f"--reports-dir={reports}",
+        "-q",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=inner.env(), text=True, capture_output=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("2 passed in") == 3, output  # every rank ran both, none skipped
+    for rank in range(3):
+        SCHEMA.validate(str(reports / "junit" / f"rank-{rank}.xml"))
+        cases = list(ET.parse(reports / "junit" / f"rank-{rank}.xml").iter("testcase"))
+        assert sorted(c.get("name") for c in cases) == sorted(node.split("::")[1] for node in SCENARIOS_AT_THREE)
+        assert all(len(c) == 0 or all(child.tag in ("system-out", "system-err") for child in c) for c in cases)

@@ -1,0 +1,141 @@
+"""The rank environment contract: every warm rank sees torchrun's variables with its own values,
+libraries that need them start, and a CUDA pool's ranks see exactly the GPUs it reserved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import InnerSession
+from harness import devices
+from harness.devices import GpuReservation
+from harness.rank_env import TORCHRUN_VARIABLES, loopback_interface, rank_environment
+
+TESTS = """
+import os
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+CONTRACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+@pytest.mark.world_size([1, 3])
+def test_a_torchrun_variables(rank, world_size):
+    env = {name: os.environ.get(name) for name in CONTRACT}
+    print(env)
+    assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+    assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(world_size)
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    # MASTER_ADDR:MASTER_PORT is a live store, as torchrun's agent store is: every rank checks in.
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    store.add("checked-in", 1)
+    dist.barrier()
+    assert int(store.get("checked-in")) == world_size
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert "LOCAL_SIZE" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["EXPECTED_LOOPBACK"]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's value is kept
+    os.environ["RANK"] = "99"  # a test that changes them does not change them for the next
+    del os.environ["LOCAL_RANK"]
+
+@pytest.mark.world_size([1, 3])
+def test_b_next_test_sees_its_own_values_again(rank):
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == (str(rank), str(rank))
+"""
+
+DEEPSPEED_TEST = """
+import pytest, torch
+
+@pytest.mark.world_size(2)
+def test_deepspeed_engine_starts_without_help(rank):
+    import deepspeed  # asserts LOCAL_RANK when it builds the engine
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}},
+    )
+    assert engine.local_rank == rank
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()
+"""
+
+
+def _run(inner: InnerSession, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        inner.command(*args),
+        cwd=inner.directory,
+        env={**inner.env(), **env},
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+
+
+def test_every_rank_sees_the_torchrun_variables(inner: InnerSession) -> None:
+    inner.write("test_env.py", TESTS)
+    env = {
+        "LOCAL_SIZE": "7",  # would switch DeepSpeed to a shared-memory all-reduce: not passed on
+        "GLOO_SOCKET_IFNAME": "no-such-interface",  # a one-host pool binds to loopback regardless
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "EXPECTED_LOOPBACK": loopback_interface(),
+    }
+    result = _run(inner, env, "-q", "-rA")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 passed" in result.stdout
+    for rank in range(3):  # each rank's own values, as printed by the rank
+        assert f"'RANK': '{rank}', 'LOCAL_RANK': '{rank}', 'WORLD_SIZE': '3'" in result.stdout
+
+
+def test_a_library_that_asserts_local_rank_starts(inner: InnerSession) -> None:
+    pytest.importorskip("deepspeed", reason="the DeepSpeed proof needs deepspeed installed")
+    inner.write("test_ds.py", DEEPSPEED_TEST)
+    result = _run(inner, {"DS_ACCELERATOR": "cpu"}, "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
+
+
+def test_rank_environment_names_the_reserved_gpus() -> None:
+    base = {"PATH": "/bin", "TORCHELASTIC_RUN_ID": "outer", "LOCAL_SIZE": "2", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    env = rank_environment(base, rank=1, world_size=2, master_port=1234, cuda_devices=["3", "GPU-5f2e"])
+    assert {name: env[name] for name in TORCHRUN_VARIABLES} == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1234",
+    }
+    # cuda:{LOCAL_RANK} = cuda:1 is the second reserved GPU, whatever its machine-wide name.
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,GPU-5f2e"
+    assert "TORCHELASTIC_RUN_ID" not in env and "LOCAL_SIZE" not in env and env["PATH"] == "/bin"
+    assert rank_environment(base, rank=0, world_size=1, master_port=1)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend four GPUs are visible, under the names CUDA_VISIBLE_DEVICES gives them."""
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-aa,GPU-bb")
+
+
+def test_pools_reserve_any_free_gpus(four_gpus: None, tmp_path: os.PathLike[str]) -> None:
+    lock_dir = str(tmp_path)
+    first = GpuReservation(2, lock_dir=lock_dir)
+    second = GpuReservation(2, lock_dir=lock_dir)  # not 0..1 again: the two that are free
+    assert (first.names, second.names) == (["3", "5"], ["GPU-aa", "GPU-bb"])
+    with pytest.raises(RuntimeError, match=r"1 of the 4 visible GPUs \(3, 5, GPU-aa, GPU-bb\) did not come free"):
+        GpuReservation(1, timeout_s=0.3, poll_s=0.1, lock_dir=lock_dir)
+    first.release()
+    # All or nothing: three are wanted, two are free; it gives back what it took while it waits.
+    with pytest.raises(RuntimeError, match="3 of the 4"):
+        GpuReservation(3, timeout_s=0.3, poll_s=0.1, lock_dir=lock_dir)
+    third = GpuReservation(2, lock_dir=lock_dir)
+    assert third.names == ["3", "5"]
+    with pytest.raises(RuntimeError, match="a pool of 5 ranks needs 5 GPUs; 4 are visible"):
+        GpuReservation(5, lock_dir=lock_dir)
+    second.release()
+    third.release()
