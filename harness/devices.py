@@ -6,8 +6,8 @@ gloo. GPUs are reserved with machine-wide file locks so two pytest sessions neve
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +16,18 @@ from filelock import FileLock, Timeout
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "fsdp-harness-locks")
+LOCK_DIR_ENV = "FSDP_HARNESS_LOCK_DIR"
+
+
+def lock_dir() -> str:
+    """Where GPU reservations live: one place per machine, not per TMPDIR (sessions run with
+    different TMPDIRs must still see each other's locks); `FSDP_HARNESS_LOCK_DIR` overrides it."""
+    directory = os.environ.get(LOCK_DIR_ENV) or "/tmp/fsdp-harness-locks"
+    if not os.path.isdir(directory):
+        os.makedirs(directory, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o1777)  # every user's sessions reserve GPUs here; sticky: none deletes another's
+    return directory
 
 
 @dataclass(frozen=True)
@@ -51,11 +62,11 @@ class GpuReservation:
     """Holds file locks on GPUs 0..n-1 for as long as a pool uses them."""
 
     def __init__(self, count: int, timeout_s: float = 600.0) -> None:
-        os.makedirs(_LOCK_DIR, exist_ok=True)
+        directory = lock_dir()
         self._locks: list[FileLock] = []
         try:
             for index in range(count):
-                lock = FileLock(os.path.join(_LOCK_DIR, f"gpu-{index}.lock"))
+                lock = FileLock(os.path.join(directory, f"gpu-{index}.lock"), mode=0o666)
                 lock.acquire(timeout=timeout_s)
                 self._locks.append(lock)
         except Timeout:

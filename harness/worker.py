@@ -1,8 +1,11 @@
 """Rank worker: joins the world once, then runs the test bodies the parent sends until told to stop.
 
-Started by the pool as `python -m harness.worker FD_IN FD_OUT` in its own session (so the pool
-can kill it with everything it started). Its stdout/stderr go to per-rank files the parent reads
-after each test, so output survives even a rank that dies.
+Started by the pool as `python -m harness.worker FD_IN FD_OUT PARENT_PID` in its own session (so
+the pool can kill it with everything it started). It imports torch first and only then waits for
+its `WorkerConfig`: a worker that has not received one yet is a spare, ready to become any rank
+of any pool at the cost of a rendezvous (see `harness.pool.WorkerLauncher`). Once configured, its
+stdout/stderr go to per-rank files the parent reads after each test, so output survives even a
+rank that dies.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness import processes
 from harness.devices import rank_device
+from harness.isolation import ProcessIsolation
 from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
 from harness.runner import TestRunner
+from harness.text import describe_exception
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,9 +71,9 @@ class RankWorker:
         self.config = config
         self.files = RankFiles(config.run_dir, config.rank)
         self.capture = _OutputCapture(self.files)
-        faulthandler.enable(file=sys.stderr, all_threads=True)
         self._stack_file = open(self.files.stacks, "a")  # noqa: SIM115 - lives as long as the process
-        faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        # After the capture: the fds it set up are what every test starts from.
+        self.process_isolation = ProcessIsolation(self._stack_file)
         self.device = rank_device(config.device_kind, config.local_rank)
         self._join_world()
         self.runner = TestRunner(
@@ -78,6 +84,7 @@ class RankWorker:
             config.rank_fixture_modules,
             config.label_providers,
             self.files.trace,
+            self.files.raised,
         )
 
     def _join_world(self) -> None:
@@ -101,15 +108,37 @@ class RankWorker:
             sys.path[:] = task.sys_path
         self.capture.reset()
         outcome = self.runner.run(task)
+        # Before the outcome leaves: the parent reads the output files once it has every outcome,
+        # so notes about what the test left behind belong to this test's stderr.
+        notes, replace_reason = self.process_isolation.restore()
+        for note in notes:
+            sys.stderr.write(f"[harness] {note}\n")
         self.capture.flush()
+        if replace_reason and not outcome.replace_reason:
+            outcome.replace_reason = replace_reason
         return outcome
+
+    def harness_error(self, error: BaseException) -> RankOutcome:
+        """The outcome sent when serving a task failed outside the test (a harness bug): the test
+        fails with the cause, and the rank asks to be replaced."""
+        summary = f"harness error on rank {self.config.rank}: {describe_exception(error)}"
+        return RankOutcome(self.config.rank, "failed", 0.0, summary, summary, replace_reason=summary)
 
 
 def main() -> None:
     tasks = Connection(int(sys.argv[1]), writable=False)
     results = Connection(int(sys.argv[2]), readable=False)
+    # The pipes stay out of whatever a test execs; a test that forks still inherits them, which is
+    # why the parent watches the process itself, not only the pipe, to notice this rank's death.
+    os.set_inheritable(tasks.fileno(), False)
+    os.set_inheritable(results.fileno(), False)
     _die_with_parent(int(sys.argv[3]))
-    config: WorkerConfig = tasks.recv()
+    faulthandler.enable(all_threads=True)  # until configured: a crash shows in the worker's boot log
+    processes.become_subreaper()
+    message = tasks.recv()  # a spare waits here, torch already imported
+    if isinstance(message, Shutdown):
+        os._exit(0)
+    config: WorkerConfig = message
     sys.path[:] = config.sys_path
     worker = RankWorker(config)
     results.send(WorkerReady(rank=config.rank, pid=os.getpid(), device=str(worker.device)))
@@ -119,7 +148,11 @@ def main() -> None:
         message = tasks.recv()
         if isinstance(message, Shutdown):
             break
-        results.send(worker.run(message))
+        try:
+            outcome = worker.run(message)
+        except Exception as error:  # noqa: BLE001 - a harness bug fails the test, not the whole pool silently
+            outcome = worker.harness_error(error)
+        results.send(outcome)
     # Teardown, in this order: leave the process group while every peer is still there to
     # leave it too (the parent sent Shutdown to all ranks); flush Python's buffers into the
     # captured fds, since os._exit skips that; then leave without interpreter teardown, where
