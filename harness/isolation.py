@@ -49,6 +49,8 @@ def seed_everything(seed: int) -> None:
 
 
 def _clear_dtensor_caches() -> None:
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no test of this worker used DTensor: nothing cached (and its debug module costs seconds to import)
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # older torch: no such cache to clear
@@ -103,7 +105,10 @@ class TestIsolation:
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
         torch.set_grad_enabled(True)
-        torch.use_deterministic_algorithms(False)
+        if torch.are_deterministic_algorithms_enabled():
+            # Only when a test turned it on: the setter imports torch._inductor and torch._dynamo
+            # (seconds), which would otherwise be every fresh rank's first-test cost.
+            torch.use_deterministic_algorithms(False)
         dist.set_debug_level(self._debug_level)
         self._stack.enter_context(warnings.catch_warnings())
         warnings.resetwarnings()

@@ -6,16 +6,19 @@ rank started there; descendants that left the group are found through the rank's
 and its environment marker (`harness.processes`). The parent hosts the rendezvous store on an
 OS-assigned loopback port, so concurrent sessions on one machine never collide.
 
-Workers come from a `WorkerLauncher`: a worker imports torch before it is told which rank it is,
-so after a restart the launcher's spares (started in the background while the next tests run)
-make a new pool cost a rendezvous instead of N interpreter starts and torch imports.
+Workers come from a `WorkerLauncher`: they are forked by the session's zygote, which imported
+torch once, so a pool (re)start costs forks and a rendezvous instead of N interpreter starts and
+torch imports (see `harness.zygote`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,45 +68,48 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class WorkerProcess:
-    """One `python -m harness.worker` process and its pipes, from spawn to kill."""
+    """One rank worker process and its pipes, from launch to kill (forked by the zygote or spawned)."""
 
     def __init__(
-        self, serial: int, popen: subprocess.Popen[bytes], to_worker: Connection, from_worker: Connection, log: str
+        self,
+        serial: int,
+        pid: int,
+        to_worker: Connection,
+        from_worker: Connection,
+        log: str,
+        exit_code: Callable[[float], int | None],
     ) -> None:
         self.serial = serial
-        self.popen = popen
+        self.pid = pid
         self.to_worker = to_worker
         self.from_worker = from_worker
         self.log = log
         """stdout and stderr until the worker is configured (import errors, start-up crashes)."""
+        self._exit_code = exit_code
         # A pidfd becomes readable when the process exits: death is seen from the process itself,
         # whoever else holds its result pipe open (a forked child of the test).
         self.pidfd: int | None = None
         with contextlib.suppress(AttributeError, OSError):
-            self.pidfd = os.pidfd_open(popen.pid)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
+            self.pidfd = os.pidfd_open(pid)
 
     def exited(self) -> bool:
-        return self.popen.poll() is not None
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return self._exit_code(0.0) is not None
 
     def exit_code(self, timeout_s: float = 5.0) -> int | None:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        """How it ended (negative: killed by that signal), or None if it still runs after `timeout_s`."""
+        return self._exit_code(timeout_s)
 
     def kill(self) -> None:
-        # The worker leads its own session and process group (start_new_session), so one killpg
-        # ends what the test started in it; descendants in other sessions are found through the
-        # process tree while the worker is still there to lead to them.
-        strays = processes.descendants(self.popen.pid)
+        # The worker leads its own session and process group, so one killpg ends what the test
+        # started in it; descendants in other sessions are found through the process tree while
+        # the worker is still there to lead to them.
+        strays = processes.descendants(self.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         processes.kill(strays)
-        self.popen.wait()  # reaped: no zombie stays
+        self.exit_code(5.0)  # reaped (by us or the zygote): no zombie stays
         self.to_worker.close()
         self.from_worker.close()
         if self.pidfd is not None:
@@ -111,62 +117,185 @@ class WorkerProcess:
             self.pidfd = None
 
 
-class WorkerLauncher:
-    """Starts worker processes for the pools of one session and keeps spares for restarts.
+class ZygoteUnavailable(RuntimeError):
+    pass
 
-    A spare has imported torch and waits for its `WorkerConfig`; `launch` hands out a live spare
-    before it spawns. Spares are made only on request (`keep_spares`, after a pool was discarded):
-    a session whose tests all pass never pays for them.
+
+class _Zygote:
+    """The parent's side of `harness.zygote`: fork requests out, fork and exit reports in."""
+
+    def __init__(self, directory: str, env: dict[str, str]) -> None:
+        parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = os.path.join(directory, "zygote.log")
+        with open(self.log, "wb") as out:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid())],
+                pass_fds=(zygote_end.fileno(),),
+                start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+            )
+        zygote_end.close()
+        self._sock = parent_end
+        self._forked: dict[int, tuple[str, object]] = {}
+        self._exits: dict[int, int] = {}
+        self.pid = self._popen.pid
+
+    def fork(self, serial: int, log: str, env: dict[str, str], fds: tuple[int, int], timeout_s: float) -> int:
+        """A new worker's pid; raises ZygoteUnavailable if the zygote cannot fork one."""
+        message = pickle.dumps(("fork", serial, log, env, os.getcwd()))
+        try:
+            socket.send_fds(self._sock, [message], list(fds))
+        except OSError as error:
+            raise ZygoteUnavailable(f"the zygote is gone ({error})") from None
+        deadline = time.monotonic() + timeout_s
+        while serial not in self._forked:
+            if not self._receive(max(0.0, deadline - time.monotonic())):
+                raise ZygoteUnavailable(
+                    f"the zygote did not fork within {timeout_s:.0f} s or died:\n{tail(self.log)}"
+                )
+        kind, value = self._forked.pop(serial)
+        if kind == "refused":
+            raise ZygoteUnavailable(str(value))
+        assert isinstance(value, int)
+        return value
+
+    def exit_code(self, pid: int, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while pid not in self._exits:
+            if not self._receive(max(0.0, deadline - time.monotonic())):
+                if self._popen.poll() is not None and not _process_exists(pid):
+                    return -signal.SIGKILL  # the zygote died and took its workers with it (PDEATHSIG)
+                return None
+        return self._exits[pid]
+
+    def _receive(self, timeout_s: float) -> bool:
+        """Take one message from the zygote; False on timeout or when it is gone."""
+        if not select.select([self._sock], [], [], timeout_s)[0]:
+            return False
+        try:
+            data = self._sock.recv(1 << 16)
+        except OSError:
+            return False
+        if not data:
+            return False
+        kind, key, value = pickle.loads(data)
+        if kind == "exited":
+            self._exits[key] = value
+        else:
+            self._forked[key] = (kind, value)
+        return True
+
+    def close(self) -> None:
+        self._sock.close()  # the zygote exits on EOF; its workers die with it
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout=2.0)
+        if self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WorkerLauncher:
+    """Starts rank worker processes for the pools of one session.
+
+    Workers are forked by the session's zygote (`harness.zygote`), which imported torch once: a
+    pool restart after a fault costs forks and a rendezvous, not N interpreter starts and torch
+    imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
+    `python -m harness.worker` instead, for the rest of the session.
     """
 
-    def __init__(self, directory: str, session_tag: str, on_spawn: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, directory: str, session_tag: str, on_spawn: Callable[[int], None] | None = None, zygote: bool = True
+    ) -> None:
         self.directory = directory
         self.session_tag = session_tag
         self._on_spawn = on_spawn
         self._serial = 0
-        self._spares: list[WorkerProcess] = []
+        self._use_zygote = zygote
+        self._zygote: _Zygote | None = None
+        self.zygote_unavailable = ""
+        """Why workers are spawned instead of forked, if they are."""
         self.spawned = 0
 
-    def launch(self) -> WorkerProcess:
-        while self._spares:
-            worker = self._spares.pop(0)
-            if not worker.exited():
-                return worker
-            worker.kill()  # a spare that died while waiting (killed from outside): not usable
-        return self._spawn()
-
-    def keep_spares(self, count: int) -> None:
-        """Start spares until `count` wait (returns at once: they import torch in the background)."""
-        for worker in [w for w in self._spares if w.exited()]:
-            self._spares.remove(worker)
-            worker.kill()
-        while len(self._spares) < count:
-            self._spares.append(self._spawn())
-
-    @property
-    def spares(self) -> int:
-        return len(self._spares)
-
-    def close(self) -> None:
-        for worker in self._spares:
-            with contextlib.suppress(OSError):
-                worker.to_worker.send(Shutdown())
-            worker.kill()
-        self._spares.clear()
-
-    def _spawn(self) -> WorkerProcess:
+    def launch(self, timeout_s: float = 300.0) -> WorkerProcess:
+        os.makedirs(self.directory, exist_ok=True)
         serial = self._serial
         self._serial += 1
         self.spawned += 1
-        os.makedirs(self.directory, exist_ok=True)
+        if self._use_zygote:
+            try:
+                return self._fork(serial, timeout_s)
+            except ZygoteUnavailable as error:
+                self._use_zygote = False
+                self.zygote_unavailable = str(error)
+                self._close_zygote()
+        return self._spawn(serial)
+
+    def close(self) -> None:
+        self._close_zygote()
+
+    def _close_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[processes.SESSION_ENV] = self.session_tag
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not oversubscribe the cores
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _fork(self, serial: int, timeout_s: float) -> WorkerProcess:
+        if self._zygote is None:
+            self._zygote = _Zygote(self.directory, self._environment())
+            if self._on_spawn is not None:
+                self._on_spawn(self._zygote.pid)
+        zygote = self._zygote
+        log = os.path.join(self.directory, f"worker-{serial}.log")
+        to_child, from_child = os.pipe(), os.pipe()
+        try:
+            pid = zygote.fork(
+                serial,
+                log,
+                {processes.PROCESS_ENV: f"{self.session_tag}.{serial}"},
+                (to_child[0], from_child[1]),
+                timeout_s,
+            )
+        except BaseException:
+            for fd in (*to_child, *from_child):
+                os.close(fd)
+            raise
+        # Only the worker may hold its ends (see `_spawn`).
+        os.close(to_child[0])
+        os.close(from_child[1])
+        return WorkerProcess(
+            serial,
+            pid,
+            Connection(to_child[1], readable=False),
+            Connection(from_child[0], writable=False),
+            log,
+            lambda timeout_s: zygote.exit_code(pid, timeout_s),
+        )
+
+    def _spawn(self, serial: int) -> WorkerProcess:
         log = os.path.join(self.directory, f"worker-{serial}.log")
         parent_to_child = os.pipe()
         child_to_parent = os.pipe()
-        env = dict(os.environ)
-        env[processes.SESSION_ENV] = self.session_tag
+        env = self._environment()
         env[processes.PROCESS_ENV] = f"{self.session_tag}.{serial}"
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not oversubscribe the cores
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 [
@@ -190,12 +319,20 @@ class WorkerLauncher:
         os.close(child_to_parent[1])
         if self._on_spawn is not None:
             self._on_spawn(popen.pid)
+
+        def exit_code(timeout_s: float) -> int | None:
+            try:
+                return popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return None
+
         return WorkerProcess(
             serial,
-            popen,
+            popen.pid,
             Connection(parent_to_child[1], readable=False),
             Connection(child_to_parent[0], writable=False),
             log,
+            exit_code,
         )
 
 
@@ -269,6 +406,10 @@ class WorkerPool:
     @property
     def pids(self) -> list[int]:
         return [proc.worker.pid for proc in self._ranks]
+
+    @property
+    def launcher(self) -> WorkerLauncher:
+        return self._launcher
 
     def start(self, timeout_s: float = 300.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
@@ -423,8 +564,7 @@ class WorkerPool:
                 proc.to_rank.send(Shutdown())
         deadline = time.monotonic() + timeout_s
         for proc in self._ranks:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.worker.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc.worker.exit_code(max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:

@@ -57,19 +57,15 @@ class PoolSession(HarnessSession):
             self.pools[key] = pool
         return pool
 
-    def discard_pool(self, key: PoolKey, keep_spares: bool = True) -> None:
+    def discard_pool(self, key: PoolKey) -> None:
         pool = self.pools.pop(key, None)
         if pool is not None:
             pool.kill()
-            if keep_spares and not self.interrupted:
-                # A restart is likely to be followed by others (a red suite): the next pool of
-                # this size comes from spares that import torch while the next tests run.
-                self.launcher.keep_spares(key.world_size)
 
     def kill_all(self) -> None:
         """Kill every process of the session and remove its run directory (idempotent; also at exit)."""
         for key in list(self.pools):
-            self.discard_pool(key, keep_spares=False)
+            self.discard_pool(key)
         self.launcher.close()
         if self._reaper is not None:
             self._reaper.finish()
@@ -91,10 +87,10 @@ class PoolSession(HarnessSession):
         return super().finish()
 
     def summary(self) -> str:
-        return (
-            f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, "
-            f"{self.launcher.spawned} rank processes spawned"
-        )
+        text = f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, {self.launcher.spawned} rank processes"
+        if self.launcher.zygote_unavailable:
+            text += f" (spawned, not forked: {self.launcher.zygote_unavailable.splitlines()[0]})"
+        return text
 
     def interrupted_results(self) -> dict[int, RankResult] | None:
         return self._interrupted_results

@@ -1,11 +1,10 @@
 """Rank worker: joins the world once, then runs the test bodies the parent sends until told to stop.
 
-Started by the pool as `python -m harness.worker FD_IN FD_OUT PARENT_PID` in its own session (so
-the pool can kill it with everything it started). It imports torch first and only then waits for
-its `WorkerConfig`: a worker that has not received one yet is a spare, ready to become any rank
-of any pool at the cost of a rendezvous (see `harness.pool.WorkerLauncher`). Once configured, its
-stdout/stderr go to per-rank files the parent reads after each test, so output survives even a
-rank that dies.
+Forked by the session's zygote (`harness.zygote`), or started by the pool as
+`python -m harness.worker FD_IN FD_OUT PARENT_PID`, in its own session either way (so the pool can
+kill it with everything it started). It has imported torch before it is told which rank it is
+(`serve` waits for its `WorkerConfig`). Once configured, its stdout/stderr go to per-rank files the
+parent reads after each test, so output survives even a rank that dies.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import signal
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from harness.text import describe_exception
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux kills us when the parent dies, so a crashed pytest never leaves ranks behind."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -125,17 +124,15 @@ class RankWorker:
         return RankOutcome(self.config.rank, "failed", 0.0, summary, summary, replace_reason=summary)
 
 
-def main() -> None:
-    tasks = Connection(int(sys.argv[1]), writable=False)
-    results = Connection(int(sys.argv[2]), readable=False)
+def serve(tasks: Connection, results: Connection) -> NoReturn:
+    """Wait for a config (a spare or freshly forked worker waits here, torch imported), join the
+    world, then run the tasks the parent sends until it says `Shutdown`."""
     # The pipes stay out of whatever a test execs; a test that forks still inherits them, which is
     # why the parent watches the process itself, not only the pipe, to notice this rank's death.
     os.set_inheritable(tasks.fileno(), False)
     os.set_inheritable(results.fileno(), False)
-    _die_with_parent(int(sys.argv[3]))
-    faulthandler.enable(all_threads=True)  # until configured: a crash shows in the worker's boot log
     processes.become_subreaper()
-    message = tasks.recv()  # a spare waits here, torch already imported
+    message = tasks.recv()
     if isinstance(message, Shutdown):
         os._exit(0)
     config: WorkerConfig = message
@@ -162,6 +159,14 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def main() -> None:
+    tasks = Connection(int(sys.argv[1]), writable=False)
+    results = Connection(int(sys.argv[2]), readable=False)
+    die_with_parent(int(sys.argv[3]))
+    faulthandler.enable(all_threads=True)  # until configured: a crash shows in the worker's boot log
+    serve(tasks, results)
 
 
 if __name__ == "__main__":
