@@ -76,6 +76,15 @@ def _become_worker(
 
 
 def main() -> None:
+    try:
+        _serve_forks()
+    except OSError:
+        pass  # the parent's end is gone (it closed it, or died): the session is over
+    # Without interpreter teardown: with torch loaded it takes seconds, and nothing is left to do.
+    os._exit(0)
+
+
+def _serve_forks() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     die_with_parent(int(sys.argv[2]))
     faulthandler.enable(all_threads=True)
@@ -94,7 +103,7 @@ def main() -> None:
             continue
         data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 2)
         if not data:
-            os._exit(0)  # the parent closed its end: the session is over
+            return  # the parent closed its end: the session is over
         _, serial, log, env, cwd = pickle.loads(data)
         threads = _threads()
         if threads != 1:

@@ -63,6 +63,15 @@ def wait_for_no_leftovers(marker: str, timeout_s: float = 10.0) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a killed orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def leftover_processes(marker: str) -> list[int]:
     """PIDs whose environment carries `marker`: ranks an inner session failed to clean up."""
     found = []
@@ -106,9 +115,20 @@ class InnerSession:
             *args,
         ]
 
+    @property
+    def tmpdir(self) -> Path:
+        """The session's TMPDIR (its run directories live there), private to it."""
+        path = self.directory / "tmp"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(self.tmpdir.glob("fsdp-harness-*"))
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        env["TMPDIR"] = str(self.tmpdir)
         env[self.marker] = "1"
         return env
 
