@@ -14,6 +14,9 @@ The directory is shared across sessions:
   * sessions running at the same time in one directory do not overwrite each other: the first
     holds the directory's lock and writes `rank-<r>.xml`; any other writes
     `rank-<r>.<session id>.xml` and says so in its summary.
+Under torchrun every pytest process is one rank and writes only its own file, so the lock and
+the clean-up are per rank (`rank-<r>.lock`); rank 0 also removes the files of ranks beyond the
+world size.
 
 `JUnitReport` is a pytest plugin object (registered by `harness.plugin`, like pytest's own
 junitxml plugin) implementing the report hooks of `harness.hookspecs`.
@@ -32,6 +35,8 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import IO, Any
+
+import pytest
 
 from harness.messages import Status
 from harness.reports import DistributedTestResult, RankCase, SuiteKey
@@ -61,12 +66,17 @@ def junit_classname(nodeid: str) -> str:
 
 
 class _SharedDirectory:
-    """This session's claim on a JUnit directory that other sessions may use at the same time."""
+    """This session's claim on a JUnit directory that other sessions may use at the same time.
 
-    def __init__(self, directory: str) -> None:
+    `torchrun` is (rank, world size) when this process is one rank of a torchrun world: it claims
+    only that rank's file, since the other ranks' processes write theirs into the same directory.
+    """
+
+    def __init__(self, directory: str, torchrun: tuple[int, int] | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
-        self._lock: IO[str] | None = open(os.path.join(directory, _LOCK), "a+")  # noqa: SIM115 - held for the session
+        lock = _LOCK if torchrun is None else f".rank-{torchrun[0]}.lock"
+        self._lock: IO[str] | None = open(os.path.join(directory, lock), "a+")  # noqa: SIM115 - held for the session
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -82,7 +92,22 @@ class _SharedDirectory:
             self.holder = ""
             self.suffix = ""
         # What earlier sessions left; only the lock holder removes (what it does not rewrite).
-        self.found_at_start = set(glob.glob(os.path.join(directory, "rank-*.xml"))) if self.owner else set()
+        self.found_at_start = set(self._claimed(torchrun)) if self.owner else set()
+
+    def _claimed(self, torchrun: tuple[int, int] | None) -> list[str]:
+        """The files of earlier sessions this one answers for."""
+        found = glob.glob(os.path.join(self.directory, "rank-*.xml"))
+        if torchrun is None:
+            return found
+        rank, world_size = torchrun
+
+        def file_rank(path: str) -> int | None:
+            number = os.path.basename(path).removeprefix("rank-").partition(".")[0]
+            return int(number) if number.isdigit() else None
+
+        return [
+            path for path in found if file_rank(path) == rank or (rank == 0 and (file_rank(path) or 0) >= world_size)
+        ]
 
     @property
     def owner(self) -> bool:
@@ -108,7 +133,9 @@ class _SharedDirectory:
 class JUnitReport:
     """Collects every rank's cases during the session; writes `rank-<r>.xml` files at its end."""
 
-    def __init__(self, directory: str, session_properties: dict[str, str]) -> None:
+    def __init__(
+        self, directory: str, session_properties: dict[str, str], torchrun: tuple[int, int] | None = None
+    ) -> None:
         self.directory = directory
         self.session_properties = session_properties
         # rank -> suite -> [(classname, name, result)], in the order tests ran
@@ -116,7 +143,7 @@ class JUnitReport:
             lambda: defaultdict(list)
         )
         self._started = datetime.now(UTC).replace(microsecond=0).isoformat()
-        self._shared = _SharedDirectory(directory)
+        self._shared = _SharedDirectory(directory, torchrun)
         self._ran_tests = False
         self.removed: list[str] = []
 
@@ -132,6 +159,7 @@ class JUnitReport:
     def pytest_harness_write_reports(self) -> list[str]:
         return self.write()
 
+    @pytest.hookimpl(trylast=True)  # after harness.plugin's summary, which has the reports written
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self._shared.owner and self._ranks:
             terminalreporter.write_line(

@@ -131,8 +131,9 @@ def pytest_configure(config: pytest.Config) -> None:
     guard.install()
     config.stash[_SIGNALS] = guard
     # The built-in report, registered like any other report plugin (as pytest registers junitxml).
+    torchrun = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if _launched_by_torchrun() else None
     config.pluginmanager.register(
-        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config)), _JUNIT_PLUGIN
+        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
 
 

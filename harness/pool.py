@@ -153,9 +153,7 @@ class _Zygote:
         deadline = time.monotonic() + timeout_s
         while serial not in self._forked:
             if not self._receive(max(0.0, deadline - time.monotonic())):
-                raise ZygoteUnavailable(
-                    f"the zygote did not fork within {timeout_s:.0f} s or died:\n{tail(self.log)}"
-                )
+                raise ZygoteUnavailable(f"the zygote did not fork within {timeout_s:.0f} s or died:\n{tail(self.log)}")
         kind, value = self._forked.pop(serial)
         if kind == "refused":
             raise ZygoteUnavailable(str(value))

@@ -87,7 +87,10 @@ class PoolSession(HarnessSession):
         return super().finish()
 
     def summary(self) -> str:
-        text = f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, {self.launcher.spawned} rank processes"
+        text = (
+            f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, "
+            f"{self.launcher.spawned} rank processes"
+        )
         if self.launcher.zygote_unavailable:
             text += f" (spawned, not forked: {self.launcher.zygote_unavailable.splitlines()[0]})"
         return text

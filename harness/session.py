@@ -140,7 +140,9 @@ class HarnessSession:
         plan = self.plan(world_size)
         suite = self.suite(item, world_size, plan)
         if plan.kind is None:
-            self.propose(item, suite, "skipped", plan.skip_reason, self._uniform(world_size, "skipped", plan.skip_reason))
+            self.propose(
+                item, suite, "skipped", plan.skip_reason, self._uniform(world_size, "skipped", plan.skip_reason)
+            )
             pytest.skip(plan.skip_reason)
         task = self._task(item, params)
         started = time.monotonic()

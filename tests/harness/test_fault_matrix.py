@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from conftest import Case, InnerSession, leftover_processes, read_cases, wait_for_no_leftovers
 
 COLLECTIVE_TIMEOUT = 3
@@ -24,7 +25,7 @@ FLOOD = 50 * 2**20  # bytes a rank writes to stdout in test_g
 FLOOD_TAIL = b"\nlast line of the flood\n"
 CAPTURE = 256 * 1024  # bytes of each stream the parent keeps (harness.pool_session)
 
-MATRIX = rf'''
+MATRIX = rf"""
 import faulthandler, os, signal, subprocess, sys, threading, time
 import pytest, torch, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -313,7 +314,7 @@ def test_x_pytest_timeout(rank):
 
 @W
 def test_x_ok(rank, world_size): healthy(rank, world_size)
-'''
+"""
 
 FIXTURES = """
 import torch, torch.distributed as dist
@@ -377,7 +378,9 @@ EXPECTED = {
         HANG_IN_COLLECTIVE_S,
     ),
     "test_v_hang_in_python": Expect(
-        "failed", r".", r"rank 1 hung: still running .* after another rank failed.*in test_v_hang_in_python",
+        "failed",
+        r".",
+        r"rank 1 hung: still running .* after another rank failed.*in test_v_hang_in_python",
         COLLECTIVE_TIMEOUT + GRACE + 5,
     ),
     "test_w_every_rank_hangs": Expect(
@@ -389,7 +392,7 @@ EXPECTED = {
     "test_x_pytest_timeout": Expect(
         "failed",
         rf"stopped by the pytest process .* Timeout >{PYTEST_TIMEOUT}",
-        rf"rank 1 was still running when the pytest process stopped the test .*Timeout.*in test_x_pytest_timeout",
+        r"rank 1 was still running when the pytest process stopped the test .*Timeout.*in test_x_pytest_timeout",
         PYTEST_TIMEOUT + 5,
     ),
 }
@@ -435,7 +438,10 @@ def test_every_reported_test_is_in_every_rank_file_with_pytest_verdict(matrix: M
     assert matrix.returncode == 1, matrix.output
     healthy = {n for n in matrix.pytest_cases if n.endswith("_ok") or n.startswith("test_0")}
     assert set(matrix.pytest_cases) == set(EXPECTED) | PASSING | healthy
-    assert len([n for n in matrix.pytest_cases if n.endswith("_ok")]) == 24 and "test_0_first_pool_starts" in matrix.pytest_cases
+    assert (
+        len([n for n in matrix.pytest_cases if n.endswith("_ok")]) == 24
+        and "test_0_first_pool_starts" in matrix.pytest_cases
+    )
     for rank in (0, 1):
         assert set(matrix.ranks[rank]) == set(matrix.pytest_cases), rank
         for name, case in matrix.pytest_cases.items():
@@ -463,7 +469,8 @@ def test_each_verdict_comes_within_its_bound(matrix: MatrixRun) -> None:
     slow = {
         name: round(case.time_s, 1)
         for name, case in matrix.pytest_cases.items()
-        if case.time_s > (EXPECTED[name].seconds if name in EXPECTED else FIRST_S if name.startswith("test_0") else HEALTHY_S)
+        if case.time_s
+        > (EXPECTED[name].seconds if name in EXPECTED else FIRST_S if name.startswith("test_0") else HEALTHY_S)
     }
     assert slow == {}, slow
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import InnerSession, read_cases, running, wait_for_no_leftovers
 
+from conftest import InnerSession, read_cases, running, wait_for_no_leftovers
 from harness import processes
 from harness.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
 
@@ -81,7 +81,12 @@ def _wait_running(inner: InnerSession, process: subprocess.Popen[str], deadline:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Stopped]:
-    plans = {"sigint": signal.SIGINT, "second_sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+    plans = {
+        "sigint": signal.SIGINT,
+        "second_sigint": signal.SIGINT,
+        "sigterm": signal.SIGTERM,
+        "sigkill": signal.SIGKILL,
+    }
     inners = {name: InnerSession(tmp_path_factory.mktemp(name)) for name in plans}
     processes_ = {name: _start(inners[name], twice=name == "second_sigint") for name in plans}
     deadline = time.monotonic() + 240
