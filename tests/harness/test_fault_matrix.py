@@ -391,7 +391,7 @@ EXPECTED = {
     ),
     "test_x_pytest_timeout": Expect(
         "failed",
-        rf"stopped by the pytest process .* Timeout >{PYTEST_TIMEOUT}",
+        rf"stopped by the pytest process .* Timeout \(?>{PYTEST_TIMEOUT}",
         r"rank 1 was still running when the pytest process stopped the test .*Timeout.*in test_x_pytest_timeout",
         PYTEST_TIMEOUT + 5,
     ),

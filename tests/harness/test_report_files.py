@@ -9,6 +9,7 @@ alone); two sessions at the same time (neither loses the other's results).
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,8 @@ class Runs:
     untouched: bool
     together: list[tuple[str, list[str]]]
     directory_after: list[str]
+    verdict_s: dict[str, float]
+    """Seconds to each test's verdict (pytest's own --junitxml times) and to each whole session."""
 
 
 def _files(inner: InnerSession, directory: Path | None = None) -> tuple[list[str], dict[int, dict[str, Case]]]:
@@ -108,17 +111,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     inner = InnerSession(tmp_path_factory.mktemp("shared"))
     inner.write("test_shared.py", TESTS)
     common = ("-q", "--collective-timeout=5", "--seed=77", "-k", "not together")
-    first = inner.run(*common, cache=True)
+    first = inner.run(*common, "--junitxml=first.xml", cache=True)
     first_files = _files(inner)
-    second = inner.run(*common[:-1], "ws2", "-x", cache=True)
+    second = inner.run(*common[:-1], "ws2", "-x", "--junitxml=second.xml", cache=True)
     second_files = _files(inner)
+    verdict_s = {
+        f"{run}: {name}": case.time_s
+        for run in ("first", "second")
+        for name, case in read_cases(inner.directory / f"{run}.xml").items()
+    }
     before = {name: (inner.directory / "reports" / "junit" / name).read_bytes() for name in second_files[0]}
     elsewhere = inner.directory / "elsewhere"
+    started = time.monotonic()
     repro = inner.run("--repro", NODE, "--reports-dir", str(elsewhere), cache=True)
+    verdict_s["repro session"] = time.monotonic() - started
     repro_files = _files(inner, elsewhere / "junit")
     untouched = before == {name: (inner.directory / "reports" / "junit" / name).read_bytes() for name in before}
     sessions = [inner.popen("-q", "-k", name) for name in ("together_a", "together_b")]
+    started = time.monotonic()
     outputs = [session.communicate(timeout=300)[0] for session in sessions]
+    verdict_s["concurrent sessions"] = time.monotonic() - started
     together = [(output, _files(inner)[0]) for output in outputs]
     assert wait_for_no_leftovers(inner.marker) == []
     return Runs(
@@ -129,6 +141,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         untouched,
         together,
         inner.rank_files(),
+        verdict_s,
     )
 
 
@@ -188,3 +201,14 @@ def test_two_sessions_at_once_keep_both_results(runs: Runs) -> None:
         theirs = read_cases(junit / f"rank-{rank}.xml")
         assert len(mine) == len(theirs) == 1 and set(mine) | set(theirs) == {"test_together_a", "test_together_b"}
         assert all(case.status == "passed" for case in [*mine.values(), *theirs.values()])
+
+
+def test_each_verdict_comes_within_its_bound(runs: Runs) -> None:
+    # A test's verdict: at once (the swap is found in the traces when both ranks return), plus a
+    # pool start for the first test of a world size (the zygote forks; the session's first start
+    # imports torch). Whole sessions: interpreter start and torch import in the parent and the
+    # zygote, then one test. Quiet-machine values are a few seconds; the bounds allow a loaded one.
+    first_of_a_pool = {"first: test_ws4_fails_on_rank_3", "first: test_ws2_passes", "second: test_ws2_passes"}
+    bounds = {name: 60.0 if name in first_of_a_pool or "session" in name else 10.0 for name in runs.verdict_s}
+    slow = {name: round(seconds, 1) for name, seconds in runs.verdict_s.items() if seconds > bounds[name]}
+    assert slow == {}, slow
