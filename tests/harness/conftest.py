@@ -30,6 +30,31 @@ class Case:
     time_s: float
 
 
+# Source text for inner test modules (needs torch, nn, dist imported): two layers whose forward
+# all-reduces its own weight, so the collective's label is that layer's FQN, and a model that runs
+# them in the order a test asks; the same-shape swap passes every torch check.
+SYNCING_LAYERS = """
+class Syncing(nn.Module):
+    \"\"\"Forward all-reduces its own weight: the collective's label is this module's FQN.\"\"\"
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(36))
+    def forward(self, x):
+        dist.all_reduce(self.weight.data)
+        return x
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = Syncing()
+        self.layer2 = Syncing()
+    def forward(self, x, order):
+        for name in order:
+            x = getattr(self, name)(x)
+        return x
+"""
+
+
 def read_cases(path: Path) -> dict[str, Case]:
     """Test name -> its case, from a schema-valid JUnit file (ours or pytest's --junitxml)."""
     SCHEMA.validate(str(path))

@@ -11,10 +11,11 @@ import re
 import time
 from pathlib import Path
 
-from conftest import InnerSession
+from conftest import SYNCING_LAYERS, InnerSession
 from harness.testing import failure_sections
 
-DIVERGENT = '''
+DIVERGENT = (
+    """
 import os, time
 import pytest, torch, torch.distributed as dist
 from torch import nn
@@ -26,25 +27,9 @@ class TwoLayers(nn.Module):
         self.layer1 = nn.Linear(6, 6)
         self.layer2 = nn.Linear(6, 6)
 
-class Syncing(nn.Module):
-    """Forward all-reduces its own weight: the collective's label is this module's FQN."""
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(36))
-    def forward(self, x):
-        dist.all_reduce(self.weight.data)
-        return x
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = Syncing()
-        self.layer2 = Syncing()
-    def forward(self, x, order):
-        for name in order:
-            x = getattr(self, name)(x)
-        return x
-
+"""
+    + SYNCING_LAYERS
+    + """
 @pytest.mark.world_size(2)
 def test_same_shape_swap(rank):
     order = ["layer1", "layer2"] if rank == 0 else ["layer2", "layer1"]
@@ -95,7 +80,8 @@ def test_injected_delay_is_expected(rank):
 @pytest.mark.world_size(2)
 def test_agreeing_ranks_pass(rank):
     Model()(torch.ones(1), ["layer1", "layer2"])
-'''
+"""
+)
 
 EXPECTED = {
     "test_same_shape_swap": r"collective #1 on group \[0, 1\]: rank 0 all_reduce \[layer1\] 36 float32 "

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Case, InnerSession, read_cases, wait_for_no_leftovers
+from conftest import SYNCING_LAYERS, Case, InnerSession, read_cases, wait_for_no_leftovers
 
-TESTS = """
+TESTS = (
+    """
 import os, pathlib, time
 import pytest, torch, torch.distributed as dist
 from torch import nn
@@ -25,25 +26,9 @@ from torch import nn
 HERE = pathlib.Path(__file__).parent
 
 
-class Syncing(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(36))
-    def forward(self, x):
-        dist.all_reduce(self.weight.data)
-        return x
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = Syncing()
-        self.layer2 = Syncing()
-    def forward(self, x, order):
-        for name in order:
-            x = getattr(self, name)(x)
-        return x
-
+"""
+    + SYNCING_LAYERS
+    + """
 
 def meet(name, rank):
     # Two sessions at once: each waits until the other's test is running too.
@@ -79,6 +64,7 @@ def test_together_a(rank):
 def test_together_b(rank):
     meet("together_b", rank)
 """
+)
 
 SWAP = (
     r"collective #1 on group \[0, 1\]: "
