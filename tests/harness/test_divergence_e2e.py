@@ -96,13 +96,13 @@ EXPECTED = {
     r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 "
     r"\(injected fault: ",
 }
-COLLECTIVE_TIMEOUT = 5
+COLLECTIVE_TIMEOUT = 3
 
 
 def test_every_divergence_names_its_first_collective(inner: InnerSession) -> None:
     inner.write("test_divergent.py", DIVERGENT)
     started = time.monotonic()
-    result = inner.run(f"--collective-timeout={COLLECTIVE_TIMEOUT}", "--straggler-grace=3", "-q")
+    result = inner.run(f"--collective-timeout={COLLECTIVE_TIMEOUT}", "--straggler-grace=2", "-q")
     elapsed = time.monotonic() - started
     failures = failure_sections(result.stdout)
     assert sorted(failures) == sorted(EXPECTED), result.stdout
@@ -115,15 +115,3 @@ def test_every_divergence_names_its_first_collective(inner: InnerSession) -> Non
     assert "rank 0 all_reduce [layer1] 36 float32 vs rank 1 all_reduce [layer2]" in junit
     # Each divergence costs at most one collective timeout plus the grace; a pool restart follows.
     assert elapsed < 6 * (COLLECTIVE_TIMEOUT + 15) + 60, elapsed
-
-
-def test_repro_reruns_a_failure_and_prints_traces(inner: InnerSession) -> None:
-    inner.write("test_divergent.py", DIVERGENT)
-    first = inner.run("-q", "--seed=77", "-k", "same_shape_swap", cache=True)
-    assert "1 failed" in first.stdout, first.stdout
-    assert "pytest --repro test_divergent.py::test_same_shape_swap" in first.stdout
-    again = inner.run("--repro", "test_divergent.py::test_same_shape_swap", cache=True)
-    assert "1 failed" in again.stdout, again.stdout + again.stderr
-    assert "--seed=77" in again.stdout  # the recorded seed came back
-    assert "--- collective traces ---" in again.stdout and "rank 1: 2 collectives" in again.stdout
-    assert re.search(EXPECTED["test_same_shape_swap"], again.stdout)

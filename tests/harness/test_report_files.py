@@ -134,6 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 def test_every_rank_of_the_first_run_has_every_test(runs: Runs) -> None:
     output, names, cases = runs.first
     assert "2 failed, 2 passed, 2 deselected" in output, output
+    assert f"pytest --repro {NODE}" in output  # how to re-run the failure, printed with it
     assert names == ["rank-0.xml", "rank-1.xml", "rank-2.xml", "rank-3.xml"]
     for rank in (0, 1):
         assert sorted(cases[rank]) == [
@@ -195,6 +196,8 @@ def test_each_verdict_comes_within_its_bound(runs: Runs) -> None:
     # imports torch). Whole sessions: interpreter start and torch import in the parent and the
     # zygote, then one test. Quiet-machine values are a few seconds; the bounds allow a loaded one.
     first_of_a_pool = {"first: test_ws4_fails_on_rank_3", "first: test_ws2_passes", "second: test_ws2_passes"}
-    bounds = {name: 60.0 if name in first_of_a_pool or "session" in name else 10.0 for name in runs.verdict_s}
+    bounds = {
+        name: 120.0 if "session" in name else 60.0 if name in first_of_a_pool else 10.0 for name in runs.verdict_s
+    }
     slow = {name: round(seconds, 1) for name, seconds in runs.verdict_s.items() if seconds > bounds[name]}
     assert slow == {}, slow
