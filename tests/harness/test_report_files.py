@@ -193,11 +193,12 @@ def test_two_sessions_at_once_keep_both_results(runs: Runs) -> None:
 def test_each_verdict_comes_within_its_bound(runs: Runs) -> None:
     # A test's verdict: at once (the swap is found in the traces when both ranks return), plus a
     # pool start for the first test of a world size (the zygote forks; the session's first start
-    # imports torch). Whole sessions: interpreter start and torch import in the parent and the
-    # zygote, then one test. Quiet-machine values are a few seconds; the bounds allow a loaded one.
+    # imports torch). Whole sessions (interpreter start and torch import in the parent and the
+    # zygote, then one test) only have to end: a few seconds when quiet, minutes under a load of
+    # 100+ on 2 cores. The bounds allow a loaded machine.
     first_of_a_pool = {"first: test_ws4_fails_on_rank_3", "first: test_ws2_passes", "second: test_ws2_passes"}
     bounds = {
-        name: 120.0 if "session" in name else 60.0 if name in first_of_a_pool else 10.0 for name in runs.verdict_s
+        name: 300.0 if "session" in name else 60.0 if name in first_of_a_pool else 10.0 for name in runs.verdict_s
     }
     slow = {name: round(seconds, 1) for name, seconds in runs.verdict_s.items() if seconds > bounds[name]}
     assert slow == {}, slow
