@@ -8,9 +8,9 @@ sessions sharing a GPU runner run side by side; its ranks see only those GPUs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -20,7 +20,18 @@ from filelock import FileLock, Timeout
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "fsdp-harness-locks")
+LOCK_DIR_ENV = "FSDP_HARNESS_LOCK_DIR"
+
+
+def default_lock_dir() -> str:
+    """Where GPU reservations live: one place per machine, not per TMPDIR (sessions run with
+    different TMPDIRs must still see each other's locks); `FSDP_HARNESS_LOCK_DIR` overrides it."""
+    directory = os.environ.get(LOCK_DIR_ENV) or "/tmp/fsdp-harness-locks"
+    if not os.path.isdir(directory):
+        os.makedirs(directory, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o1777)  # every user's sessions reserve GPUs here; sticky: none deletes another's
+    return directory
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class GpuReservation:
         candidates = visible_gpu_names(visible_gpu_count())
         if count > len(candidates):
             raise RuntimeError(f"a pool of {count} ranks needs {count} GPUs; {len(candidates)} are visible")
-        self._lock_dir = lock_dir or _LOCK_DIR
+        self._lock_dir = lock_dir or default_lock_dir()
         os.makedirs(self._lock_dir, exist_ok=True)
         self._locks: list[FileLock] = []
         self.names: list[str] = []
@@ -94,7 +105,7 @@ class GpuReservation:
 
     def _take(self, candidates: list[str], count: int) -> bool:
         for name in candidates:
-            lock = FileLock(os.path.join(self._lock_dir, f"gpu-{_lock_name(name)}.lock"))
+            lock = FileLock(os.path.join(self._lock_dir, f"gpu-{_lock_name(name)}.lock"), mode=0o666)
             try:
                 lock.acquire(timeout=0)
             except Timeout:

@@ -1,22 +1,33 @@
 """Per-test isolation inside a warm rank: what a test may change is put back afterwards.
 
 A warm worker runs many tests; each must start from the same state a fresh process would
-give it, or results would depend on test order.
+give it, or results would depend on test order. `TestIsolation` covers the interpreter state a
+test body commonly changes (seeds, dtype, grad mode, warnings, environment, cwd, process groups,
+torch.distributed's functions) and runs in both modes; `ProcessIsolation` covers process-wide
+state only a process the harness owns may reset (file descriptors 0-2, signal handlers and
+timers, child processes) and runs in pool workers only: under torchrun the process is pytest's.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
+import signal
 import sys
+import types
 import warnings
 from contextlib import ExitStack
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.device_mesh as device_mesh
 import torch.distributed.distributed_c10d as c10d
+
+from harness import processes
+from harness.text import describe_exception
 
 _current_seed = 0
 
@@ -38,6 +49,8 @@ def seed_everything(seed: int) -> None:
 
 
 def _clear_dtensor_caches() -> None:
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no test of this worker used DTensor: nothing cached (and its debug module costs seconds to import)
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # older torch: no such cache to clear
@@ -45,8 +58,38 @@ def _clear_dtensor_caches() -> None:
     _clear_sharding_prop_cache()
 
 
+class _ModuleFunctions:
+    """The functions and classes of some modules, by identity, to put back the ones a test replaced.
+
+    A test that monkeypatches `dist.all_reduce` (or c10d's) would otherwise leave the patch, and
+    not the harness's traced wrapper, to every later test of the rank. Only callables are
+    compared: modules gain attributes legitimately (lazy submodule imports).
+    """
+
+    def __init__(self, modules: tuple[types.ModuleType, ...]) -> None:
+        self._snapshot = [
+            (module, {name: value for name, value in vars(module).items() if _is_function_like(value)})
+            for module in modules
+        ]
+
+    def restore(self) -> list[str]:
+        restored = []
+        for module, functions in self._snapshot:
+            namespace = vars(module)
+            for name, value in functions.items():
+                if namespace.get(name) is not value:
+                    setattr(module, name, value)
+                    restored.append(f"{module.__name__}.{name}")
+        return restored
+
+
+def _is_function_like(value: object) -> bool:
+    return callable(value) and not isinstance(value, types.ModuleType)
+
+
 class TestIsolation:
-    """Snapshot taken once per worker; `enter` before and `exit` after every test."""
+    """Snapshot taken once per worker (after the trace is installed); `enter` before and `exit`
+    after every test."""
 
     def __init__(self) -> None:
         self._debug_level = dist.get_debug_level()
@@ -55,23 +98,34 @@ class TestIsolation:
         self._default_dtype = torch.get_default_dtype()
         self._groups_before: set[Any] = set()
         self._stack = ExitStack()
+        self._functions = _ModuleFunctions((dist, c10d, funcol))
 
     def enter(self, seed: int) -> None:
         self._groups_before = set(c10d._world.pg_map)
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
         torch.set_grad_enabled(True)
-        torch.use_deterministic_algorithms(False)
+        if torch.are_deterministic_algorithms_enabled():
+            # Only when a test turned it on: the setter imports torch._inductor and torch._dynamo
+            # (seconds), which would otherwise be every fresh rank's first-test cost.
+            torch.use_deterministic_algorithms(False)
         dist.set_debug_level(self._debug_level)
         self._stack.enter_context(warnings.catch_warnings())
         warnings.resetwarnings()
         warnings.simplefilter("default")
 
-    def exit(self) -> tuple[int, int]:
-        """Undo the test's changes; return the sync state the parent compares across ranks."""
+    def exit(self) -> tuple[tuple[int, int], str]:
+        """Undo the test's changes; return the sync state the parent compares across ranks, and why
+        this rank cannot run another test ("" when it can)."""
         self._stack.close()
+        self._functions.restore()
+        if not dist.is_initialized():
+            return (0, 0), "the test destroyed the default process group"
         for group in [g for g in c10d._world.pg_map if g not in self._groups_before]:
-            dist.destroy_process_group(group)
+            try:
+                dist.destroy_process_group(group)
+            except Exception as error:  # noqa: BLE001 - any failure leaves groups behind: replace the rank
+                return (0, 0), f"a process group the test created could not be destroyed ({describe_exception(error)})"
         _clear_dtensor_caches()  # a new mesh equal to a destroyed one must not resolve to its dead groups
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
@@ -84,4 +138,85 @@ class TestIsolation:
         # Both counters only grow over the worker's life, so ranks that report equal values have
         # issued as many default-group collectives and created as many groups as each other.
         default_group = c10d._get_default_group()
-        return default_group._get_sequence_number_for_group(), c10d._world.group_count
+        return (default_group._get_sequence_number_for_group(), c10d._world.group_count), ""
+
+
+_STD_FDS = (0, 1, 2)
+
+
+class ProcessIsolation:
+    """Process-wide state of a pool worker, snapshotted once it is set up and put back after each test.
+
+    * fds 0, 1, 2 (a test's `os.dup2(devnull, 1)` would otherwise send every later test's output,
+      and the harness's own truncation of the capture file, to /dev/null) and `sys.stdin/stdout/stderr`;
+    * Python signal handlers, the signal mask and interval timers (a test's `signal.alarm` must not
+      fire in the next test), and faulthandler: the fatal-signal dumps and the SIGUSR1 stack dump
+      the parent asks hung ranks for (a test's own SIGUSR1 handler would otherwise silence it);
+    * child processes: whatever the test started and left running is ended (SIGKILL), including
+      descendants in new sessions (the worker is a child subreaper, see `harness.processes`).
+    Must run in the main thread (signal handlers can only be set there).
+    """
+
+    def __init__(self, stack_file: IO[str]) -> None:
+        self._stack_file = stack_file
+        self._fds = {fd: os.dup(fd) for fd in _STD_FDS}  # non-inheritable copies of the originals
+        self._fd_ids = {fd: _fd_identity(fd) for fd in _STD_FDS}
+        self._streams = (sys.stdin, sys.stdout, sys.stderr)
+        self._handlers = {sig: signal.getsignal(sig) for sig in _catchable_signals()}
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        self.arm_stack_dumps()
+
+    def arm_stack_dumps(self) -> None:
+        """(Re-)install faulthandler for fatal signals (to stderr) and SIGUSR1 (to the stacks file).
+
+        faulthandler keeps its own record of what it installed: after a test replaced a handler,
+        registering again would change nothing, so each is removed first.
+        """
+        faulthandler.disable()
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        faulthandler.unregister(signal.SIGUSR1)
+        faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+
+    def restore(self) -> tuple[list[str], str]:
+        """Put everything back; return notes for the test's stderr and a reason to replace the rank ("" if none)."""
+        notes: list[str] = []
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # closed or pointing at a closed fd: its buffered output is lost either way
+        for fd, saved in self._fds.items():
+            if _fd_identity(fd) != self._fd_ids[fd]:
+                os.dup2(saved, fd)
+                notes.append(f"fd {fd} was redirected by the test; restored")
+        sys.stdin, sys.stdout, sys.stderr = (
+            stream if not stream.closed else os.fdopen(fd, mode, closefd=False, buffering=1 if fd else -1)
+            for fd, mode, stream in zip(_STD_FDS, ("r", "w", "w"), self._streams)
+        )
+        self._streams = (sys.stdin, sys.stdout, sys.stderr)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+        for sig, handler in self._handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        self.arm_stack_dumps()
+        ended, survivors = processes.end_descendants()
+        if ended:
+            notes.append(f"ended {len(ended)} process(es) the test left running: {', '.join(ended)}")
+        replace = f"processes {survivors} the test started did not die on SIGKILL" if survivors else ""
+        return notes, replace
+
+
+def _fd_identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None  # closed by the test
+    return st.st_dev, st.st_ino
+
+
+def _catchable_signals() -> list[signal.Signals]:
+    uncatchable = {signal.SIGKILL, signal.SIGSTOP}
+    return [sig for sig in signal.valid_signals() if isinstance(sig, signal.Signals) and sig not in uncatchable]

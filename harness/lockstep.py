@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from datetime import timedelta
 
@@ -23,7 +24,7 @@ from harness.devices import DevicePlan, plan_devices, rank_device
 from harness.messages import RankLoss, RankResult, TestTask
 from harness.rank_env import loopback_interface
 from harness.runner import TestRunner
-from harness.session import Execution, HarnessSession
+from harness.session import Execution, HarnessSession, WorldUnusable
 from harness.tracefile import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
@@ -49,9 +50,13 @@ class LockstepSession(HarnessSession):
             kwargs["device_id"] = device
         if not dist.is_initialized():
             dist.init_process_group(self.device_plan.comm_backend, init_method="env://", timeout=timeout, **kwargs)
-        # Outcomes travel on their own gloo group: the default one may be wedged by the test.
-        self.control = dist.new_group(backend="gloo", timeout=timeout)
-        self.trace_path = os.path.join(tempfile.mkdtemp(prefix="fsdp-harness-lockstep-"), "trace")
+        # Outcomes travel on their own gloo group: the default one may be wedged by the test. A
+        # rank stuck in a collective reaches the exchange up to one collective timeout after its
+        # peers (plus the straggler grace), so the exchange waits longer than that.
+        exchange_s = 2 * self.options.collective_timeout + self.options.straggler_grace
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_s))
+        self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
+        self.trace_path = os.path.join(self.trace_dir, "trace")
         self.runner = TestRunner(
             self.rank, self.world_size, local_rank, device, rank_fixture_modules, self.label_providers, self.trace_path
         )
@@ -59,6 +64,9 @@ class LockstepSession(HarnessSession):
 
     def own_ranks(self, world_size: int) -> range:
         return range(self.rank, self.rank + 1)
+
+    def kill_all(self) -> None:
+        shutil.rmtree(self.trace_dir, ignore_errors=True)
 
     def plan(self, world_size: int) -> DevicePlan:
         if world_size != self.world_size:
@@ -82,10 +90,8 @@ class LockstepSession(HarnessSession):
 
     def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
         if self.unusable_since is not None:
-            pytest.fail(
-                f"the torchrun world is unusable since {self.unusable_since} left a collective "
-                "unfinished; relaunch to run the remaining tests",
-                pytrace=False,
+            raise WorldUnusable(
+                f"the torchrun world is unusable since {self.unusable_since}; relaunch to run the remaining tests"
             )
         outcome = self.runner.run(task)
         records = read_trace_or_empty(self.trace_path)
@@ -93,7 +99,7 @@ class LockstepSession(HarnessSession):
         try:
             dist.all_gather_object(gathered, (outcome, records), group=self.control)
         except RuntimeError as error:
-            self.unusable_since = item.nodeid
+            self.unusable_since = f"{item.nodeid} did not reach the end on every rank"
             lost = f"did not reach the end of the test within --collective-timeout ({error})"
             results: dict[int, RankResult] = {r: RankLoss(r, lost) for r in range(self.world_size)}
             results[self.rank] = outcome
@@ -103,5 +109,8 @@ class LockstepSession(HarnessSession):
         # A collective left unfinished on any rank has wedged the default group for good (the
         # pool would restart here; a torchrun world cannot): later tests fail fast instead.
         if last_unfinished(traces):
-            self.unusable_since = item.nodeid
+            self.unusable_since = f"{item.nodeid} left a collective unfinished"
+        replace = [f"rank {r}: {o.replace_reason}" for r, o in results.items() if getattr(o, "replace_reason", "")]
+        if replace and self.unusable_since is None:
+            self.unusable_since = f"{item.nodeid} ({'; '.join(replace)})"
         return Execution(results, {}, traces)

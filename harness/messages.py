@@ -75,6 +75,9 @@ class RankOutcome:
     traceback: str = ""
     sync_state: tuple[int, int] = (0, 0)
     injected_faults: list[str] = field(default_factory=list)
+    replace_reason: str = ""
+    """Why this rank must not run another test (it could not put its state back, e.g. the test
+    destroyed the default process group); empty when it may."""
 
 
 @dataclass
@@ -86,13 +89,23 @@ class RankLoss:
     """Completes "rank <r> ...", e.g. "was killed by SIGKILL (9)"."""
     stacks: str = ""
     """The rank's Python stacks when it hung (faulthandler), else empty."""
+    raised: str = ""
+    """The exception the test raised on this rank before it was lost (e.g. a Python error followed
+    by gloo's SIGABRT during teardown): `Type: message` on the first line, then the traceback;
+    else empty."""
 
     status: ClassVar[Status] = "failed"
     duration_s: ClassVar[float] = 0.0
 
     @property
     def summary(self) -> str:
+        if self.raised:
+            return f"rank {self.rank} {self.cause}, after raising {self.raised_summary}"
         return f"rank {self.rank} {self.cause}"
+
+    @property
+    def raised_summary(self) -> str:
+        return self.raised.partition("\n")[0]
 
 
 RankResult = RankOutcome | RankLoss

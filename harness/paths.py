@@ -29,3 +29,9 @@ class RankFiles:
     @property
     def trace(self) -> str:
         return self._path("trace")
+
+    @property
+    def raised(self) -> str:
+        """The test's exception, written by the rank as soon as the body raised (before teardown),
+        so it is known even if the rank dies afterwards; emptied by the parent before each test."""
+        return self._path("raised")

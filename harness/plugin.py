@@ -3,6 +3,10 @@
 Selection, parametrization and reporting stay in the parent, so `-k`, `-x`, `--lf`,
 pytest-timeout and `--junitxml` keep working; only the body of a test marked
 `@pytest.mark.world_size(N)` is shipped to the N ranks of a warm pool.
+
+Every distributed test pytest reports is published to the report hooks once its report is final
+(`pytest_runtest_protocol` below), whatever decided it. SIGTERM ends the session like Ctrl-C
+(`harness.signals`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import importlib
 import os
 import tempfile
 import types
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -21,9 +26,11 @@ from harness.devices import DEVICE_CHOICES, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
 from harness.session import HarnessSession, session_properties
+from harness.signals import SignalGuard
 from harness.world_sizes import world_size_of  # also imported from here by other plugins
 
 _SESSION = pytest.StashKey["HarnessSession"]()
+_SIGNALS = pytest.StashKey[SignalGuard]()
 _JUNIT_PLUGIN = "harness-junit"
 
 
@@ -127,9 +134,13 @@ def pytest_configure(config: pytest.Config) -> None:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
     atexit.register(session.kill_all)
+    guard = SignalGuard()
+    guard.install()
+    config.stash[_SIGNALS] = guard
     # The built-in report, registered like any other report plugin (as pytest registers junitxml).
+    torchrun = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if _launched_by_torchrun() else None
     config.pluginmanager.register(
-        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config)), _JUNIT_PLUGIN
+        JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
 
 
@@ -192,6 +203,42 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: sees the report after every plugin changed it
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    session = item.config.stash.get(_SESSION, None)
+    if session is not None and world_size_of(item) is not None:
+        session.record_phase(item, report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+    session = item.config.stash.get(_SESSION, None)
+    size = world_size_of(item) if session is not None else None
+    if session is None or size is None:
+        return (yield)
+    try:
+        result = yield
+    except BaseException as error:  # an interrupt: the test is still published, as interrupted
+        session.finish_test(item, size, error)
+        raise
+    session.finish_test(item, size)
+    return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """From here on the session is ending: a signal no longer interrupts the clean-up."""
+    guard = session.config.stash.get(_SIGNALS, None)
+    harness_session = session.config.stash.get(_SESSION, None)
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or (guard is not None and guard.is_ending)
+    if interrupted and isinstance(harness_session, PoolSession):
+        harness_session.interrupted = True  # no polite waits on the way out
+    if guard is not None:
+        guard.ending()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     harness_session = session.config.stash.get(_SESSION, None)
     if harness_session is not None:
@@ -202,7 +249,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for line in world_sizes.summary_lines(config):
         terminalreporter.write_line(line)
     session = config.stash.get(_SESSION, None)
-    if session is not None and session.dispatched:
+    if session is not None and session.published:
         files = session.finish()
         terminalreporter.write_line(
             f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}"
@@ -210,10 +257,19 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    guard = config.stash.get(_SIGNALS, None)
+    if guard is not None:
+        guard.ending()
     session = config.stash.get(_SESSION, None)
-    if session is not None:
-        session.finish()
-        session.kill_all()
-    junit = config.pluginmanager.get_plugin(_JUNIT_PLUGIN)
-    if junit is not None:
-        config.pluginmanager.unregister(junit)
+    try:
+        if session is not None:
+            session.finish()
+    finally:
+        if session is not None:
+            session.kill_all()
+        junit = config.pluginmanager.get_plugin(_JUNIT_PLUGIN)
+        if junit is not None:
+            junit.release()
+            config.pluginmanager.unregister(junit)
+        if guard is not None:
+            guard.uninstall()

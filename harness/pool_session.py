@@ -1,4 +1,10 @@
-"""The parent owns the ranks: warm pools of rank processes, started lazily, kept while reusable."""
+"""The parent owns the ranks: warm pools of rank processes, started lazily, kept while reusable.
+
+What this session starts, it ends, however the session ends: pools are closed politely at the
+normal end and killed on an interrupt (Ctrl-C, SIGTERM) or at exit; the run directory in TMPDIR
+is removed. If the pytest process itself is killed, its reaper (`harness.reaper`) ends what the
+ranks left and removes the run directory, and the next session sweeps what remains.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,15 @@ import uuid
 import pytest
 
 from harness.devices import visible_gpu_count
-from harness.messages import TestTask
-from harness.pool import PoolKey, PoolStartError, WorkerPool, tail
+from harness.messages import RankResult, TestTask
+from harness.pool import PoolKey, PoolStartError, WorkerLauncher, WorkerPool
+from harness.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
 from harness.session import Execution, HarnessSession, WorldStartError
+from harness.text import read_tail
 from harness.tracefile import read_trace_or_empty
 from harness.verdict import world_reusable
 
-_CAPTURE_LIMIT = 1 << 20  # per rank and stream: the tail of a flood of output is what explains it
+_CAPTURE_LIMIT = 256 * 1024  # bytes per rank and stream: the tail of a flood of output is what explains it
 
 
 class PoolSession(HarnessSession):
@@ -25,10 +33,20 @@ class PoolSession(HarnessSession):
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         super().__init__(config, rank_fixture_modules, reports_dir)
         self.tag = uuid.uuid4().hex[:12]
-        self.run_dir = tempfile.mkdtemp(prefix=f"fsdp-harness-{self.tag}-")
+        sweep_stale_run_dirs(tempfile.gettempdir())
+        self.run_dir = tempfile.mkdtemp(prefix=run_dir_name(self.tag))
+        self._owner = hold_run_dir(self.run_dir)
         self.pools: dict[PoolKey, WorkerPool] = {}
         self.pool_starts = 0
+        self.interrupted = False
+        self._reaper: Reaper | None = None
+        self.launcher = WorkerLauncher(self.run_dir, self.tag, on_spawn=self._on_spawn)
+        self._interrupted_results: dict[int, RankResult] | None = None
         self._closed = False
+
+    def _on_spawn(self, pid: int) -> None:
+        if self._reaper is None:  # started with the first worker: a session without ranks needs none
+            self._reaper = Reaper(self.tag, self.run_dir)
 
     def pool_for(self, key: PoolKey) -> WorkerPool:
         pool = self.pools.get(key)
@@ -36,7 +54,7 @@ class PoolSession(HarnessSession):
             if key.device_kind == "cuda":
                 self._make_room_on_gpus(key.world_size)
             run_dir = os.path.join(self.run_dir, f"ws{key.world_size}-{key.device_kind}-{self.pool_starts}")
-            pool = WorkerPool(key, run_dir, self.rank_fixture_modules, self.tag, self.label_providers)
+            pool = WorkerPool(key, run_dir, self.rank_fixture_modules, self.tag, self.label_providers, self.launcher)
             self.pool_starts += 1
             pool.start()
             self.pools[key] = pool
@@ -59,24 +77,44 @@ class PoolSession(HarnessSession):
             pool.kill()
 
     def kill_all(self) -> None:
+        """Kill every process of the session and remove its run directory (idempotent; also at exit)."""
         for key in list(self.pools):
             self.discard_pool(key)
+        self.launcher.close()
+        if self._reaper is not None:
+            self._reaper.finish()
+            self._reaper = None
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._owner.close()
 
     def finish(self) -> list[str]:
-        """Close pools politely and write the reports (idempotent)."""
+        """Close pools (politely unless interrupted) and write the reports (idempotent)."""
         if not self._closed:
             self._closed = True
-            for pool in self.pools.values():
-                pool.close()
-            self.pools.clear()
+            for key, pool in list(self.pools.items()):
+                if self.interrupted:
+                    pool.kill()
+                else:
+                    pool.close()
+                del self.pools[key]
+            self.launcher.close()
         return super().finish()
 
     def summary(self) -> str:
-        return f"{self.dispatched} distributed tests, {self.pool_starts} pool starts"
+        text = (
+            f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, "
+            f"{self.launcher.spawned} rank processes"
+        )
+        if self.launcher.zygote_unavailable:
+            text += f" (spawned, not forked: {self.launcher.zygote_unavailable.splitlines()[0]})"
+        return text
+
+    def interrupted_results(self) -> dict[int, RankResult] | None:
+        return self._interrupted_results
 
     def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
         key = PoolKey(world_size, device_kind, self.options.collective_timeout)  # type: ignore[arg-type]
+        self._interrupted_results = None
         if item.get_closest_marker("fresh_world") is not None:
             self.discard_pool(key)
         try:
@@ -85,14 +123,19 @@ class PoolSession(HarnessSession):
             raise WorldStartError(str(error)) from error
         try:
             results = pool.run(task, self.options.test_timeout, self.options.straggler_grace)
-        except BaseException:
-            self.discard_pool(key)  # interrupted (Ctrl-C, pytest-timeout): no rank may outlive it
+        except BaseException as error:
+            # Interrupted (Ctrl-C, SIGTERM, pytest-timeout): no rank may outlive the test.
+            self._interrupted_results = pool.interrupted_results
+            if isinstance(error, KeyboardInterrupt):
+                self.interrupted = True
+            self.discard_pool(key)
             raise
         files = {rank: pool.rank_files(rank) for rank in results}
         return Execution(
             results=results,
             captured={
-                rank: (tail(f.stdout, _CAPTURE_LIMIT), tail(f.stderr, _CAPTURE_LIMIT)) for rank, f in files.items()
+                rank: (read_tail(f.stdout, _CAPTURE_LIMIT), read_tail(f.stderr, _CAPTURE_LIMIT))
+                for rank, f in files.items()
             },
             traces={rank: read_trace_or_empty(f.trace) for rank, f in files.items()},
         )

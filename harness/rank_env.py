@@ -36,6 +36,7 @@ import torch.distributed as dist
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK_ADDR = "127.0.0.1"
 _IFF_LOOPBACK = 0x8
+_NOT_INHERITED = ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE")
 
 
 def loopback_interface() -> str:
@@ -57,6 +58,11 @@ def loopback_interface() -> str:
     return "lo"
 
 
+def session_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` without what no rank may inherit (see the module doc: TORCHELASTIC_RUN_ID, LOCAL_SIZE)."""
+    return {key: value for key, value in base.items() if key not in _NOT_INHERITED}
+
+
 def rank_environment(
     base: Mapping[str, str],
     *,
@@ -66,7 +72,7 @@ def rank_environment(
     cuda_devices: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """`base` with the torchrun contract of rank `rank` of a one-host world (see the module doc)."""
-    env = {key: value for key, value in base.items() if key not in ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE")}
+    env = session_environment(base)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

@@ -7,8 +7,8 @@ satisfied); the values are built in the rank, where the device and process group
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Generator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,16 @@ def rank_fixture(fn: RankFixture | None = None, *, name: str | None = None) -> A
     return register(fn) if fn is not None else register
 
 
+def _finalize(key: str, generator: Generator[Any, None, None]) -> None:
+    """A generator fixture's teardown: the code after its `yield`, whether the test passed or not
+    (as pytest runs it: the test's exception is not thrown into the fixture)."""
+    try:
+        next(generator)
+    except StopIteration:
+        return
+    raise RuntimeError(f"rank fixture {key!r} yielded more than once; a fixture yields exactly one value")
+
+
 def registered_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
@@ -64,7 +74,9 @@ def resolve(names: tuple[str, ...], ctx: RankContext, stack: ExitStack) -> dict[
                 "the 'rank_fixture_modules' ini option"
             ) from None
         if inspect.isgeneratorfunction(factory):
-            values[key] = stack.enter_context(contextmanager(factory)(ctx))
+            generator = factory(ctx)
+            values[key] = next(generator)
+            stack.callback(_finalize, key, generator)
         else:
             values[key] = factory(ctx)
     return values

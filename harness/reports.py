@@ -71,7 +71,8 @@ def rank_case(result: RankResult, stdout: str, stderr: str, divergence: str) -> 
     divergence was expected.
     """
     if isinstance(result, RankLoss):
-        text = f"{result.summary}\n{result.stacks}\n--- stderr ---\n{stderr}"
+        raised = f"--- raised, before the rank was lost ---\n{result.raised}\n" if result.raised else ""
+        text = f"{result.summary}\n{raised}{result.stacks}\n--- stderr ---\n{stderr}"
         return RankCase("failed", 0.0, result.summary, text, stdout, stderr)
     if divergence and result.status != "failed":
         return RankCase("failed", result.duration_s, divergence, divergence, stdout, stderr)

@@ -2,7 +2,9 @@
 
 A failure's arguments (node id, device, seed, timeouts, plus what plugins add through
 `pytest_harness_repro_args`) are printed as a `REPRO:` line and recorded in pytest's cache;
-`pytest --repro NODEID` replaces the process with that recorded command, traces shown.
+`pytest --repro NODEID` replaces the process with that recorded command, traces shown. The re-run
+writes its reports to `--reports-dir` if given, else to `<rootdir>/reports/repro`: never over the
+reports of the run it reproduces.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def reexec_recorded(config: pytest.Config, nodeid: str) -> None:
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()
+    # Absolute before the chdir: a relative --reports-dir was meant from where pytest was started.
+    reports_dir = os.path.abspath(config.getoption("reports_dir") or os.path.join(config.rootpath, "reports", "repro"))
     os.chdir(config.rootpath)
     os.execv(
         sys.executable,
@@ -68,6 +72,7 @@ def reexec_recorded(config: pytest.Config, nodeid: str) -> None:
             "pytest",
             *_session_args(config.invocation_params.args),
             *recorded[nodeid],
+            f"--reports-dir={reports_dir}",
             "--show-traces",
             "-rA",
         ],

@@ -2,7 +2,9 @@
 
 It imports the test module (with pytest's assertion rewriting), resolves rank fixtures, wraps the
 body in per-test isolation and the collective trace, and turns whatever happened into a
-`RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash.
+`RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash, and
+an exception of any shape (one whose `__str__` raises included) is described safely; a failure of
+the harness's own steps is a failed outcome that asks for the rank to be replaced.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from harness import faults, rank_fixtures, trace
 from harness.isolation import TestIsolation
 from harness.labels import load_label_providers
 from harness.messages import RankOutcome, Status, TestTask
+from harness.text import clip, describe_exception
+
+_TRACEBACK_LIMIT = 256 * 1024  # characters of one rank's failure text sent to the parent
 
 
 def import_test_module(name: str, file: str) -> ModuleType:
@@ -71,7 +76,11 @@ def format_failure(error: BaseException) -> str:
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(error), error, tb))
+    try:
+        text = "".join(traceback.format_exception(type(error), error, tb))
+    except Exception as failure:  # noqa: BLE001 - formatting a foreign exception must not fail the rank
+        text = f"{describe_exception(error)}\n(its traceback could not be formatted: {describe_exception(failure)})"
+    return clip(text, _TRACEBACK_LIMIT)
 
 
 class TestRunner:
@@ -86,6 +95,7 @@ class TestRunner:
         rank_fixture_modules: tuple[str, ...],
         label_providers: tuple[str, ...],
         trace_path: str,
+        raised_path: str | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -93,12 +103,27 @@ class TestRunner:
         self.device = device
         self.rank_fixture_modules = rank_fixture_modules
         self.trace_path = trace_path
+        self.raised_path = raised_path
         trace.install()
         load_label_providers(label_providers)
         self.isolation = TestIsolation()
 
     def run(self, task: TestTask) -> RankOutcome:
         started = time.perf_counter()
+        try:
+            return self._run(task, started)
+        except BaseException as error:  # noqa: BLE001 - the harness's own steps failed, not the body
+            summary = f"harness error on rank {self.rank}: {describe_exception(error)}"
+            return RankOutcome(
+                rank=self.rank,
+                status="failed",
+                duration_s=time.perf_counter() - started,
+                summary=summary,
+                traceback=format_failure(error),
+                replace_reason=summary,
+            )
+
+    def _run(self, task: TestTask, started: float) -> RankOutcome:
         status: Status = "passed"
         summary, failure = "", ""
         # Order matters. Isolation brackets everything; the trace brackets the body and the rank
@@ -121,22 +146,27 @@ class TestRunner:
                     options=task.options,
                 )
                 kwargs = dict(task.call_kwargs)
-                kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
-                test(**kwargs)
+                try:
+                    kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
+                    test(**kwargs)
+                except BaseException as error:
+                    # Noted before the fixtures' teardown runs: a teardown that aborts the process
+                    # (gloo's SIGABRT on a mismatched collective) must not take the cause with it.
+                    self._note_raised(error)
+                    raise
         except pytest.skip.Exception as skip:
-            status, summary = "skipped", skip.msg
+            status, summary = "skipped", str(skip.msg)
         except pytest.xfail.Exception as xfail:
-            status, summary = "xfailed", xfail.msg
+            status, summary = "xfailed", str(xfail.msg)
         except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
             status = "failed"
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            summary = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+            summary = describe_exception(error)
             failure = format_failure(error)
         finally:
             trace.end_test()
             injected = faults.active_faults()
             faults.clear()
-        sync_state = self.isolation.exit()
+        sync_state, replace_reason = self.isolation.exit()
         return RankOutcome(
             rank=self.rank,
             status=status,
@@ -145,4 +175,14 @@ class TestRunner:
             traceback=failure,
             sync_state=sync_state,
             injected_faults=injected,
+            replace_reason=replace_reason,
         )
+
+    def _note_raised(self, error: BaseException) -> None:
+        if self.raised_path is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
+            return
+        try:
+            with open(self.raised_path, "w", encoding="utf-8", errors="replace") as handle:
+                handle.write(f"{describe_exception(error)}\n{format_failure(error)}")
+        except OSError:
+            pass  # the outcome still carries the failure if the rank survives

@@ -4,7 +4,12 @@ diff the traces, decide, report. Two ways to get results: a warm pool the parent
 (`harness.lockstep`); both subclass `HarnessSession`.
 
 Every verdict leaves through `HarnessSession.publish`, which hands it to the report hooks
-(`pytest_harness_test_result`) before pytest is told the outcome.
+(`pytest_harness_test_result`) once per distributed test that pytest reports, when pytest's own
+report of it is final (`finish_test`). So the reports hold what pytest says, whoever decided it:
+the ranks' results (`propose`d by `run_item`, with every rank's case), the parent before or
+instead of the ranks (an argument that cannot be pickled, a world that cannot start or is
+unusable, a fixture error, a skip marker), an interrupt (Ctrl-C, SIGTERM, pytest-timeout), and
+what other plugins made of the outcome (xfail markers, the conformance expectations).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import pickle
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +30,34 @@ from harness.devices import DevicePlan, plan_devices
 from harness.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.messages import RankLoss, RankOutcome, RankResult, Status, TestTask
 from harness.reports import DistributedTestResult, RankCase, SuiteKey, rank_case, uniform_cases
+from harness.text import describe_exception, first_line
 from harness.tracefile import CollectiveRecord
-from harness.verdict import Verdict, decide
+from harness.verdict import Verdict, decide, failure_text
 
 _PICKLABLE_OPTION_TYPES = (str, int, float, bool, type(None))
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """What the harness made of a test's ranks, before pytest and its plugins have the last word."""
+
+    suite: SuiteKey
+    outcome: Status
+    message: str
+    cases: dict[int, RankCase]
+
+
+_PROPOSAL = pytest.StashKey[Proposal]()
+_PHASES = pytest.StashKey[list[pytest.TestReport]]()
+
+
 class WorldStartError(RuntimeError):
     """The ranks for a test could not be started or reached (raised by `HarnessSession.execute`)."""
+
+
+class WorldUnusable(WorldStartError):
+    """The world exists but cannot run another test (torchrun: an earlier test wedged it); the
+    message is the whole explanation."""
 
 
 @dataclass
@@ -69,6 +95,7 @@ class HarnessSession:
             or (isinstance(value, list) and all(isinstance(v, str) for v in value))
         }
         self._reports: list[str] | None = None
+        self.published = 0
 
     # -- what differs between the two modes ------------------------------------------------
     def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
@@ -102,24 +129,34 @@ class HarnessSession:
     def kill_all(self) -> None:
         """Nothing to kill unless this session owns processes."""
 
+    def interrupted_results(self) -> dict[int, RankResult] | None:
+        """What each rank had done when the last `execute` was interrupted, if this mode knows."""
+        return None
+
     # -- one test ------------------------------------------------------------------------
     def run_item(self, item: pytest.Function, world_size: int) -> None:
         self.dispatched += 1
         params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
         plan = self.plan(world_size)
-        suite = SuiteKey(world_size, plan.kind or self.options.device, _suite_properties(item))
+        suite = self.suite(item, world_size, plan)
         if plan.kind is None:
-            ranks = sorted({*range(world_size), *self.own_ranks(world_size)})
-            self.publish(item, suite, "skipped", plan.skip_reason, uniform_cases(ranks, "skipped", plan.skip_reason))
+            self.propose(
+                item, suite, "skipped", plan.skip_reason, self._uniform(world_size, "skipped", plan.skip_reason)
+            )
             pytest.skip(plan.skip_reason)
         task = self._task(item, params)
+        started = time.monotonic()
         try:
             execution = self.execute(item, world_size, plan.kind, task)
         except WorldStartError as error:
-            text = f"could not start a world of {world_size} ({plan.kind}): {error}"
-            cases = uniform_cases(range(world_size), "failed", str(error).splitlines()[0], text)
-            self.publish(item, suite, "failed", text, cases)
+            text = str(error)
+            if not isinstance(error, WorldUnusable):
+                text = f"could not start a world of {world_size} ({plan.kind}): {text}"
+            self.propose(item, suite, "failed", text, self._uniform(world_size, "failed", first_line(str(error)), text))
             pytest.fail(text, pytrace=False)
+        except BaseException as error:  # interrupted in the parent: Ctrl-C, SIGTERM, pytest-timeout
+            self._propose_interrupted(item, suite, world_size, error, time.monotonic() - started)
+            raise
         divergence = first_divergence(execution.traces, list(execution.results))
         expected = item.get_closest_marker("expect_divergence") is not None or any(
             isinstance(result, RankOutcome) and result.injected_faults for result in execution.results.values()
@@ -141,10 +178,42 @@ class HarnessSession:
             repro.remember_failure(item)
         self._report(item, suite, execution, verdict)
 
+    def suite(self, item: pytest.Item, world_size: int, plan: DevicePlan | None = None) -> SuiteKey:
+        plan = plan or self.plan(world_size)
+        return SuiteKey(world_size, plan.kind or self.options.device, _suite_properties(item))
+
+    def propose(
+        self, item: pytest.Item, suite: SuiteKey, outcome: Status, message: str, cases: dict[int, RankCase]
+    ) -> None:
+        """Record what the ranks (or the parent for them) made of the test; `finish_test` publishes it."""
+        item.stash[_PROPOSAL] = Proposal(suite, outcome, message, cases)
+
+    def record_phase(self, item: pytest.Item, report: pytest.TestReport) -> None:
+        """pytest's final report of one phase (setup, call, teardown) of a distributed test."""
+        item.stash.setdefault(_PHASES, []).append(report)
+
+    def finish_test(self, item: pytest.Item, world_size: int, interrupted: BaseException | None = None) -> None:
+        """The test is over (or was interrupted): publish its verdict as pytest reported it, once."""
+        phases = item.stash.get(_PHASES, [])
+        proposal = item.stash.get(_PROPOSAL, None)
+        if not phases and proposal is None:
+            return  # never started (interrupted before its setup): pytest does not report it either
+        outcome, message = final_verdict(phases, proposal, interrupted)
+        if proposal is not None:
+            suite, cases = proposal.suite, proposal.cases
+        else:
+            suite = self.suite(item, world_size)
+            cases = self._uniform(world_size, outcome, first_line(message), message)
+        self.publish(item, suite, outcome, message, cases)
+        del item.stash[_PHASES]
+        if proposal is not None:
+            del item.stash[_PROPOSAL]
+
     def publish(
-        self, item: pytest.Function, suite: SuiteKey, outcome: Status, message: str, cases: dict[int, RankCase]
+        self, item: pytest.Item, suite: SuiteKey, outcome: Status, message: str, cases: dict[int, RankCase]
     ) -> None:
         """Hand one test's verdict to every report plugin: the single way out for results."""
+        self.published += 1
         result = DistributedTestResult(
             nodeid=item.nodeid,
             name=item.name,
@@ -155,6 +224,22 @@ class HarnessSession:
             own_ranks=tuple(self.own_ranks(suite.world_size)),
         )
         item.config.hook.pytest_harness_test_result(item=item, result=result)
+
+    def _uniform(self, world_size: int, status: Status, message: str, text: str = "") -> dict[int, RankCase]:
+        return uniform_cases(sorted({*range(world_size), *self.own_ranks(world_size)}), status, message, text)
+
+    def _propose_interrupted(
+        self, item: pytest.Item, suite: SuiteKey, world_size: int, error: BaseException, elapsed_s: float
+    ) -> None:
+        reason = f"stopped by the pytest process {elapsed_s:.1f} s into the test: {describe_exception(error)}"
+        results = self.interrupted_results()
+        if not results:
+            self.propose(item, suite, "failed", reason, self._uniform(world_size, "failed", reason))
+            return
+        # Each rank's own case (those that had answered keep their outcome); every rank's file
+        # still gets the verdict, the parent's reason, when the test is published.
+        cases = {rank: rank_case(result, "", "", "") for rank, result in results.items()}
+        self.propose(item, suite, "failed", f"{reason}\n\n{failure_text(results)}", cases)
 
     def _task(self, item: pytest.Function, params: dict[str, Any]) -> TestTask:
         rank_side = set(rank_fixtures.registered_names())
@@ -197,7 +282,7 @@ class HarnessSession:
             rank: rank_case(result, *execution.captured.get(rank, ("", "")), verdict.divergence)
             for rank, result in execution.results.items()
         }
-        self.publish(item, suite, verdict.outcome, verdict.message, cases)
+        self.propose(item, suite, verdict.outcome, verdict.message, cases)
         for rank in execution.results:
             stdout, stderr = execution.captured.get(rank, ("", ""))
             if stdout:
@@ -217,7 +302,51 @@ class HarnessSession:
             pytest.xfail(verdict.message)
 
 
-def _suite_properties(item: pytest.Function) -> tuple[tuple[str, str], ...]:
+def final_verdict(
+    phases: list[pytest.TestReport], proposal: Proposal | None, interrupted: BaseException | None
+) -> tuple[Status, str]:
+    """A distributed test's outcome and text as pytest reported them (its junitxml reads the same).
+
+    The ranks' text is kept where pytest agrees with the ranks' outcome; where a plugin changed the
+    outcome (an xfail marker, an expected failure), pytest's reason is the text.
+    """
+    by_phase = {report.when: report for report in phases}
+    setup, call, teardown = by_phase.get("setup"), by_phase.get("call"), by_phase.get("teardown")
+    outcome: Status
+    if setup is not None and setup.failed:
+        outcome, message = "failed", f"error in setup: {setup.longreprtext}"
+    elif setup is not None and setup.skipped:
+        outcome, message = _skipped(setup)
+    elif call is not None and call.passed:
+        outcome, message = "passed", ""
+    elif call is not None and call.failed:
+        agree = proposal is not None and proposal.outcome == "failed"
+        outcome, message = "failed", proposal.message if agree and proposal else call.longreprtext
+    elif call is not None:
+        outcome, message = _skipped(call)
+        if proposal is not None and proposal.outcome == outcome and outcome == "skipped":
+            message = proposal.message
+    elif proposal is not None and interrupted is not None:
+        outcome, message = "failed", proposal.message
+    elif interrupted is not None:
+        outcome, message = "failed", f"interrupted before the test ran: {describe_exception(interrupted)}"
+    else:
+        outcome, message = "failed", "the test ended without a result"
+    if teardown is not None and teardown.failed:
+        outcome, message = "failed", "\n\n".join(filter(None, [message, f"error in teardown: {teardown.longreprtext}"]))
+    return outcome, message
+
+
+def _skipped(report: pytest.TestReport) -> tuple[Status, str]:
+    reason = getattr(report, "wasxfail", None)
+    if reason is not None:
+        return "xfailed", str(reason)
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else report.longreprtext
+    return "skipped", str(text).removeprefix("Skipped: ")
+
+
+def _suite_properties(item: pytest.Item) -> tuple[tuple[str, str], ...]:
     merged: dict[str, str] = {}
     for properties in reversed(item.config.hook.pytest_harness_suite_properties(item=item)):
         merged.update({str(name): str(value) for name, value in properties.items()})

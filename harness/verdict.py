@@ -56,11 +56,15 @@ def world_reusable(results: dict[int, RankResult], traces: dict[int, list[Collec
         created): a rank that issued a collective its peers never matched, or created a group
         they did not, would pair the next test's collectives with the wrong ones;
       * no traced collective was left unfinished: a collective that raised or timed out leaves
-        gloo pairs closed (and an NCCL communicator possibly aborted), unusable for later ones.
+        gloo pairs closed (and an NCCL communicator possibly aborted), unusable for later ones;
+      * no rank asked to be replaced (`RankOutcome.replace_reason`: it could not put its own
+        state back, e.g. the test destroyed the default process group).
     A failed test whose ranks all failed cleanly (an assertion, an exception outside any
     collective) keeps its pool; that is what makes a red suite still fast.
     """
     if not all(isinstance(result, RankOutcome) for result in results.values()):
+        return False
+    if any(isinstance(result, RankOutcome) and result.replace_reason for result in results.values()):
         return False
     sync_states = {result.sync_state for result in results.values() if isinstance(result, RankOutcome)}
     return len(sync_states) == 1 and not last_unfinished(traces)
@@ -77,6 +81,9 @@ def failure_text(results: dict[int, RankResult]) -> str:
         lines.append(f"{'=' * 20} rank {rank}: {result.status} {'=' * 20}")
         if isinstance(result, RankLoss):
             lines.append(result.summary)
+            if result.raised:
+                lines.append(f"--- rank {rank} raised, before it was lost ---")
+                lines.append(result.raised.partition("\n")[2].rstrip() or result.raised_summary)
             if result.stacks:
                 lines.append(f"--- rank {rank} Python stacks ---")
                 lines.append(result.stacks.rstrip())

@@ -1,8 +1,10 @@
 """Rank worker: joins the world once, then runs the test bodies the parent sends until told to stop.
 
-Started by the pool as `python -m harness.worker FD_IN FD_OUT` in its own session (so the pool
-can kill it with everything it started). Its stdout/stderr go to per-rank files the parent reads
-after each test, so output survives even a rank that dies.
+Forked by the session's zygote (`harness.zygote`), or started by the pool as
+`python -m harness.worker FD_IN FD_OUT PARENT_PID`, in its own session either way (so the pool can
+kill it with everything it started). It has imported torch before it is told which rank it is
+(`serve` waits for its `WorkerConfig`). Once configured, its stdout/stderr go to per-rank files the
+parent reads after each test, so output survives even a rank that dies.
 """
 
 from __future__ import annotations
@@ -14,20 +16,23 @@ import signal
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from harness import processes
 from harness.devices import rank_device
+from harness.isolation import ProcessIsolation
 from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
 from harness.runner import TestRunner
+from harness.text import describe_exception
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux kills us when the parent dies, so a crashed pytest never leaves ranks behind."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -65,9 +70,9 @@ class RankWorker:
         self.config = config
         self.files = RankFiles(config.run_dir, config.rank)
         self.capture = _OutputCapture(self.files)
-        faulthandler.enable(file=sys.stderr, all_threads=True)
         self._stack_file = open(self.files.stacks, "a")  # noqa: SIM115 - lives as long as the process
-        faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        # After the capture: the fds it set up are what every test starts from.
+        self.process_isolation = ProcessIsolation(self._stack_file)
         self.device = rank_device(config.device_kind, config.local_rank)
         self._join_world()
         self.runner = TestRunner(
@@ -78,6 +83,7 @@ class RankWorker:
             config.rank_fixture_modules,
             config.label_providers,
             self.files.trace,
+            self.files.raised,
         )
 
     def _join_world(self) -> None:
@@ -103,15 +109,35 @@ class RankWorker:
             sys.path[:] = task.sys_path
         self.capture.reset()
         outcome = self.runner.run(task)
+        # Before the outcome leaves: the parent reads the output files once it has every outcome,
+        # so notes about what the test left behind belong to this test's stderr.
+        notes, replace_reason = self.process_isolation.restore()
+        for note in notes:
+            sys.stderr.write(f"[harness] {note}\n")
         self.capture.flush()
+        if replace_reason and not outcome.replace_reason:
+            outcome.replace_reason = replace_reason
         return outcome
 
+    def harness_error(self, error: BaseException) -> RankOutcome:
+        """The outcome sent when serving a task failed outside the test (a harness bug): the test
+        fails with the cause, and the rank asks to be replaced."""
+        summary = f"harness error on rank {self.config.rank}: {describe_exception(error)}"
+        return RankOutcome(self.config.rank, "failed", 0.0, summary, summary, replace_reason=summary)
 
-def main() -> None:
-    tasks = Connection(int(sys.argv[1]), writable=False)
-    results = Connection(int(sys.argv[2]), readable=False)
-    _die_with_parent(int(sys.argv[3]))
-    config: WorkerConfig = tasks.recv()
+
+def serve(tasks: Connection, results: Connection) -> NoReturn:
+    """Wait for a config (a spare or freshly forked worker waits here, torch imported), join the
+    world, then run the tasks the parent sends until it says `Shutdown`."""
+    # The pipes stay out of whatever a test execs; a test that forks still inherits them, which is
+    # why the parent watches the process itself, not only the pipe, to notice this rank's death.
+    os.set_inheritable(tasks.fileno(), False)
+    os.set_inheritable(results.fileno(), False)
+    processes.become_subreaper()
+    message = tasks.recv()
+    if isinstance(message, Shutdown):
+        os._exit(0)
+    config: WorkerConfig = message
     sys.path[:] = config.sys_path
     worker = RankWorker(config)
     results.send(WorkerReady(rank=config.rank, pid=os.getpid(), device=str(worker.device)))
@@ -121,7 +147,11 @@ def main() -> None:
         message = tasks.recv()
         if isinstance(message, Shutdown):
             break
-        results.send(worker.run(message))
+        try:
+            outcome = worker.run(message)
+        except Exception as error:  # noqa: BLE001 - a harness bug fails the test, not the whole pool silently
+            outcome = worker.harness_error(error)
+        results.send(outcome)
     # Teardown, in this order: leave the process group while every peer is still there to
     # leave it too (the parent sent Shutdown to all ranks); flush Python's buffers into the
     # captured fds, since os._exit skips that; then leave without interpreter teardown, where
@@ -131,6 +161,14 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def main() -> None:
+    tasks = Connection(int(sys.argv[1]), writable=False)
+    results = Connection(int(sys.argv[2]), readable=False)
+    die_with_parent(int(sys.argv[3]))
+    faulthandler.enable(all_threads=True)  # until configured: a crash shows in the worker's boot log
+    serve(tasks, results)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,85 @@ import xmlschema
 
 SCHEMA = xmlschema.XMLSchema(str(Path(__file__).with_name("junit.xsd")))
 REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test case of a JUnit file, as a CI reads it."""
+
+    status: str  # passed, failed, skipped or xfailed ("expected failure: " skips)
+    message: str
+    text: str
+    stdout: str
+    stderr: str
+    time_s: float
+
+
+# Source text for inner test modules (needs torch, nn, dist imported): two layers whose forward
+# all-reduces its own weight, so the collective's label is that layer's FQN, and a model that runs
+# them in the order a test asks; the same-shape swap passes every torch check.
+SYNCING_LAYERS = """
+class Syncing(nn.Module):
+    \"\"\"Forward all-reduces its own weight: the collective's label is this module's FQN.\"\"\"
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(36))
+    def forward(self, x):
+        dist.all_reduce(self.weight.data)
+        return x
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = Syncing()
+        self.layer2 = Syncing()
+    def forward(self, x, order):
+        for name in order:
+            x = getattr(self, name)(x)
+        return x
+"""
+
+
+def read_cases(path: Path) -> dict[str, Case]:
+    """Test name -> its case, from a schema-valid JUnit file (ours or pytest's --junitxml)."""
+    SCHEMA.validate(str(path))
+    cases = {}
+    for element in ET.parse(path).iter("testcase"):
+        status, message, text = "passed", "", ""
+        for kind in ("failure", "error", "skipped"):
+            found = element.find(kind)
+            if found is not None:
+                message, text = found.get("message", ""), found.text or ""
+                status = "failed" if kind != "skipped" else "skipped"
+                if kind == "skipped" and message.startswith("expected failure: "):
+                    status, message = "xfailed", message.removeprefix("expected failure: ")
+        cases[element.get("name", "")] = Case(
+            status,
+            message,
+            text,
+            element.findtext("system-out") or "",
+            element.findtext("system-err") or "",
+            float(element.get("time", "0")),
+        )
+    return cases
+
+
+def wait_for_no_leftovers(marker: str, timeout_s: float = 10.0) -> list[int]:
+    """Leftover processes once `timeout_s` has passed without them all gone (a killed session's
+    reaper needs a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := leftover_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a killed orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def leftover_processes(marker: str) -> list[int]:
@@ -58,9 +140,20 @@ class InnerSession:
             *args,
         ]
 
+    @property
+    def tmpdir(self) -> Path:
+        """The session's TMPDIR (its run directories live there), private to it."""
+        path = self.directory / "tmp"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(self.tmpdir.glob("fsdp-harness-*"))
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        env["TMPDIR"] = str(self.tmpdir)
         env[self.marker] = "1"
         return env
 
@@ -86,6 +179,10 @@ class InnerSession:
 
     def junit(self, rank: int) -> Path:
         return self.directory / "reports" / "junit" / f"rank-{rank}.xml"
+
+    def rank_files(self, directory: Path | None = None) -> list[str]:
+        junit = directory or self.directory / "reports" / "junit"
+        return sorted(path.name for path in junit.glob("rank-*.xml"))
 
 
 @pytest.fixture

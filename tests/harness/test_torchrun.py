@@ -1,7 +1,8 @@
 """torchrun mode: two torchrun agents on this machine act as two nodes (c10d rendezvous on loopback).
 
 Every rank runs the same selection in lockstep; a failure on one rank fails that test on both
-"nodes" without a hang, and each rank writes its own rank-<r>.xml. Conformance scenarios run
+"nodes" without a hang, and each rank writes its own rank-<r>.xml with every test pytest reported,
+including those failed because an earlier test left the world unusable. Conformance scenarios run
 (not skip) at a world size none of them lists (3).
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
-from conftest import REPO, SCHEMA, InnerSession
+from conftest import REPO, SCHEMA, InnerSession, read_cases
 
 TESTS = """
 import pytest, torch, torch.distributed as dist
@@ -37,7 +39,25 @@ def test_d_needs_four(rank):
 
 def test_e_plain():
     pass
+
+@pytest.mark.world_size(2)
+def test_f_leaves_a_collective_unfinished(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(2))  # rank 1 never joins: rank 0 times out
+
+@pytest.mark.world_size(2)
+def test_g_after(rank):
+    dist.barrier()
+
+@pytest.mark.world_size(2)
+def test_h_after(rank):
+    dist.barrier()
 """
+
+UNUSABLE = (
+    "the torchrun world is unusable since test_nodes.py::test_f_leaves_a_collective_unfinished "
+    "left a collective unfinished"
+)
 
 
 def _free_port() -> int:
@@ -48,6 +68,11 @@ def _free_port() -> int:
 
 def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
     inner.write("test_nodes.py", TESTS)
+    # An earlier run's files: rank 1's is rewritten by its own process, rank 3's removed by rank 0's.
+    junit = inner.junit(0).parent
+    junit.mkdir(parents=True)
+    for rank in (1, 3):
+        (junit / f"rank-{rank}.xml").write_text('<testsuites name="an earlier run"/>')
     port = _free_port()
     agents = []
     for _ in range(2):  # two agents, one per "node"
@@ -63,7 +88,7 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
             "--max-restarts=0",
             "-m",
             "pytest",
-            *inner.command("-q", "--collective-timeout=20")[3:],
+            *inner.command("-q", "--collective-timeout=3", "--straggler-grace=2")[3:],
         ]
         agents.append(
             subprocess.Popen(
@@ -75,17 +100,36 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
                 stderr=subprocess.STDOUT,
             )
         )
+    started = time.monotonic()
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    elapsed = time.monotonic() - started
     for agent, output in zip(agents, outputs):
-        assert agent.returncode != 0, output  # one test failed, on both nodes
-        assert "1 failed, 3 passed, 1 deselected" in output, output
+        assert agent.returncode != 0, output  # tests failed, on both nodes
+        assert "4 failed, 3 passed, 1 deselected" in output, output
         assert "only rank 1 disagrees" in output
         assert "1 deselected for their world size (torchrun WORLD_SIZE=2): 1 runs only at world size 4" in output
+        assert output.count(UNUSABLE) >= 2, output
+    # Each rank's process writes its own file into the shared directory (no "in use" renaming).
+    assert inner.rank_files() == ["rank-0.xml", "rank-1.xml"], outputs[0]
+    assert "removed per-rank files of an earlier run: rank-3.xml" in "".join(outputs), outputs
     for rank in (0, 1):
-        SCHEMA.validate(str(inner.junit(rank)))
-        cases = {c.get("name"): c for c in ET.parse(inner.junit(rank)).iter("testcase")}
-        assert set(cases) == {"test_a_allreduce", "test_b_fails_on_rank_1", "test_c_world_still_usable"}
-        assert (cases["test_b_fails_on_rank_1"].find("failure") is not None) == (rank == 1)
+        cases = read_cases(inner.junit(rank))
+        assert {name: case.status for name, case in cases.items()} == {
+            "test_a_allreduce": "passed",
+            "test_b_fails_on_rank_1": "failed",
+            "test_c_world_still_usable": "passed",
+            "test_f_leaves_a_collective_unfinished": "failed",
+            "test_g_after": "failed",
+            "test_h_after": "failed",
+        }
+        assert cases["test_b_fails_on_rank_1"].message.startswith(
+            "AssertionError: only rank 1 disagrees" if rank == 1 else "failed on another rank (this rank: passed)"
+        )
+        for name in ("test_g_after", "test_h_after"):
+            assert cases[name].message.startswith(UNUSABLE), cases[name]
+    # One collective timeout (3 s) for the wedged test, the rest fail at once: ~20 s on a quiet
+    # machine, most of it two interpreters importing torch; the bound leaves room for a loaded one.
+    assert elapsed < 120, elapsed
 
 
 SCENARIOS_AT_THREE = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -26,9 +27,23 @@ def spawn_ranks(
     body: Callable[..., None], tmp_path: Path, *args, world_size: int = 2, timeout_s: float = 10.0
 ) -> dict[int, list[CollectiveRecord]]:
     """Run `body(rank, world_size, out_dir, *args)` on `world_size` gloo ranks with tracing on;
-    return every rank's trace. Rank failures propagate as torch.multiprocessing exceptions."""
-    mp.spawn(_rank_main, args=(world_size, body, str(tmp_path), timeout_s, args), nprocs=world_size)
+    return every rank's trace. Rank failures propagate as torch.multiprocessing exceptions.
+
+    The ranks come from a fork server that imported torch once for the whole self-test run, so
+    each call costs forks rather than `world_size` interpreter starts and torch imports (seconds
+    each on a 2-core runner); like spawned ranks, they inherit nothing of this pytest process.
+    """
+    mp.start_processes(
+        _rank_main,
+        args=(world_size, body, str(tmp_path), timeout_s, args),
+        nprocs=world_size,
+        start_method="forkserver",
+    )
     return read_traces(tmp_path, world_size)
+
+
+# Imported by the fork server before it forks any rank (the rank-side modules every body needs).
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "harness.trace"])
 
 
 def read_traces(directory: Path, world_size: int) -> dict[int, list[CollectiveRecord]]:

@@ -1,0 +1,146 @@
+"""Finding and ending the processes a test started (Linux /proc; elsewhere these find nothing).
+
+Two ways to find them, for two situations:
+  * while a rank lives: its descendants. The rank is a child subreaper (`become_subreaper`), so a
+    descendant whose own parent exited (a daemon that double-forked, a child started with
+    `start_new_session`) is re-parented to the rank instead of init, and stays in the rank's tree
+    (`descendants`).
+  * once a rank is gone (killed, crashed, or the whole pytest process died): its descendants were
+    re-parented to init, so the tree no longer leads to them. Every worker is started with a marker
+    in its environment (`PROCESS_ENV`, and the session's `SESSION_ENV`), which its descendants
+    inherit; `marked_processes` scans /proc for it. A descendant started with an explicitly empty
+    environment is found only while the rank lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+SESSION_ENV = "FSDP_HARNESS_SESSION"
+"""Set in every worker of a pytest session: `<session tag>`."""
+PROCESS_ENV = "FSDP_HARNESS_PROCESS"
+"""Set in every worker: `<session tag>.<serial>`, one value per worker process."""
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants of this process are re-parented to it (Linux >= 3.4); False elsewhere."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (every thread's), from /proc/<pid>/task/*/children."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                found.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` in the process tree, parents before their children."""
+    found: list[int] = []
+    pending = children(pid)
+    while pending:
+        child = pending.pop(0)
+        if child in found:
+            continue
+        found.append(child)
+        pending.extend(children(child))
+    return found
+
+
+def command_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return "?"
+
+
+def marked_processes(markers: Iterable[str], exclude: Iterable[int] = ()) -> list[int]:
+    """PIDs whose environment holds any of `markers` (each `NAME=value`, matched whole)."""
+    needles = [b"\0" + marker.encode() + b"\0" for marker in markers]
+    if not needles:
+        return []
+    skip = {os.getpid(), *exclude}
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = b"\0" + handle.read() + b"\0"
+        except OSError:
+            continue  # gone, or not ours to read
+        if any(needle in environ for needle in needles):
+            found.append(int(entry))
+    return found
+
+
+def kill(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def reap_children(timeout_s: float = 2.0, wait_for: Iterable[int] = ()) -> list[int]:
+    """Reap this process's exited children (orphans re-parented to a subreaper included) without
+    blocking past `timeout_s`; return the PIDs in `wait_for` that were not reaped in time."""
+    waiting = set(wait_for)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return []  # no children left at all
+        if pid:
+            waiting.discard(pid)
+            continue
+        # Children remain but none has exited yet: only wait for those we just killed.
+        waiting = {p for p in waiting if _alive(p)}
+        if not waiting or time.monotonic() >= deadline:
+            return sorted(waiting)
+        time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def end_descendants() -> tuple[list[str], list[int]]:
+    """SIGKILL every descendant of this process and reap them.
+
+    Returns a description of each (`pid (command)`) and the PIDs still alive 2 s later (a process
+    in uninterruptible sleep), which the caller cannot vouch for.
+    """
+    found = descendants(os.getpid())
+    described = [f"{pid} ({command_name(pid)})" for pid in found]
+    kill(found)
+    survivors = reap_children(wait_for=found) if found else reap_children(timeout_s=0.0)
+    return described, survivors

@@ -1,0 +1,134 @@
+"""The zygote: one process per session that imports torch and the rank-side harness once, then forks
+every rank worker on request, so a new rank costs a fork (tens of milliseconds) instead of an
+interpreter start and a torch import (seconds, and CPU that a 2-core runner does not have when a
+red suite restarts its pool after every fault).
+
+Started by `harness.pool.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID`. It
+talks to the parent over a Unix SOCK_SEQPACKET socket, one pickled message per packet:
+
+    parent -> zygote   ("fork", serial, log path, environment, cwd)  + 2 fds: the worker's task and result pipes
+    zygote -> parent   ("forked", serial, pid) | ("refused", serial, reason) | ("exited", pid, exit code)
+
+Why forking here is safe: the zygote never runs a test, never creates a thread (checked before
+every fork: with OMP_NUM_THREADS=1, which the launcher sets unless the user chose otherwise,
+importing torch starts none), never initialises CUDA or a process group. A worker forked from it
+is what a freshly spawned worker is at the moment it waits for its config. If the zygote has more
+than one thread, it refuses, and the launcher spawns workers itself.
+
+Lifetimes: the zygote dies with the parent (PR_SET_PDEATHSIG) and each worker with the zygote, so
+a killed pytest takes both down; the zygote reaps its workers and reports each exit code, which
+the parent (not their parent) could not otherwise learn.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
+
+from harness import processes
+from harness.worker import die_with_parent, serve
+
+MAX_PACKET = 1 << 16
+
+
+def send(sock: socket.socket, message: tuple[Any, ...], fds: list[int] | None = None) -> None:
+    data = pickle.dumps(message)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1  # no /proc: cannot tell; fork as a spawned worker would start
+
+
+def _become_worker(
+    sock: socket.socket, wakeup: tuple[int, int], log: str, env: dict[str, str], cwd: str, fds: list[int]
+) -> NoReturn:
+    """In the forked child: detach from the zygote and serve as a rank worker."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a spawned worker
+    sock.close()
+    for fd in wakeup:
+        os.close(fd)
+    os.setsid()  # its own session and process group, as a spawned worker has (see harness.pool)
+    zygote = os.getppid()
+    die_with_parent(zygote)  # the zygote dies with pytest; the worker with the zygote
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    os.environ.update(env)  # seen by whatever the worker's tests exec (harness.processes markers)
+    os.chdir(cwd)  # where the parent is now, as a worker it spawned now would start
+    serve(Connection(fds[0], writable=False), Connection(fds[1], readable=False))
+
+
+def main() -> None:
+    try:
+        _serve_forks()
+    except OSError:
+        pass  # the parent's end is gone (it closed it, or died): the session is over
+    # Without interpreter teardown: with torch loaded it takes seconds, and nothing is left to do.
+    os._exit(0)
+
+
+def _serve_forks() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    die_with_parent(int(sys.argv[2]))
+    faulthandler.enable(all_threads=True)
+    processes.become_subreaper()  # orphans of a worker's tests come here, not to init, and are reaped
+    wakeup = os.pipe()
+    os.set_blocking(wakeup[1], False)
+    signal.set_wakeup_fd(wakeup[1])
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake the select below
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for pytest
+    while True:
+        ready, _, _ = select.select([sock, wakeup[0]], [], [])
+        if wakeup[0] in ready:
+            os.read(wakeup[0], 4096)
+        _report_exits(sock)
+        if sock not in ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 2)
+        if not data:
+            return  # the parent closed its end: the session is over
+        _, serial, log, env, cwd = pickle.loads(data)
+        threads = _threads()
+        if threads != 1:
+            send(sock, ("refused", serial, f"the zygote has {threads} threads; forking it is not safe"))
+            for fd in fds:
+                os.close(fd)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _become_worker(sock, wakeup, log, env, cwd, fds)
+        for fd in fds:
+            os.close(fd)
+        send(sock, ("forked", serial, pid))
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send(sock, ("exited", pid, os.waitstatus_to_exitcode(status)))
+
+
+if __name__ == "__main__":
+    main()

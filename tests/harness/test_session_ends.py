@@ -1,0 +1,167 @@
+"""How a session ends when it is stopped from outside: Ctrl-C, a second Ctrl-C, SIGTERM, SIGKILL.
+
+Four inner sessions run at once (each in its own directory and TMPDIR); each has a test that
+passed and one that is running (both ranks started a child process in a new session) when the
+signal arrives. Checked from outside: the exit, how long it took, the per-rank files (the finished
+test, and the interrupted one with the parent's reason), no process left and no run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import InnerSession, read_cases, running, wait_for_no_leftovers
+from harness import processes
+from harness.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
+
+BODY = """
+import os, pathlib, subprocess, time, pytest
+
+HERE = pathlib.Path(__file__).parent
+
+@pytest.mark.world_size(2)
+def test_1_finished(rank):
+    print(f"rank {rank} finished")
+
+@pytest.mark.world_size(2)
+def test_2_running(rank):
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    (HERE / f"running-{rank}").write_text(str(child.pid))
+    time.sleep(300)
+
+@pytest.mark.world_size(2)
+def test_3_never_started(rank):
+    pass
+"""
+
+# A second Ctrl-C at the moment the session starts ending (a human pressing it twice quickly):
+# sent by the session to itself from pytest's own interrupt hook, so it always lands mid-clean-up.
+SECOND_SIGINT = """
+import os, signal
+
+def pytest_keyboard_interrupt(excinfo):
+    os.kill(os.getpid(), signal.SIGINT)
+"""
+
+STOP_S = 30  # from the (last) signal to the end of the process: the clean-up is bounded (seconds when quiet)
+
+
+@dataclass
+class Stopped:
+    inner: InnerSession
+    returncode: int
+    output: str
+    stop_s: float
+    children: list[int]
+
+
+def _start(inner: InnerSession, twice: bool) -> subprocess.Popen[str]:
+    inner.write("test_stopped.py", BODY)
+    if twice:
+        inner.write("conftest.py", SECOND_SIGINT)
+    return inner.popen("-q", "--collective-timeout=30")
+
+
+def _wait_running(inner: InnerSession, process: subprocess.Popen[str], deadline: float) -> list[int]:
+    flags = [inner.directory / f"running-{rank}" for rank in (0, 1)]
+    while not all(flag.exists() and flag.read_text() for flag in flags):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            pytest.fail(f"test_2 never started:\n{process.communicate()[0]}")
+        time.sleep(0.05)
+    return [int(flag.read_text()) for flag in flags]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Stopped]:
+    plans = {
+        "sigint": signal.SIGINT,
+        "second_sigint": signal.SIGINT,
+        "sigterm": signal.SIGTERM,
+        "sigkill": signal.SIGKILL,
+    }
+    inners = {name: InnerSession(tmp_path_factory.mktemp(name)) for name in plans}
+    processes_ = {name: _start(inners[name], twice=name == "second_sigint") for name in plans}
+    deadline = time.monotonic() + 240
+    results = {}
+    for name, sig in plans.items():
+        inner, process = inners[name], processes_[name]
+        children = _wait_running(inner, process, deadline)
+        process.send_signal(sig)
+        sent = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+        results[name] = Stopped(inner, process.returncode, output, time.monotonic() - sent, children)
+    return results
+
+
+@pytest.mark.parametrize("name", ["sigint", "second_sigint", "sigterm"])
+def test_an_interrupted_session_reports_what_finished_and_the_interrupted_test(
+    stopped: dict[str, Stopped], name: str
+) -> None:
+    run = stopped[name]
+    assert run.returncode == 2, run.output  # pytest's "interrupted"
+    assert run.stop_s < STOP_S, run.stop_s
+    for rank in (0, 1):
+        cases = read_cases(run.inner.junit(rank))
+        assert sorted(cases) == ["test_1_finished", "test_2_running"], (rank, cases)
+        assert cases["test_1_finished"].status == "passed"
+        assert cases["test_1_finished"].stdout.strip() == f"rank {rank} finished"
+        interrupted = cases["test_2_running"]
+        assert interrupted.status == "failed"
+        reason = "SessionTerminated: SIGTERM received" if name == "sigterm" else "KeyboardInterrupt"
+        own = f"rank {rank} was still running when the pytest process stopped the test ({reason}"
+        assert interrupted.message.startswith(own), interrupted
+
+
+def test_a_second_sigint_does_not_cut_the_clean_up_short(stopped: dict[str, Stopped]) -> None:
+    assert "received while the session is ending" in stopped["second_sigint"].output
+
+
+def test_sigterm_says_what_happened(stopped: dict[str, Stopped]) -> None:
+    assert "SessionTerminated: SIGTERM received: the session ends" in stopped["sigterm"].output
+
+
+def test_a_killed_session_writes_nothing_but_leaves_nothing(stopped: dict[str, Stopped]) -> None:
+    run = stopped["sigkill"]
+    assert run.returncode == -signal.SIGKILL
+    assert not run.inner.junit(0).exists()  # reports are written at the end, which never came
+    # Ranks die with the zygote, the zygote with pytest; the ranks' children are the reaper's.
+    assert wait_for_no_leftovers(run.inner.marker) == []
+    deadline = time.monotonic() + 10
+    while run.inner.run_dirs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run.inner.run_dirs() == []
+
+
+@pytest.mark.parametrize("name", ["sigint", "second_sigint", "sigterm", "sigkill"])
+def test_no_process_and_no_run_directory_survive(stopped: dict[str, Stopped], name: str) -> None:
+    run = stopped[name]
+    assert wait_for_no_leftovers(run.inner.marker) == []
+    assert [pid for pid in run.children if running(pid)] == []
+    assert run.inner.run_dirs() == []
+
+
+def test_the_next_session_sweeps_what_a_dead_session_left(tmp_path: Path) -> None:
+    dead = tmp_path / f"{run_dir_name('deadbeef0000')}abc"
+    dead.mkdir()
+    hold_run_dir(str(dead)).close()  # its owner is gone: the lock is free
+    alive = tmp_path / f"{run_dir_name('a11ve0000000')}abc"
+    alive.mkdir()
+    owner = hold_run_dir(str(alive))
+    env = dict(os.environ, **{processes.SESSION_ENV: "deadbeef0000"})
+    orphan = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    try:
+        swept = sweep_stale_run_dirs(str(tmp_path))
+        assert swept == [str(dead)]
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert not dead.exists() and alive.exists()
+    finally:
+        orphan.kill()
+        owner.close()
