@@ -1,7 +1,7 @@
 """Reference flat-parameter sharding engine (FSDP-style) for the conformance suite.
 
 Public API (see README.md): `fully_shard`, `ShardedModule`, `ShardingOptions`, `unshard_params`,
-`ShardingStrategy`, `MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
+`ShardedOptimizer` (SHARD_OPTIM_STATE), `ShardingStrategy`, `MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
 `load_optim_state_dict`, introspection helpers and `collectives.current_label`.
 """
 
@@ -13,10 +13,12 @@ from engine.mixed_precision import MixedPrecision
 from engine.optim_state import load_optim_state_dict, optim_state_dict
 from engine.state_dict import set_state_dict_type
 from engine.unshard import unshard_params
+from engine.zero import ShardedOptimizer
 
 __all__ = [
     "MixedPrecision",
     "ShardedModule",
+    "ShardedOptimizer",
     "ShardingOptions",
     "ShardingStrategy",
     "StateDictKind",
