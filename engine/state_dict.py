@@ -58,7 +58,10 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor, *, partitioned: bool = Fal
     topology = unit.topology
     mesh = topology.shard_mesh(unit.device)
     full = full.to(unit.device)
-    size, rank = (topology.optim_size, topology.optim_rank) if partitioned else (topology.shard_size, topology.shard_rank)
+    if partitioned:
+        size, rank = topology.optim_size, topology.optim_rank
+    else:
+        size, rank = topology.shard_size, topology.shard_rank
     whole = unit.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_OPTIM_STATE) and not partitioned
     if whole or full.dim() == 0:
         placements: list[Any] = [Replicate()] * mesh.ndim
