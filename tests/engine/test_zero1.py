@@ -268,3 +268,28 @@ def test_parameter_groups_and_a_plain_optimizer(device, rank, world_size):
             optim.step()
     assert_replicated_and_equal(reference, zero1, "ShardedOptimizer with groups")
     assert_replicated_and_equal(reference, plain, "plain optimizer")
+
+
+@pytest.mark.world_size(2)
+def test_units_of_other_strategies_pass_through(device, rank, world_size):
+    """A FULL_SHARD unit under a SHARD_OPTIM_STATE root: the optimizer steps its shards as they
+    are, the root's parameters through the partition; training matches one process."""
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = copy.deepcopy(local)
+    engine.fully_shard(model.b1)
+    engine.fully_shard(model, strategy=ZERO1)
+    optim = engine.ShardedOptimizer(model, functools.partial(torch.optim.SGD, lr=1e-2))
+    b1_shards = {id(p) for p in model.b1.parameters()}
+    inner = {id(p) for group in optim.param_groups for p in group["params"]}
+    assert b1_shards <= inner and not any(id(p) in inner for p in model.b2.parameters())
+    local_optim = torch.optim.SGD(local.parameters(), lr=1e-2)
+    for batch in batches(world_size, device, 3):
+        local_optim.zero_grad()
+        local(batch.view(-1, 10)).sum().div(world_size).backward()
+        local_optim.step()
+        optim.zero_grad()
+        model(batch[rank]).sum().backward()
+        optim.step()
+    with engine.unshard_params(model):
+        assert_replicated_and_equal(local, model, "mixed strategies")
