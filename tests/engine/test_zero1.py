@@ -59,6 +59,21 @@ def batches(world_size: int, device: torch.device, steps: int):
         yield torch.randn(world_size, 4, 10, generator=generator).to(device)
 
 
+def train_alongside(local, local_optim, sharded, rank, world_size, device, steps=3, after_step=None):
+    """Train `local` on the global batch and every (model, optimizer) of `sharded` on this rank's
+    part of it, step by step; `after_step(step)` runs after each step."""
+    for step, batch in enumerate(batches(world_size, device, steps)):
+        local_optim.zero_grad()
+        local(batch.view(-1, 10)).sum().div(world_size).backward()
+        local_optim.step()
+        for model, optim in sharded:
+            optim.zero_grad()
+            model(batch[rank]).sum().backward()
+            optim.step()
+        if after_step is not None:
+            after_step(step)
+
+
 def assert_replicated_and_equal(local: nn.Module, model: nn.Module, what: str) -> None:
     """The model shows full parameters (no unshard needed) equal to the local model's."""
     names = dict(model.named_parameters())
@@ -101,15 +116,12 @@ def test_parity_flat_parameters_and_offload(device, rank, world_size, options):
     model = shard(local, "composable", device=device, **options)
     local_optim = torch.optim.Adam((p for p in local.parameters() if p.requires_grad), lr=1e-2)
     optim = engine.ShardedOptimizer(model, functools.partial(torch.optim.Adam, lr=1e-2))
-    for step, batch in enumerate(batches(world_size, device, 3)):
-        local_optim.zero_grad()
-        local(batch.view(-1, 10)).sum().div(world_size).backward()
-        local_optim.step()
-        optim.zero_grad()
-        model(batch[rank]).sum().backward()
-        optim.step()
+
+    def check(step: int) -> None:
         with engine.unshard_params(model):
             assert_replicated_and_equal(local, model, f"step {step}")
+
+    train_alongside(local, local_optim, [(model, optim)], rank, world_size, device, after_step=check)
 
 
 def per_param_state_numel(optim: engine.ShardedOptimizer) -> dict[str, int]:
@@ -258,14 +270,7 @@ def test_parameter_groups_and_a_plain_optimizer(device, rank, world_size):
     plain_optim = torch.optim.SGD(groups(plain))
     reference = copy.deepcopy(local)
     reference_optim = torch.optim.SGD(groups(reference))
-    for batch in batches(world_size, device, 3):
-        reference_optim.zero_grad()
-        reference(batch.view(-1, 10)).sum().div(world_size).backward()
-        reference_optim.step()
-        for model, optim in ((zero1, zero1_optim), (plain, plain_optim)):
-            optim.zero_grad()
-            model(batch[rank]).sum().backward()
-            optim.step()
+    train_alongside(reference, reference_optim, [(zero1, zero1_optim), (plain, plain_optim)], rank, world_size, device)
     assert_replicated_and_equal(reference, zero1, "ShardedOptimizer with groups")
     assert_replicated_and_equal(reference, plain, "plain optimizer")
 
@@ -284,12 +289,6 @@ def test_units_of_other_strategies_pass_through(device, rank, world_size):
     inner = {id(p) for group in optim.param_groups for p in group["params"]}
     assert b1_shards <= inner and not any(id(p) in inner for p in model.b2.parameters())
     local_optim = torch.optim.SGD(local.parameters(), lr=1e-2)
-    for batch in batches(world_size, device, 3):
-        local_optim.zero_grad()
-        local(batch.view(-1, 10)).sum().div(world_size).backward()
-        local_optim.step()
-        optim.zero_grad()
-        model(batch[rank]).sum().backward()
-        optim.step()
+    train_alongside(local, local_optim, [(model, optim)], rank, world_size, device)
     with engine.unshard_params(model):
         assert_replicated_and_equal(local, model, "mixed strategies")
