@@ -186,6 +186,7 @@ def test_training(
 
         losses = torch.tensor(fixtures.train_sharded(
             sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
+            backend=backend,
         ))
         state = backend.state_dict(sharded, StateDictKind.FULL)
         found = differences(state, oracle.state_dict, PARAM_TOLERANCE[optimizer])
@@ -259,7 +260,9 @@ def test_unshard_after_training(
                     len(oracle.params[iteration]), tolerance,
                 ))
 
-        fixtures.train_sharded(sharded, model, plan, rank=rank, device=device, after_step=check_view)
+        fixtures.train_sharded(
+            sharded, model, plan, rank=rank, device=device, after_step=check_view, backend=backend
+        )
     assert not problems, (
         f"rank {rank}: the unshard view differs from the oracle's parameters:\n"
         + "\n".join(problems)

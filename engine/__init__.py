@@ -1,22 +1,25 @@
 """Reference flat-parameter sharding engine (FSDP-style) for the conformance suite.
 
 Public API (see README.md): `fully_shard`, `ShardedModule`, `ShardingOptions`, `unshard_params`,
-`ShardingStrategy`, `MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
-`load_optim_state_dict`, introspection helpers and `collectives.current_label`.
+`ShardedOptimizer` (SHARD_OPTIM_STATE), `ShardingStrategy`, `MixedPrecision`, `StateDictKind`,
+`set_state_dict_type`, `optim_state_dict`, `load_optim_state_dict`, introspection helpers and
+`collectives.current_label`.
 """
 
 from engine import collectives
 from engine.api import ShardedModule, fully_shard
 from engine.config import ShardingOptions, ShardingStrategy, StateDictKind
-from engine.introspect import clear_events, events, is_unsharded, unit_fqns, units
+from engine.introspect import clear_events, events, is_unsharded, partitions_optimizer_state, unit_fqns, units
 from engine.mixed_precision import MixedPrecision
 from engine.optim_state import load_optim_state_dict, optim_state_dict
 from engine.state_dict import set_state_dict_type
 from engine.unshard import unshard_params
+from engine.zero import ShardedOptimizer
 
 __all__ = [
     "MixedPrecision",
     "ShardedModule",
+    "ShardedOptimizer",
     "ShardingOptions",
     "ShardingStrategy",
     "StateDictKind",
@@ -27,6 +30,7 @@ __all__ = [
     "is_unsharded",
     "load_optim_state_dict",
     "optim_state_dict",
+    "partitions_optimizer_state",
     "set_state_dict_type",
     "unit_fqns",
     "units",

@@ -23,6 +23,9 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "shard_grad_op"  # sharded; kept gathered from forward until backward ends
     NO_SHARD = "no_shard"  # replicated; gradients all-reduced (DDP-like)
     HYBRID_SHARD = "hybrid_shard"  # FULL_SHARD inside a shard group, replicated across groups
+    # ZeRO-1: parameters and gradients replicated (gradients all-reduced, as NO_SHARD); only the
+    # optimizer state is partitioned, by `engine.ShardedOptimizer` (FULL_SHARD's chunk layout).
+    SHARD_OPTIM_STATE = "shard_optim_state"
 
 
 class StateDictKind(enum.Enum):

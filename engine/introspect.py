@@ -35,3 +35,9 @@ def events(module: nn.Module) -> list[tuple[str, str]]:
 def clear_events(module: nn.Module) -> None:
     """Forget the recorded unshard / reshard events of `module`'s root."""
     resolve_root(module).events.clear()
+
+
+def partitions_optimizer_state(module: nn.Module) -> bool:
+    """Whether `module` or a submodule is a SHARD_OPTIM_STATE unit: its optimizer must be an
+    `engine.ShardedOptimizer` for the optimizer state to be partitioned."""
+    return any(unit is not None and unit.optim_partition is not None for unit in (unit_of(m) for m in module.modules()))

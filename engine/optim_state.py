@@ -11,35 +11,74 @@ rank's piece back out, so a dict saved in one mode loads into the other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine import collectives
-from engine.flat_param import ParamInfo
+from engine.flat_param import FlatLayout, ParamInfo
 from engine.state import RootState, clean_fqn, resolve_root
 from engine.state_dict import to_2d_dtensor, to_dtensor
 from engine.unit import ShardedUnit
 
-# id(exposed parameter) -> (unit, the original parameter it is, or None for a flat parameter)
-_Owners = dict[int, tuple[ShardedUnit, ParamInfo | None]]
+
+@dataclass(frozen=True)
+class _StateLayout:
+    """How an optimizer may hold one unit's state: over the parameters the unit exposes, or
+    (SHARD_OPTIM_STATE) over this rank's optimizer partition, laid out like FULL_SHARD's shards."""
+
+    unit: ShardedUnit
+    layout: FlatLayout  # where each original parameter lies in a rank's chunk
+    params: tuple[torch.Tensor, ...]  # one per original parameter, or the single flat one
+    flat: bool
+    group: dist.ProcessGroup | None  # gathers the chunks (None: one rank holds everything)
+    partitioned: bool  # a SHARD_OPTIM_STATE partition: sharded dicts chunk it over `group`
+
+    @property
+    def flat_param(self) -> torch.Tensor | None:
+        return self.params[0] if self.flat else None
+
+    def fqn(self, info: ParamInfo) -> str:
+        return self.unit.param_fqns[self.unit.layout.params.index(info)]
+
+
+def _state_layouts(unit: ShardedUnit) -> list[_StateLayout]:
+    exposed = _StateLayout(
+        unit,
+        unit.layout,
+        tuple(unit.optimizer_params),
+        unit.flat_param is not None,
+        unit.topology.shard_group,
+        partitioned=False,
+    )
+    partition = unit.optim_partition
+    if partition is None:
+        return [exposed]
+    # A plain optimizer over the replicated parameters still works (state then replicated).
+    return [
+        exposed,
+        _StateLayout(unit, partition.layout, tuple(partition.params), partition.flat, partition.group, True),
+    ]
+
+
+# id(optimizer parameter) -> (its state layout, the original parameter it is, or None for a flat one)
+_Owners = dict[int, tuple[_StateLayout, ParamInfo | None]]
 
 
 def _owners(root: RootState) -> _Owners:
     owners: _Owners = {}
     for unit in root.units:
-        if unit.flat_param is not None:
-            owners[id(unit.flat_param)] = (unit, None)
-        else:
-            for info, param in zip(unit.layout.params, unit.optimizer_params):
-                owners[id(param)] = (unit, info)
+        for view in _state_layouts(unit):
+            if view.flat:
+                owners[id(view.params[0])] = (view, None)
+            else:
+                for info, param in zip(view.layout.params, view.params):
+                    owners[id(param)] = (view, info)
     return owners
-
-
-def _fqn_of(unit: ShardedUnit, info: ParamInfo) -> str:
-    return unit.param_fqns[unit.layout.params.index(info)]
 
 
 def _fqns(owners: _Owners, names: dict[int, str], param: torch.Tensor) -> list[str]:
@@ -47,8 +86,8 @@ def _fqns(owners: _Owners, names: dict[int, str], param: torch.Tensor) -> list[s
     owner = owners.get(id(param))
     if owner is None:
         return [names[id(param)]]
-    unit, info = owner
-    return list(unit.param_fqns) if info is None else [_fqn_of(unit, info)]
+    view, info = owner
+    return list(view.unit.param_fqns) if info is None else [view.fqn(info)]
 
 
 def _is_per_param(value: Any, param: torch.Tensor) -> bool:
@@ -56,7 +95,7 @@ def _is_per_param(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, sharded: bool = False) -> dict:
+def optim_state_dict(model: nn.Module, optim: Any, sharded: bool = False) -> dict:
     """Optimizer state keyed by original FQNs; per-parameter tensors full or DTensor-sharded.
 
     Collective over the shard groups: call it on every rank.
@@ -70,8 +109,11 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, sharded: bo
         for param in group["params"]:
             if param in optim.state and id(param) not in owners:
                 state[names[id(param)]] = dict(optim.state[param])
+    held = {id(p) for group in optim.param_groups for p in group["params"]}
     for unit in root.units:
-        _gather_unit_state(unit, optim, state, sharded)
+        for view in _state_layouts(unit):
+            if any(id(p) in held for p in view.params):  # the same on every rank
+                _gather_unit_state(view, optim, state, sharded)
     groups = [
         {**native_group, "params": [fqn for p in group["params"] for fqn in _fqns(owners, names, p)]}
         for group, native_group in zip(optim.param_groups, native["param_groups"])
@@ -79,13 +121,11 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, sharded: bo
     return {"state": state, "param_groups": groups}
 
 
-def _gather_unit_state(
-    unit: ShardedUnit, optim: torch.optim.Optimizer, out: dict[str, dict[str, Any]], sharded: bool
-) -> None:
-    """Add one entry per original parameter of `unit` to `out` (collective over its shard group)."""
-    layout = unit.layout
+def _gather_unit_state(view: _StateLayout, optim: Any, out: dict[str, dict[str, Any]], sharded: bool) -> None:
+    """Add one entry per original parameter of `view`'s unit to `out` (collective over its group)."""
+    unit, layout = view.unit, view.layout
     chunks: dict[str, torch.Tensor] = {}  # state key -> this rank's chunk of the flat layout
-    flat = unit.flat_param
+    flat = view.flat_param
     if flat is not None:
         if flat not in optim.state:
             return
@@ -93,15 +133,15 @@ def _gather_unit_state(
         tracked = list(layout.params)
         keys = sorted(key for key, value in flat_state.items() if _is_per_param(value, flat))
         for info in tracked:
-            out[_fqn_of(unit, info)] = {k: v for k, v in flat_state.items() if k not in keys}
+            out[view.fqn(info)] = {k: v for k, v in flat_state.items() if k not in keys}
         for key in keys:
             chunks[key] = flat_state[key].to(unit.device, unit.master_dtype)
     else:
-        pairs = [(info, p) for info, p in zip(layout.params, unit.optimizer_params) if p in optim.state]
+        pairs = [(info, p) for info, p in zip(layout.params, view.params) if p in optim.state]
         tracked = [info for info, _ in pairs]
         keys = sorted({key for _, p in pairs for key, value in optim.state[p].items() if _is_per_param(value, p)})
         for info, p in pairs:
-            out[_fqn_of(unit, info)] = {k: v for k, v in optim.state[p].items() if k not in keys}
+            out[view.fqn(info)] = {k: v for k, v in optim.state[p].items() if k not in keys}
         for key in keys:
             chunk = torch.zeros(layout.chunk, dtype=unit.master_dtype, device=unit.device)
             for info, p in pairs:
@@ -110,27 +150,29 @@ def _gather_unit_state(
             chunks[key] = chunk
     for key, chunk in chunks.items():
         full = chunk
-        if unit.topology.shard_group is not None:
+        if view.group is not None:
             full = torch.empty(layout.padded_numel, dtype=chunk.dtype, device=chunk.device)
             with collectives.labelled(unit.label):
-                collectives.all_gather_flat(full, chunk, unit.topology.shard_group)
+                collectives.all_gather_flat(full, chunk, view.group)
         for info in tracked:
-            out[_fqn_of(unit, info)][key] = _presented(unit, info, layout.full_view(full, info).clone(), sharded)
+            value = layout.full_view(full, info).clone()
+            out[view.fqn(info)][key] = _presented(view, info, value, sharded)
 
 
-def _presented(unit: ShardedUnit, info: ParamInfo, value: torch.Tensor, sharded: bool) -> torch.Tensor:
+def _presented(view: _StateLayout, info: ParamInfo, value: torch.Tensor, sharded: bool) -> torch.Tensor:
     """A gathered (dp-full) per-parameter state tensor as the state dict shows it.
 
     Like the parameter itself: full = the global tensor (TP-local pieces gathered over tp too);
-    sharded = DTensor on the shard mesh, or on the (dp, tp) mesh for tensor-parallel ones.
+    sharded = DTensor on the shard mesh (a SHARD_OPTIM_STATE partition: chunked over the ranks
+    that partition it), or on the (dp, tp) mesh for tensor-parallel ones.
     """
     if info.tp_spec is None:
-        return to_dtensor(unit, value) if sharded else value
+        return to_dtensor(view.unit, value, partitioned=view.partitioned) if sharded else value
     tp_value = info.tp_spec.wrap(value)
-    return to_2d_dtensor(unit, info, tp_value) if sharded else tp_value.full_tensor()
+    return to_2d_dtensor(view.unit, info, tp_value) if sharded else tp_value.full_tensor()
 
 
-def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: dict) -> None:
+def load_optim_state_dict(model: nn.Module, optim: Any, state_dict: dict) -> None:
     """Load a dict from `optim_state_dict` (full or sharded, either mode) into `optim` on every rank.
 
     Groups are matched by position; each group keeps `optim`'s parameters and takes the saved
@@ -158,14 +200,15 @@ def load_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_
                 if saved is not None:
                     native_state[index] = {key: _unsharded(value) for key, value in saved.items()}
             elif owner[1] is None:
-                entries = [saved_state.get(fqn) for fqn in owner[0].param_fqns]
+                entries = [saved_state.get(fqn) for fqn in owner[0].unit.param_fqns]
                 if any(entry is not None for entry in entries):
                     native_state[index] = _flat_state(owner[0], entries, param)
             else:
-                saved = saved_state.get(_fqn_of(*owner))
+                view, info = owner
+                saved = saved_state.get(view.fqn(info))
                 if saved is not None:
                     native_state[index] = {
-                        key: _local_piece(owner[0], owner[1], value, param) for key, value in saved.items()
+                        key: _local_piece(view, info, key, value, param) for key, value in saved.items()
                     }
             indices.append(index)
             index += 1
@@ -177,7 +220,7 @@ def _unsharded(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _flat_state(unit: ShardedUnit, entries: list[dict[str, Any] | None], flat: torch.Tensor) -> dict[str, Any]:
+def _flat_state(view: _StateLayout, entries: list[dict[str, Any] | None], flat: torch.Tensor) -> dict[str, Any]:
     """One flat parameter's state from its original parameters' saved entries."""
     keys = sorted({key for entry in entries if entry is not None for key in entry})
     state: dict[str, Any] = {}
@@ -187,25 +230,30 @@ def _flat_state(unit: ShardedUnit, entries: list[dict[str, Any] | None], flat: t
         if not (isinstance(first, torch.Tensor) and first.dim() > 0):
             state[key] = _unsharded(first)  # a scalar shared by the unit's parameters
             continue
-        chunk = torch.zeros(unit.layout.chunk, dtype=flat.dtype, device=flat.device)
-        for info, value in zip(unit.layout.params, values):
+        chunk = torch.zeros(view.layout.chunk, dtype=flat.dtype, device=flat.device)
+        for info, value in zip(view.layout.params, values):
             if value is not None:
-                unit.layout.sharded_view(chunk, info).copy_(_local_piece(unit, info, value, flat))
+                view.layout.sharded_view(chunk, info).copy_(_local_piece(view, info, key, value, flat))
         state[key] = chunk
     return state
 
 
-def _local_piece(unit: ShardedUnit, info: ParamInfo, value: Any, param: torch.Tensor) -> Any:
+def _local_piece(view: _StateLayout, info: ParamInfo, key: str, value: Any, param: torch.Tensor) -> Any:
     """This rank's piece of one original parameter's saved state value (scalars unchanged)."""
     value = _unsharded(value)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
-    layout = unit.layout
+    unit, layout = view.unit, view.layout
     if info.tp_spec is not None:  # global value -> this rank's TP-local piece (no communication)
         spec = info.tp_spec
         value = distribute_tensor(
             value.to(unit.device), spec.mesh, list(spec.placements), src_data_rank=None
         ).to_local()
+    if value.numel() != info.numel:
+        raise ValueError(
+            f"optimizer state {key!r} of {view.fqn(info)} has {value.numel()} elements, the parameter "
+            f"{info.numel}: the state dict was saved for another model; load one saved from this model"
+        )
     flat = value.reshape(-1).to(param.device, param.dtype)
     if layout.shard_size == 1:
         return flat.view(info.shape).clone()

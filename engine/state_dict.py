@@ -49,17 +49,26 @@ def _keys(info: ParamInfo, prefix: str) -> list[str]:
     return [prefix + ref.fqn for ref in info.refs]
 
 
-def to_dtensor(unit: ShardedUnit, full: torch.Tensor) -> DTensor:
-    """`full` as a DTensor chunked along dim 0 over the unit's shard mesh (replicated across)."""
+def to_dtensor(unit: ShardedUnit, full: torch.Tensor, *, partitioned: bool = False) -> DTensor:
+    """`full` as a DTensor chunked along dim 0 over the unit's shard mesh (replicated across).
+
+    Replicated for units that keep parameters whole (NO_SHARD, SHARD_OPTIM_STATE); with
+    `partitioned` (SHARD_OPTIM_STATE optimizer state) chunked over the ranks partitioning it.
+    """
     topology = unit.topology
     mesh = topology.shard_mesh(unit.device)
     full = full.to(unit.device)
-    if unit.strategy is ShardingStrategy.NO_SHARD or full.dim() == 0:
+    if partitioned:
+        size, rank = topology.optim_size, topology.optim_rank
+    else:
+        size, rank = topology.shard_size, topology.shard_rank
+    whole = unit.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_OPTIM_STATE) and not partitioned
+    if whole or full.dim() == 0:
         placements: list[Any] = [Replicate()] * mesh.ndim
         local = full.clone()
     else:
-        step = -(-full.shape[0] // topology.shard_size)
-        start = min(topology.shard_rank * step, full.shape[0])
+        step = -(-full.shape[0] // size)
+        start = min(rank * step, full.shape[0])
         local = full[start : min(start + step, full.shape[0])].clone()
         placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())

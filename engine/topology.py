@@ -16,8 +16,10 @@ from engine.config import ShardingStrategy
 class Topology:
     """Process groups of one sharding application.
 
-    `shard_group` is None when each rank holds everything (NO_SHARD, or a shard group of one);
-    `replicate_group` is None when there is nothing to all-reduce across.
+    `shard_group` is None when each rank holds everything (NO_SHARD, SHARD_OPTIM_STATE, or a shard
+    group of one); `replicate_group` is None when there is nothing to all-reduce across.
+    `optim_group` / `optim_size` / `optim_rank`: the ranks SHARD_OPTIM_STATE partitions optimizer
+    state over (None / 1 / 0 for every other strategy, whose state follows the parameters).
     """
 
     shard_group: dist.ProcessGroup | None
@@ -27,6 +29,9 @@ class Topology:
     dp_world_size: int
     check_group: dist.ProcessGroup | None  # every data-parallel rank; for exec-order checks
     mesh: DeviceMesh | None  # (shard,) or (replicate, shard); built on demand for DTensors
+    optim_group: dist.ProcessGroup | None = None
+    optim_size: int = 1
+    optim_rank: int = 0
 
     def shard_mesh(self, device: torch.device) -> DeviceMesh:
         """The mesh sharded state dicts are placed on."""
@@ -91,6 +96,11 @@ def build_topology(
         process_group = mesh.get_group()
     group = process_group or dist.group.WORLD
     world = _size(group)
+    if strategy is ShardingStrategy.SHARD_OPTIM_STATE:
+        # Replicated like NO_SHARD; the optimizer partitions its state over the same ranks.
+        if world == 1:
+            return Topology(None, None, 1, 0, 1, group, mesh)
+        return Topology(None, group, 1, 0, world, group, mesh, group, world, dist.get_rank(group))
     if strategy is ShardingStrategy.NO_SHARD or world == 1:
         return Topology(None, group if world > 1 else None, 1, 0, world, group, mesh)
     return Topology(group, None, world, dist.get_rank(group), world, group, mesh)

@@ -33,6 +33,7 @@ from engine import collectives
 from engine.config import ShardingStrategy
 from engine.flat_param import FlatLayout, ParamInfo, maybe_wrap
 from engine.params import FlatParams, OriginalParams, ParamExposure
+from engine.partition import OptimPartition
 from engine.topology import Topology
 
 if TYPE_CHECKING:
@@ -139,6 +140,18 @@ class ShardedUnit:
             if flat_param_owner is None
             else FlatParams(self.layout, self.shard, flat_param_owner, self._full)
         )
+        # SHARD_OPTIM_STATE: what this rank's optimizer steps (`partition.py`); None otherwise.
+        self.optim_partition: OptimPartition | None = None
+        if strategy is ShardingStrategy.SHARD_OPTIM_STATE and self.has_params:
+            self.optim_partition = OptimPartition(
+                params,
+                self.shard,
+                topology.optim_group,
+                topology.optim_size,
+                topology.optim_rank,
+                flat=flat_param_owner is not None,
+                device=device,
+            )
 
     # ------------------------------------------------------------------ set-up helpers
     def _fill_shard(self, params: list[ParamInfo]) -> None:

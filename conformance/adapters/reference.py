@@ -2,7 +2,12 @@
 
 The reference declares every capability: it is the suite's yardstick.  `use_orig_params=False`
 maps onto the engine's flat-parameter mode (one `_flat_param` per unit, as torch FSDP1).
+SHARD_OPTIM_STATE maps onto the engine's ZeRO-1 strategy: parameters and gradients stay whole on
+every rank (what `local_shard` / `local_grad_shard` report, through the protocol's defaults), and
+`make_optimizer` builds an `engine.ShardedOptimizer`, which keeps optimizer state only for this
+rank's partition.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +23,7 @@ from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    OptimizerFactory,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
@@ -33,6 +39,7 @@ _STRATEGIES = {
     ShardingStrategy.SHARD_GRAD_OP: engine.ShardingStrategy.SHARD_GRAD_OP,
     ShardingStrategy.NO_SHARD: engine.ShardingStrategy.NO_SHARD,
     ShardingStrategy.HYBRID_SHARD: engine.ShardingStrategy.HYBRID_SHARD,
+    ShardingStrategy.SHARD_OPTIM_STATE: engine.ShardingStrategy.SHARD_OPTIM_STATE,
 }
 _KINDS = {StateDictKind.FULL: engine.StateDictKind.FULL, StateDictKind.SHARDED: engine.StateDictKind.SHARDED}
 
@@ -43,17 +50,18 @@ def _clean(fqn: str) -> str:
 
 class ReferenceAdapter(BackendAdapter):
     name = "reference"
-    CAPABILITIES = frozenset(Capability) - {Capability.SHARD_OPTIM_STATE}
+    CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
-    UNSUPPORTED_REASONS = {
-        Capability.SHARD_OPTIM_STATE: (
-            "the reference engine's strategies are FSDP's; none shards only optimizer state"
-        ),
-    }
 
     # -- collective labels (the engine publishes the FQNs of the unit it is gathering) ---------
     def collective_label(self) -> str | None:
         return engine.collectives.current_label()
+
+    # -- training loop: SHARD_OPTIM_STATE units need the partitioning optimizer --------------
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Any:
+        if engine.partitions_optimizer_state(model):
+            return engine.ShardedOptimizer(model, factory)
+        return factory(model.parameters())
 
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
@@ -76,8 +84,7 @@ class ReferenceAdapter(BackendAdapter):
             return engine.ShardedModule(model, **options)
         return engine.fully_shard(model, **options)
 
-    def _options(self, spec: ShardingSpec, unit: str, module: nn.Module,
-                 ignored: list[nn.Module]) -> dict[str, Any]:
+    def _options(self, spec: ShardingSpec, unit: str, module: nn.Module, ignored: list[nn.Module]) -> dict[str, Any]:
         inside = {id(m) for m in module.modules()}
         owned = [m for m in ignored if id(m) in inside]  # each unit is told only of its own
         return {
@@ -91,11 +98,25 @@ class ReferenceAdapter(BackendAdapter):
         }
 
     # -- unshard ------------------------------------------------------------------------
-    def unshard(self, model: nn.Module, fqn: str = "", *, writeback: bool = True, rank0_only: bool = False,
-                offload_to_cpu: bool = False, recurse: bool = True,
-                with_grads: bool = False) -> contextlib.AbstractContextManager[None]:
-        return engine.unshard_params(_module_at(model, fqn), recurse=recurse, writeback=writeback,
-                                     rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        return engine.unshard_params(
+            _module_at(model, fqn),
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        )
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
@@ -106,12 +127,12 @@ class ReferenceAdapter(BackendAdapter):
         engine.set_state_dict_type(model, _KINDS[kind])
         model.load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                         kind: StateDictKind) -> dict[str, Any]:
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return engine.optim_state_dict(model, optim, sharded=kind is StateDictKind.SHARDED)
 
-    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def load_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
         engine.load_optim_state_dict(model, optim, dict(state_dict))
 
     # -- introspection --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 from torch.distributed.tensor import DTensor
 
 import fixtures
@@ -33,7 +34,6 @@ from conformance.protocol import (
     StateDictKind,
 )
 from harness import RankContext
-from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 
 CPU = torch.device("cpu")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
@@ -64,8 +64,9 @@ class OldStyleAdapter(BackendAdapter):
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return optim.state_dict()
 
-    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def load_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
         optim.load_state_dict(dict(state_dict))
 
 
@@ -73,11 +74,18 @@ def old_style() -> OldStyleAdapter:
     return OldStyleAdapter(BackendEnv(rank=0, world_size=1, device=CPU))
 
 
-def train_through_hooks(backend: BackendAdapter, model: nn.Module, loss_model: nn.Module,
-                        plan: fixtures.TrainingPlan, rank: int, device: torch.device) -> list[float]:
+def train_through_hooks(
+    backend: BackendAdapter,
+    model: nn.Module,
+    loss_model: nn.Module,
+    plan: fixtures.TrainingPlan,
+    rank: int,
+    device: torch.device,
+) -> list[float]:
     optim = backend.make_optimizer(model, plan.make_optimizer)
-    return train_steps(backend, model, loss_model, optim, plan.iterations, rank, device,
-                       seed=plan.seed, batch_size=plan.batch_size)
+    return train_steps(
+        backend, model, loss_model, optim, plan.iterations, rank, device, seed=plan.seed, batch_size=plan.batch_size
+    )
 
 
 # -- an adapter without hooks ---------------------------------------------------------------
@@ -86,8 +94,9 @@ def train_through_hooks(backend: BackendAdapter, model: nn.Module, loss_model: n
 def test_old_style_adapter_trains_through_the_default_hooks() -> None:
     """The defaults are plain torch: one rank, nothing sharded, so the oracle is exact."""
     plan = fixtures.TrainingPlan(seed=3, iterations=3, batch_size=2, make_optimizer=ADAM)
-    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 3, CPU, dim=8), plan,
-                                   world_size=1, device=CPU)
+    oracle = fixtures.train_oracle(
+        fixtures.build(fixtures.CompositeModel, 3, CPU, dim=8), plan, world_size=1, device=CPU
+    )
     backend = old_style()
     model = fixtures.build(fixtures.CompositeModel, 3, CPU, dim=8)
     sharded = backend.shard(model, ShardingSpec(), ApiForm.COMPOSABLE)
@@ -191,16 +200,16 @@ def _run_fixture(monkeypatch: pytest.MonkeyPatch, body_raises: bool) -> list[str
         return lambda: calls.append("unregister")
 
     monkeypatch.setattr(rank_fixtures, "register_label_provider", register)
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=CPU,
-                      params={"backend": f"{__name__}:LabellingAdapter"})
+    ctx = RankContext(
+        rank=0, world_size=1, local_rank=0, device=CPU, params={"backend": f"{__name__}:LabellingAdapter"}
+    )
     fixture = contextlib.contextmanager(rank_fixtures.backend)(ctx)
-    with contextlib.suppress(RuntimeError):
-        with fixture as adapter:
-            assert isinstance(adapter, LabellingAdapter)
-            assert adapter.env.local_rank == 0
-            calls.append("body")
-            if body_raises:
-                raise RuntimeError("the test body failed")
+    with contextlib.suppress(RuntimeError), fixture as adapter:
+        assert isinstance(adapter, LabellingAdapter)
+        assert adapter.env.local_rank == 0
+        calls.append("body")
+        if body_raises:
+            raise RuntimeError("the test body failed")
     assert registered and registered[0].__self__ is adapter
     return calls
 
@@ -222,9 +231,9 @@ def test_adapter_modules_do_not_import_the_harness() -> None:
 
     for path in Path(conformance.adapters.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
-        imported = {
-            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-        } | {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
+            node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+        }
         assert not {name for name in imported if name.split(".")[0] == "harness"}, path.name
 
 
@@ -236,13 +245,16 @@ def test_adapter_modules_do_not_import_the_harness() -> None:
     [
         (ShardingSpec(), set()),
         (ShardingSpec(auto_wrap_classes=(fixtures.Unit,)), {Capability.UNITS}),
-        (ShardingSpec(manual_units=("unit1",), shard_root=False),
-         {Capability.UNITS, Capability.UNMANAGED_ROOT}),
-        (ShardingSpec(manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD}),
-         {Capability.UNITS, Capability.MIXED_STRATEGIES}),
+        (ShardingSpec(manual_units=("unit1",), shard_root=False), {Capability.UNITS, Capability.UNMANAGED_ROOT}),
+        (
+            ShardingSpec(manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD}),
+            {Capability.UNITS, Capability.MIXED_STRATEGIES},
+        ),
         # An override equal to the spec's strategy mixes nothing.
-        (ShardingSpec(manual_units=("unit1",), strategy_overrides={"unit1": ShardingStrategy.FULL_SHARD}),
-         {Capability.UNITS}),
+        (
+            ShardingSpec(manual_units=("unit1",), strategy_overrides={"unit1": ShardingStrategy.FULL_SHARD}),
+            {Capability.UNITS},
+        ),
     ],
     ids=["whole-model", "auto-wrap", "unmanaged-root", "mixed", "same-override"],
 )
@@ -251,13 +263,44 @@ def test_structural_capabilities(spec: ShardingSpec, expected: set[Capability]) 
     assert spec.feature_capabilities() & structural == expected
 
 
-@pytest.mark.parametrize("adapter_cls", [ReferenceAdapter, TorchFSDP1Adapter, TorchFSDP2Adapter],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("adapter_cls", [TorchFSDP1Adapter, TorchFSDP2Adapter], ids=lambda c: c.name)
 def test_fsdp_style_adapters_lack_the_optimizer_state_only_strategy(adapter_cls: type[BackendAdapter]) -> None:
     adapter = adapter_cls(BackendEnv(rank=0, world_size=1, device=CPU))
     assert not adapter.supports(Capability.SHARD_OPTIM_STATE)
     assert "optimizer state" in adapter.unsupported_reason(Capability.SHARD_OPTIM_STATE)
     assert Capability.for_strategy(ShardingStrategy.SHARD_OPTIM_STATE) is Capability.SHARD_OPTIM_STATE
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("form", list(ApiForm), ids=lambda f: f.value)
+def test_reference_shard_optim_state_is_zero1_through_the_hooks(
+    form: ApiForm, rank: int, world_size: int, device: torch.device
+) -> None:
+    """The reference's SHARD_OPTIM_STATE: make_optimizer partitions the optimizer state (each
+    rank's Adam holds about half of it), while local_shard / local_grad_shard show the whole
+    parameter and the whole averaged gradient on every rank, equal across ranks."""
+    backend = ReferenceAdapter(BackendEnv(rank, world_size, device))
+    assert backend.supports(Capability.SHARD_OPTIM_STATE)
+    model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sharded = backend.shard(
+        model, ShardingSpec(strategy=ShardingStrategy.SHARD_OPTIM_STATE, auto_wrap_classes=(fixtures.Unit,)), form
+    )
+    optim = backend.make_optimizer(sharded, functools.partial(torch.optim.Adam, lr=1e-2))
+    train_steps(backend, sharded, model, optim, 1, rank, device)
+    total = sum(p.numel() for p in full.values())
+    held = sum(s["exp_avg"].numel() for s in optim.state.values())
+    assert 0 < held <= total // world_size + len(full), (held, total)
+    stored = torch.cat([backend.local_shard(sharded, name).reshape(-1) for name in full])
+    grads = torch.cat([backend.local_grad_shard(sharded, name).reshape(-1) for name in full])
+    assert stored.numel() == grads.numel() == total
+    for name, before in full.items():
+        assert backend.local_shard(sharded, name).shape == before.shape, name
+    everywhere = torch.stack([stored, grads])
+    gathered = [torch.empty_like(everywhere) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, everywhere)
+    for other in gathered:
+        torch.testing.assert_close(other, everywhere, rtol=0, atol=0)  # replicated
 
 
 # -- defaults on a real sharded backend ------------------------------------------------------
@@ -278,8 +321,9 @@ def test_default_accessors_reach_fsdp2_local_shards(rank: int, world_size: int, 
     with backend.unshard(sharded, writeback=False):
         full = sharded.unit1.inp.weight.detach().clone()
     rows = 8 // world_size
-    assert torch.equal(full, torch.arange(1, world_size + 1.0, device=device).repeat_interleave(rows)
-                       .unsqueeze(1).expand(8, 8))
+    assert torch.equal(
+        full, torch.arange(1, world_size + 1.0, device=device).repeat_interleave(rows).unsqueeze(1).expand(8, 8)
+    )
 
     plan = fixtures.TrainingPlan(seed=0, iterations=1, batch_size=2, make_optimizer=ADAM)
     optim = backend.make_optimizer(sharded, plan.make_optimizer)
@@ -292,7 +336,7 @@ def test_default_accessors_reach_fsdp2_local_shards(rank: int, world_size: int, 
 
 # -- labels end to end: adapter -> rank fixture -> harness trace --------------------------------
 
-LABELLED_STEP = '''
+LABELLED_STEP = """
 import functools
 import pytest
 import torch
@@ -309,7 +353,7 @@ def test_step(backend, rank, device):
     backend.zero_grad(sharded, optim)
     backend.backward(sharded, model.loss(sharded(*inputs)))
     backend.step(sharded, optim)
-'''
+"""
 
 
 def test_adapter_labels_reach_the_trace(tmp_path) -> None:
@@ -330,29 +374,34 @@ def test_adapter_labels_reach_the_trace(tmp_path) -> None:
 
 
 @pytest.mark.world_size(2)
-def test_the_template_adapter_trains_and_saves_like_the_oracle(rank: int, world_size: int, device: torch.device) -> None:
+def test_the_template_adapter_trains_and_saves_like_the_oracle(
+    rank: int, world_size: int, device: torch.device
+) -> None:
     from conformance.adapters.template import TemplateAdapter
 
     backend = TemplateAdapter(BackendEnv(rank, world_size, device, local_rank=rank))
     plan = fixtures.TrainingPlan(seed=0, iterations=3, batch_size=2, make_optimizer=ADAM)
-    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan,
-                                   world_size=world_size, device=device)
+    oracle = fixtures.train_oracle(
+        fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan, world_size=world_size, device=device
+    )
     model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
     sharded = backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)
     losses = train_through_hooks(backend, sharded, model, plan, rank, device)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]), rtol=1e-4, atol=1e-4
+    )
     state = backend.state_dict(sharded, StateDictKind.FULL)
     assert state.keys() == oracle.state_dict.keys()
     for name, expected in oracle.state_dict.items():
         torch.testing.assert_close(state[name], expected, rtol=1e-3, atol=1e-3)
     optim = backend.make_optimizer(sharded, plan.make_optimizer)
-    backend.backward(sharded, model.loss(sharded(*fixtures.local_batch(
-        model, seed=0, iteration=0, rank=rank, batch_size=2, device=device))))
+    backend.backward(
+        sharded,
+        model.loss(sharded(*fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device))),
+    )
     backend.step(sharded, optim)
     saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
     assert set(saved["state"]) == {name for name, _ in model.named_parameters()}  # no buffers
     assert backend.local_shard(sharded, "unit1.inp.weight").shape == (8, 8)
     with pytest.raises(pytest.skip.Exception, match="unsupported: sharding units"):
-        backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=("unit1",)),
-                      ApiForm.WRAPPER)
+        backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=("unit1",)), ApiForm.WRAPPER)

@@ -160,3 +160,16 @@ def test_tp_on_outer_mesh_dimension_is_refused(device):
     model = parallelize_module(ThreeLayerMLP().to(device), mesh["tp"], {"net1": ColwiseParallel()})
     with pytest.raises(RuntimeError, match=r"net1.weight .* dimension 0 of its parent mesh .* innermost"):
         engine.fully_shard(model, mesh=mesh["dp"])
+
+
+@pytest.mark.world_size(4)
+def test_2d_refuses_shard_optim_state(device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(
+        ThreeLayerMLP().to(device), mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    )
+    with pytest.raises(NotImplementedError, match=r"net1.weight is tensor-parallel: SHARD_OPTIM_STATE does not"):
+        engine.fully_shard(model, mesh=mesh["dp"], strategy=engine.ShardingStrategy.SHARD_OPTIM_STATE)
