@@ -254,6 +254,14 @@ class BackendAdapter(abc.ABC):
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
 
+    def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The low-precision compute dtypes ``ShardingSpec.param_dtype`` may take here,
+        preferred first (scenarios with a mixed-precision axis use the first; see
+        :func:`mixed_precision_dtype`). Default: float16, then bfloat16. Override when the
+        backend computes in only some of them on ``env.device`` (DeepSpeed's CPU accelerator
+        has bfloat16 but no float16). Only read where ``MIXED_PRECISION`` is declared."""
+        return (torch.float16, torch.bfloat16)
+
     # -- applying sharding ----------------------------------------------------------------
     @abc.abstractmethod
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
@@ -478,6 +486,16 @@ def unshard_capabilities(
         if wanted:
             needed.add(capability)
     return needed
+
+
+def mixed_precision_dtype(backend: BackendAdapter) -> torch.dtype:
+    """The ``param_dtype`` a mixed-precision scenario asks ``backend`` for: its preferred
+    low-precision dtype. The contract is the same for each (compute in it, keep float32 shards
+    and show float32 full parameters), so a backend is tested in a dtype it has rather than
+    skipped for lack of another. Float16 for a backend that names none (it lacks
+    ``MIXED_PRECISION``, which the scenario's ``require`` then reports)."""
+    dtypes = backend.mixed_precision_dtypes() if backend.supports(Capability.MIXED_PRECISION) else ()
+    return dtypes[0] if dtypes else torch.float16
 
 
 def require(backend: BackendAdapter, capability: Capability) -> None:

@@ -178,7 +178,7 @@ def test_training(
                 ))
 
         losses = torch.tensor(fixtures.train_sharded(
-            sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
+            backend, sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
         ))
         state = backend.state_dict(sharded, StateDictKind.FULL)
         found = differences(state, oracle.state_dict, PARAM_TOLERANCE[optimizer])
@@ -252,7 +252,9 @@ def test_unshard_after_training(
                     len(oracle.params[iteration]), tolerance,
                 ))
 
-        fixtures.train_sharded(sharded, model, plan, rank=rank, device=device, after_step=check_view)
+        fixtures.train_sharded(
+            backend, sharded, model, plan, rank=rank, device=device, after_step=check_view
+        )
     assert not problems, (
         f"rank {rank}: the unshard view differs from the oracle's parameters:\n"
         + "\n".join(problems)
@@ -292,7 +294,7 @@ def test_unshard_reshard_order(
                 device=device,
             )
             with backend.record_events(sharded) as events:
-                model.loss(sharded(*inputs)).backward()
+                backend.backward(sharded, model.loss(sharded(*inputs)))
             _check_step_order(list(events), expected_fqns, form.value)
             steps.append([(e.kind, e.unit) for e in events])
         events_by_form[form] = steps
