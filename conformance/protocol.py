@@ -220,11 +220,19 @@ class BackendAdapter(abc.ABC):
     CAPABILITIES: ClassVar[frozenset[Capability]]
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
+    # Capabilities the backend has one by one but not together (DeepSpeed: CPU offload, but not
+    # with NO_SHARD, its ZeRO stage 0), each with the reason. require_all() skips a scenario
+    # that needs every member of one, as "unsupported: <a> with <b>: <reason>".
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Capability], str]] = {}
     # Module path components the backend's *wrappers* insert between a module and its children
     # (torch FSDP1: "_fsdp_wrapped_module"). Scenarios compare parameter names after removing
     # exactly these and nothing else (see :func:`declared_fqn`): a backend that leaks any other
     # prefix into names fails. Declare them; there is no other way to have names cleaned.
     WRAPPER_COMPONENTS: ClassVar[frozenset[str]] = frozenset()
+    # The adapter's own expected-failure file (conformance.expectations): a path relative to the
+    # file of the module that sets it, e.g. "expectations.toml" next to the adapter module, so
+    # a package registered as an entry point ships its known failures with it.
+    EXPECTATIONS: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -253,6 +261,10 @@ class BackendAdapter(abc.ABC):
 
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
+
+    def unsupported_combinations(self) -> Mapping[frozenset[Capability], str]:
+        """Override when it depends on the environment, like :meth:`capabilities`."""
+        return self.UNSUPPORTED_COMBINATIONS
 
     def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
         """The low-precision compute dtypes ``ShardingSpec.param_dtype`` may take here,
@@ -510,8 +522,19 @@ def require(backend: BackendAdapter, capability: Capability) -> None:
 
 
 def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:
-    for capability in sorted(capabilities, key=lambda c: list(Capability).index(c)):
+    """:func:`require` each capability (in declaration order), then skip if they include a
+    combination the backend declares unsupported (``UNSUPPORTED_COMBINATIONS``)."""
+    ordered = sorted(capabilities, key=_declaration_order)
+    for capability in ordered:
         require(backend, capability)
+    for combination, reason in backend.unsupported_combinations().items():
+        if combination <= set(capabilities):
+            together = " with ".join(c.value for c in sorted(combination, key=_declaration_order))
+            pytest.skip(f"unsupported: {together}: {reason}")
+
+
+def _declaration_order(capability: Capability) -> int:
+    return list(Capability).index(capability)
 
 
 def submodule(model: nn.Module, fqn: str) -> nn.Module:
