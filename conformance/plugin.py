@@ -89,6 +89,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "smoke: an adapter's basics in under a minute (conformance/test_smoke.py; -k smoke or -m smoke)",
+    )
     # Ranks take the parent's sys.path with every task, so this reaches them too.
     for directory in reversed(config.getoption("backend_path")):
         path = str(Path(directory).resolve())
