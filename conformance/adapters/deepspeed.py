@@ -352,6 +352,17 @@ class DeepSpeedAdapter(BackendAdapter):
             _PARAM_FQNS[id(param)] = fqn
         root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
         root.build_engine = self._build_engine
+        if spec.param_dtype is not None:
+            # What DeepSpeed's fp16/bf16 mode does to the model's storage, done now rather than
+            # when the engine is built: deepspeed.initialize casts the parameters (buffers
+            # stay as they are) and keeps float32 only as the ZeRO optimizer's master copy;
+            # a model built under zero.Init with that config is born in the low dtype, and the
+            # engine leaves such a model's parameters alone. Storage must not depend on whether
+            # a scenario's first forward (which builds the engine) has run yet.
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.is_floating_point():
+                        param.data = param.data.to(spec.param_dtype)
         if config["zero_optimization"]["stage"] == 3:
             # Partition now, as if the model had been built under zero.Init, so storage is
             # sharded from here on whether or not (or when) the engine gets built.
