@@ -62,6 +62,7 @@ LOCAL_BATCH = 2
 
 
 def _spec(
+    backend: BackendAdapter,
     wrap: str,
     strategy: ShardingStrategy,
     world_size: int,
@@ -70,7 +71,12 @@ def _spec(
 ) -> ShardingSpec:
     """auto: every ``Unit`` is its own unit, then the root. manual: ``unit2`` by FQN, then the
     root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes.
-    ``param_offload``: sharded parameters (and the optimizer step) live on CPU."""
+    ``param_offload``: sharded parameters (and the optimizer step) live on CPU.
+
+    The strategy is required before the mesh is built: building it creates process groups
+    on every rank, and a rank that skips while another is still connecting to one of them
+    leaves that rank failing in gloo's connectFullMesh instead of skipping with the others."""
+    require(backend, Capability.for_strategy(strategy))
     return ShardingSpec(
         strategy=strategy,
         auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
@@ -145,7 +151,7 @@ def test_training(
     """
     require(backend, Capability.FULL_STATE_DICT)
     plan = _plan(optimizer)
-    spec = _spec(wrap, strategy, world_size, device, param_offload)
+    spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
     require_all(backend, spec.feature_capabilities())
     oracle = _oracle(plan, world_size, device)
     oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
@@ -233,7 +239,7 @@ def test_unshard_after_training(
     """
     require_all(backend, unshard_capabilities())
     plan = _plan("sgd", TRAINED_STEPS)
-    spec = _spec(wrap, strategy, world_size, device, param_offload)
+    spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
     require_all(backend, spec.feature_capabilities())
     oracle = _oracle(plan, world_size, device)
     tolerance = PARAM_TOLERANCE["sgd"]

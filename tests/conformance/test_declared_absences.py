@@ -47,6 +47,95 @@ def _two_linears(device: torch.device) -> nn.Sequential:
     return fixtures.build(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), current_seed(), device)
 
 
+# -- optimizer-state-only sharding (ZeRO-1) -----------------------------------------------------
+
+
+def _local_numel(value: torch.Tensor) -> int:
+    local = value.to_local() if hasattr(value, "to_local") else value  # DTensor: this rank's part
+    return local.numel()
+
+
+def _no_strategy_shards_only_optimizer_state(
+    backend_name: str, list_strategies: Callable[[], set[str]]
+) -> Proof:
+    """A proof that ``backend_name`` has no ZeRO-1 layout: ``list_strategies`` reads the
+    backend's own list of strategies (its enum or options) from the real library and fails
+    on one the proof does not know; every strategy the adapter maps is run through one Adam step: afterwards each either stores less
+    than the whole model on this rank (parameters sharded, optimizer state with them) or
+    holds the optimizer state of every parameter in full (replicated). SHARD_OPTIM_STATE
+    would be the third case: whole parameters beside a partial optimizer state."""
+
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        from conformance.protocol import ShardingSpec, ShardingStrategy
+        from conformance.test_runtime import OPTIMIZERS
+
+        strategies = list_strategies()
+        assert strategies, f"{backend_name}: found no strategies in the library"
+        backend = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+        observed = []
+        for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
+                         ShardingStrategy.NO_SHARD):
+            model = _two_linears(device)
+            full = sum(p.numel() for p in model.parameters())
+            names = [name for name, _ in model.named_parameters()]
+            sharded = backend.shard(model, ShardingSpec(strategy=strategy), backend.forms()[0])
+            optimizer = backend.make_optimizer(sharded, OPTIMIZERS["adam"])
+            backend.zero_grad(sharded, optimizer)
+            backend.backward(sharded, sharded(torch.ones(2, 4, device=device)).sum())
+            backend.step(sharded, optimizer)
+            stored = sum(
+                backend.local_shard(sharded, name).numel() for name in names
+            )
+            moments = sum(  # Adam's elementwise states (exp_avg, exp_avg_sq): 2 per element
+                _local_numel(value) for state in optimizer.state.values()
+                for value in state.values() if torch.is_tensor(value) and value.dim() > 0
+            )
+            observed.append(f"{strategy.name}: parameters {stored}/{full}, Adam state {moments}/{2 * full}")
+            assert stored < full or moments >= 2 * full, (
+                f"{backend_name} {strategy.name} keeps whole parameters beside a partial optimizer "
+                f"state (ZeRO-1): {observed[-1]}"
+            )
+        print(f"{backend_name} strategies {sorted(strategies)}; " + "; ".join(observed))
+
+    return proof
+
+
+def _fsdp1_strategies() -> set[str]:
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    names = {member.name for member in TorchStrategy}
+    # HYBRID_SHARD / _HYBRID_SHARD_ZERO2 are FULL_SHARD / SHARD_GRAD_OP inside a shard group,
+    # replicated across groups: the layouts checked above, per group. A new member fails here.
+    assert names <= {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"}, names
+    return names
+
+
+def _fsdp2_strategies() -> set[str]:
+    from torch.distributed.fsdp import fully_shard
+
+    # fully_shard's only layout knob is reshard_after_forward (when, not whether, to shard);
+    # NO_SHARD / HYBRID_SHARD come from the mesh (replicate dimension), not from an option.
+    options = set(inspect.signature(fully_shard).parameters)
+    assert not {"sharding_strategy", "shard_optimizer_state", "zero_stage"} & options, options
+    return {"reshard_after_forward", "mesh"} & options
+
+
+def _engine_strategies() -> set[str]:
+    names = {member.name for member in engine.ShardingStrategy}
+    assert names <= {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, names
+    return names
+
+
+for _backend, _strategies in (
+    ("torch-fsdp1", _fsdp1_strategies),
+    ("torch-fsdp2", _fsdp2_strategies),
+    ("reference", _engine_strategies),
+):
+    proves(_backend, Capability.SHARD_OPTIM_STATE)(
+        _no_strategy_shards_only_optimizer_state(_backend, _strategies)
+    )
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 
