@@ -235,8 +235,9 @@ class DeepSpeedAdapter(BackendAdapter):
             "deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"
         ),
         Capability.HYBRID_SHARD: (
-            "ZeRO shards over its own data-parallel group; the adapter does not map a "
-            "(replicate, shard) DeviceMesh onto MiCS (mics_shard_size), which builds its own groups"
+            "ZeRO shards over the whole data-parallel group: DeepSpeed's hybrid sharding (MiCS, "
+            "mics_shard_size) is gone ('MiCS ZeRO-3 sharding has been removed'), and ZeRO++'s "
+            "zero_hpz_partition_size only adds a secondary parameter copy per group"
         ),
         Capability.MIXED_PRECISION: (
             "DeepSpeed's accelerator on this device supports neither fp16 nor bf16"

@@ -9,8 +9,10 @@ behind after the gap was closed (then delete the proof).
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -258,18 +260,196 @@ def _reference_has_no_flat_parameters(rank: int, world_size: int, device: torch.
     assert [name for name, _ in model.named_parameters()] == names
 
 
+# -- DeepSpeed (optional: proven where it is installed) -------------------------------------------
+
+
+def _deepspeed(rank: int, world_size: int, device: torch.device) -> tuple[BackendAdapter, Any]:
+    """The deepspeed adapter (it sets the rank environment DeepSpeed reads and imports it with
+    the right accelerator) and the deepspeed module."""
+    adapter = registry.load("deepspeed")(BackendEnv(rank, world_size, device))
+    import deepspeed
+
+    return adapter, deepspeed
+
+
+def _ds_engine(deepspeed: Any, model: nn.Module, stage: int, **zero: Any) -> Any:
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    return engine
+
+
+class _RootWithOwnParameter(nn.Module):
+    """A root holding a parameter of its own beside a child unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.child = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x * self.scale)
+
+
+@proves("deepspeed", Capability.COMPOSABLE)
+def _deepspeed_only_wraps(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    model = _two_linears(device)
+    engine = _ds_engine(deepspeed, model, stage=3)
+    assert engine is not model and isinstance(engine, deepspeed.DeepSpeedEngine)
+    assert engine.module is model and not isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+@proves("deepspeed", Capability.EXEC_ORDER_CHECK)
+def _deepspeed_does_not_check_the_order(rank: int, world_size: int, device: torch.device) -> None:
+    # Ranks run two same-sized units in opposite orders under ZeRO-3: nothing raises.
+    adapter, _ = _deepspeed(rank, world_size, device)
+    training_step(adapter, adapter.forms()[0], rank, device, crossed=True)
+
+
+@proves("deepspeed", Capability.FLAT_PARAMETERS)
+def _deepspeed_keeps_the_original_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    assert not {"use_orig_params", "flat_parameters"} & set(inspect.signature(deepspeed.initialize).parameters)
+    for stage in (1, 3):
+        model = _two_linears(device)
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        engine = _ds_engine(deepspeed, model, stage=stage)
+        shown = {name: getattr(p, "ds_shape", p.shape) for name, p in engine.module.named_parameters()}
+        assert shown == shapes, f"stage {stage}: {shown} != {shapes}"
+
+
+@proves("deepspeed", Capability.HYBRID_SHARD)
+def _deepspeed_removed_mics(rank: int, world_size: int, device: torch.device) -> None:
+    # MiCS (mics_shard_size: shard within groups, replicate across) was DeepSpeed's hybrid
+    # sharding; ZeRO++'s zero_hpz_partition_size only adds a secondary copy of the parameters
+    # for backward's gathers, while the primary partition and optimizer state stay world-wide.
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    with pytest.raises(DeepSpeedConfigError, match="MiCS ZeRO-3 sharding has been removed"):
+        _ds_engine(deepspeed, _two_linears(device), stage=3, mics_shard_size=1)
+
+
+def _deepspeed_manages_every_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    options = set(inspect.signature(deepspeed.initialize).parameters)
+    assert not {"ignored_modules", "ignored_params", "ignored_states"} & options, options
+    model = fixtures.build(_RootWithOwnParameter, current_seed(), device)
+    engine = _ds_engine(deepspeed, model, stage=3)
+    not_partitioned = [
+        name for name, p in engine.module.named_parameters()
+        if getattr(p, "ds_status", None) != deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE
+    ]
+    assert not not_partitioned, f"left unpartitioned: {not_partitioned}"
+
+
+proves("deepspeed", Capability.IGNORED_MODULES)(_deepspeed_manages_every_parameter)
+proves("deepspeed", Capability.UNMANAGED_ROOT)(_deepspeed_manages_every_parameter)
+
+
+@proves("deepspeed", Capability.INTROSPECT_UNIT_FQNS)
+def _deepspeed_partitions_each_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    for name, param in engine.module.named_parameters():
+        expected = -(-param.ds_numel // world_size)  # its own partition, not a unit's
+        assert param.ds_tensor.numel() == expected, (name, param.ds_tensor.numel(), expected)
+
+
+@proves("deepspeed", Capability.INTROSPECT_EVENTS)
+def _deepspeed_has_no_fetch_events(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    engine_only = {
+        name for name in dir(deepspeed.DeepSpeedEngine)
+        if not name.startswith("_") and name not in dir(nn.Module)
+    }
+    hooks = sorted(n for n in engine_only if any(w in n for w in ("hook", "event", "callback")))
+    assert not hooks, f"DeepSpeedEngine has public hooks now: {hooks}"
+
+
+@proves("deepspeed", Capability.MIXED_STRATEGIES)
+def _deepspeed_has_one_stage(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    with pytest.raises(ValueError):  # pydantic's ValidationError: a stage per module is no stage
+        DeepSpeedZeroConfig(stage={"0": 3, "1": 1})
+    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    assert engine.zero_optimization_stage() == 3
+
+
+@proves("deepspeed", Capability.SHARDED_STATE_DICT)
+def _deepspeed_state_dict_is_not_sharded(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.tensor import DTensor
+
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    state = engine.module.state_dict()
+    assert not any(isinstance(v, DTensor) or type(v).__name__ == "ShardedTensor" for v in state.values())
+    # The partitioned parameters' entries are ZeRO-3's empty placeholders.
+    assert all(v.numel() == 0 for v in state.values()), {k: v.shape for k, v in state.items()}
+
+
+@proves("deepspeed", Capability.TENSOR_PARALLEL)
+def _deepspeed_refuses_dtensor_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    for stage in (1, 3):
+        model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+        parallelize_module(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            _ds_engine(deepspeed, model, stage=stage)
+
+
+def _deepspeed_gather_lacks(option: str) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        assert option not in inspect.signature(deepspeed.zero.GatheredParameters).parameters
+        engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+        with pytest.raises(TypeError, match=option):
+            deepspeed.zero.GatheredParameters(list(engine.module.parameters()), **{option: True})
+    return proof
+
+
+for _option, _capability in (
+    ("rank0_only", Capability.UNSHARD_RANK0_ONLY),
+    ("offload_to_cpu", Capability.UNSHARD_OFFLOAD_TO_CPU),
+    ("with_grads", Capability.UNSHARD_WITH_GRADS),
+):
+    proves("deepspeed", _capability)(_deepspeed_gather_lacks(_option))
+
+
 # -- the tests -----------------------------------------------------------------------------------
+
+
+def _installed_builtins() -> list[str]:
+    """The built-ins, and the optional built-ins whose library is installed here."""
+    return [*registry.BUILTIN, *(
+        name for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
+        if importlib.util.find_spec(library) is not None
+    )]
 
 
 def test_every_declared_absence_has_a_proof() -> None:
     declared = {
         (backend, capability)
-        for backend in registry.BUILTIN
+        for backend in _installed_builtins()
         for device in DEVICES
         for capability in _declared_missing(backend, device)
     }
     missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
-    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared)
+    leftover_proofs = sorted(
+        f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins()
+    )
     assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
     assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
 
@@ -288,6 +468,9 @@ def _proof_params() -> list:
 def test_declared_absence_is_real(
     backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
 ) -> None:
+    if backend_name not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
+        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
