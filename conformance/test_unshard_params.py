@@ -755,7 +755,10 @@ def test_unshard_with_grads(
         full = _full_values(backend, sharded)
         assert full.keys() == ddp_params.keys(), f"{form.value}: parameter names differ"
         for name, value in full.items():
-            torch.testing.assert_close(value, ddp_params[name].detach(), **EXACT)
+            torch.testing.assert_close(
+                value, ddp_params[name].detach(), **EXACT,
+                msg=lambda m, name=name: f"{form.value}: full {name} differs from DDP's\n{m}",
+            )
 
         def check_grads(when: str) -> None:
             before = _stored_grads(backend, sharded)
@@ -901,7 +904,13 @@ def test_unshard_submodule(backend: BackendAdapter, device: torch.device) -> Non
             )
             for name, param in seen.items():
                 assert _shows_full(param, wanted[name].shape), f"{form.value}: {name} not full"
-                torch.testing.assert_close(param.detach(), wanted[name].detach(), **EXACT)
+                torch.testing.assert_close(
+                    param.detach(), wanted[name].detach(), **EXACT,
+                    msg=lambda m, name=name: (
+                        f"{form.value}: {name} inside unshard of unit 0 differs from the "
+                        f"unsharded model\n{m}"
+                    ),
+                )
 
 
 # -- refusals -------------------------------------------------------------------------------
