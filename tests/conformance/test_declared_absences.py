@@ -62,9 +62,10 @@ def _no_strategy_shards_only_optimizer_state(
 ) -> Proof:
     """A proof that ``backend_name`` has no ZeRO-1 layout: ``list_strategies`` reads the
     backend's own list of strategies (its enum or options) from the real library and fails
-    on one the proof does not know; every strategy the adapter maps is run through one Adam step: afterwards each either stores less
-    than the whole model on this rank (parameters sharded, optimizer state with them) or
-    holds the optimizer state of every parameter in full (replicated). SHARD_OPTIM_STATE
+    on one the proof does not know; every strategy the adapter maps is run through one Adam
+    step: afterwards each either stores less than the whole model on this rank (parameters
+    sharded, optimizer state with them) or holds the optimizer state of every parameter in
+    full (replicated). SHARD_OPTIM_STATE
     would be the third case: whole parameters beside a partial optimizer state."""
 
     def proof(rank: int, world_size: int, device: torch.device) -> None:
@@ -123,7 +124,9 @@ def _fsdp2_strategies() -> set[str]:
 
 
 def _engine_strategies() -> set[str]:
-    names = {member.name for member in engine.ShardingStrategy}
+    from engine import ShardingStrategy as EngineStrategy
+
+    names = {member.name for member in EngineStrategy}
     assert names <= {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, names
     return names
 
@@ -136,6 +139,174 @@ for _backend, _strategies in (
     proves(_backend, Capability.SHARD_OPTIM_STATE)(
         _no_strategy_shards_only_optimizer_state(_backend, _strategies)
     )
+
+
+# -- DeepSpeed (optional: proven where it is installed) -------------------------------------------
+
+
+def _deepspeed(rank: int, world_size: int, device: torch.device) -> tuple[BackendAdapter, Any]:
+    """The deepspeed adapter (it sets the rank environment DeepSpeed reads and imports it with
+    the right accelerator) and the deepspeed module."""
+    adapter = registry.load("deepspeed")(BackendEnv(rank, world_size, device))
+    import deepspeed
+
+    return adapter, deepspeed
+
+
+def _ds_engine(deepspeed: Any, model: nn.Module, stage: int, **zero: Any) -> Any:
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    ds_engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    return ds_engine
+
+
+class _RootWithOwnParameter(nn.Module):
+    """A root holding a parameter of its own beside a child unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.child = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x * self.scale)
+
+
+@proves("deepspeed", Capability.COMPOSABLE)
+def _deepspeed_only_wraps(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    model = _two_linears(device)
+    ds_engine = _ds_engine(deepspeed, model, stage=3)
+    assert ds_engine is not model and isinstance(ds_engine, deepspeed.DeepSpeedEngine)
+    assert ds_engine.module is model and not isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+@proves("deepspeed", Capability.EXEC_ORDER_CHECK)
+def _deepspeed_does_not_check_the_order(rank: int, world_size: int, device: torch.device) -> None:
+    # Ranks run two same-sized units in opposite orders under ZeRO-3: nothing raises.
+    adapter, _ = _deepspeed(rank, world_size, device)
+    training_step(adapter, adapter.forms()[0], rank, device, crossed=True)
+
+
+@proves("deepspeed", Capability.FLAT_PARAMETERS)
+def _deepspeed_keeps_the_original_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    assert not {"use_orig_params", "flat_parameters"} & set(inspect.signature(deepspeed.initialize).parameters)
+    for stage in (1, 3):
+        model = _two_linears(device)
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        ds_engine = _ds_engine(deepspeed, model, stage=stage)
+        shown = {name: getattr(p, "ds_shape", p.shape) for name, p in ds_engine.module.named_parameters()}
+        assert shown == shapes, f"stage {stage}: {shown} != {shapes}"
+
+
+@proves("deepspeed", Capability.HYBRID_SHARD)
+def _deepspeed_removed_mics(rank: int, world_size: int, device: torch.device) -> None:
+    # MiCS (mics_shard_size: shard within groups, replicate across) was DeepSpeed's hybrid
+    # sharding; ZeRO++'s zero_hpz_partition_size only adds a secondary copy of the parameters
+    # for backward's gathers, while the primary partition and optimizer state stay world-wide.
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    with pytest.raises(DeepSpeedConfigError, match="MiCS ZeRO-3 sharding has been removed"):
+        _ds_engine(deepspeed, _two_linears(device), stage=3, mics_shard_size=1)
+
+
+def _deepspeed_manages_every_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    options = set(inspect.signature(deepspeed.initialize).parameters)
+    assert not {"ignored_modules", "ignored_params", "ignored_states"} & options, options
+    model = fixtures.build(_RootWithOwnParameter, current_seed(), device)
+    ds_engine = _ds_engine(deepspeed, model, stage=3)
+    not_partitioned = [
+        name for name, p in ds_engine.module.named_parameters()
+        if getattr(p, "ds_status", None) != deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE
+    ]
+    assert not not_partitioned, f"left unpartitioned: {not_partitioned}"
+
+
+proves("deepspeed", Capability.IGNORED_MODULES)(_deepspeed_manages_every_parameter)
+proves("deepspeed", Capability.UNMANAGED_ROOT)(_deepspeed_manages_every_parameter)
+
+
+@proves("deepspeed", Capability.INTROSPECT_UNIT_FQNS)
+def _deepspeed_partitions_each_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    for name, param in ds_engine.module.named_parameters():
+        expected = -(-param.ds_numel // world_size)  # its own partition, not a unit's
+        assert param.ds_tensor.numel() == expected, (name, param.ds_tensor.numel(), expected)
+
+
+@proves("deepspeed", Capability.INTROSPECT_EVENTS)
+def _deepspeed_has_no_fetch_events(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    engine_only = {
+        name for name in dir(deepspeed.DeepSpeedEngine)
+        if not name.startswith("_") and name not in dir(nn.Module)
+    }
+    hooks = sorted(n for n in engine_only if any(w in n for w in ("hook", "event", "callback")))
+    assert not hooks, f"DeepSpeedEngine has public hooks now: {hooks}"
+
+
+@proves("deepspeed", Capability.MIXED_STRATEGIES)
+def _deepspeed_has_one_stage(rank: int, world_size: int, device: torch.device) -> None:
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    with pytest.raises(ValueError):  # pydantic's ValidationError: a stage per module is no stage
+        DeepSpeedZeroConfig(stage={"0": 3, "1": 1})
+    ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    assert ds_engine.zero_optimization_stage() == 3
+
+
+@proves("deepspeed", Capability.SHARDED_STATE_DICT)
+def _deepspeed_state_dict_is_not_sharded(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.tensor import DTensor
+
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+    state = ds_engine.module.state_dict()
+    assert not any(isinstance(v, DTensor) or type(v).__name__ == "ShardedTensor" for v in state.values())
+    # The partitioned parameters' entries are ZeRO-3's empty placeholders.
+    assert all(v.numel() == 0 for v in state.values()), {k: v.shape for k, v in state.items()}
+
+
+@proves("deepspeed", Capability.TENSOR_PARALLEL)
+def _deepspeed_refuses_dtensor_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    for stage in (1, 3):
+        model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+        parallelize_module(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            _ds_engine(deepspeed, model, stage=stage)
+
+
+def _deepspeed_gather_lacks(option: str) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        assert option not in inspect.signature(deepspeed.zero.GatheredParameters).parameters
+        ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
+        with pytest.raises(TypeError, match=option):
+            deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters()), **{option: True})
+    return proof
+
+
+for _option, _capability in (
+    ("rank0_only", Capability.UNSHARD_RANK0_ONLY),
+    ("offload_to_cpu", Capability.UNSHARD_OFFLOAD_TO_CPU),
+    ("with_grads", Capability.UNSHARD_WITH_GRADS),
+):
+    proves("deepspeed", _capability)(_deepspeed_gather_lacks(_option))
 
 
 # -- torch FSDP1 ---------------------------------------------------------------------------------
@@ -258,174 +429,6 @@ def _reference_has_no_flat_parameters(rank: int, world_size: int, device: torch.
     names = [name for name, _ in model.named_parameters()]
     engine.fully_shard(model, device=device)
     assert [name for name, _ in model.named_parameters()] == names
-
-
-# -- DeepSpeed (optional: proven where it is installed) -------------------------------------------
-
-
-def _deepspeed(rank: int, world_size: int, device: torch.device) -> tuple[BackendAdapter, Any]:
-    """The deepspeed adapter (it sets the rank environment DeepSpeed reads and imports it with
-    the right accelerator) and the deepspeed module."""
-    adapter = registry.load("deepspeed")(BackendEnv(rank, world_size, device))
-    import deepspeed
-
-    return adapter, deepspeed
-
-
-def _ds_engine(deepspeed: Any, model: nn.Module, stage: int, **zero: Any) -> Any:
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
-    )
-    return engine
-
-
-class _RootWithOwnParameter(nn.Module):
-    """A root holding a parameter of its own beside a child unit."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
-        self.child = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.child(x * self.scale)
-
-
-@proves("deepspeed", Capability.COMPOSABLE)
-def _deepspeed_only_wraps(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    model = _two_linears(device)
-    engine = _ds_engine(deepspeed, model, stage=3)
-    assert engine is not model and isinstance(engine, deepspeed.DeepSpeedEngine)
-    assert engine.module is model and not isinstance(model, deepspeed.DeepSpeedEngine)
-
-
-@proves("deepspeed", Capability.EXEC_ORDER_CHECK)
-def _deepspeed_does_not_check_the_order(rank: int, world_size: int, device: torch.device) -> None:
-    # Ranks run two same-sized units in opposite orders under ZeRO-3: nothing raises.
-    adapter, _ = _deepspeed(rank, world_size, device)
-    training_step(adapter, adapter.forms()[0], rank, device, crossed=True)
-
-
-@proves("deepspeed", Capability.FLAT_PARAMETERS)
-def _deepspeed_keeps_the_original_parameters(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    assert not {"use_orig_params", "flat_parameters"} & set(inspect.signature(deepspeed.initialize).parameters)
-    for stage in (1, 3):
-        model = _two_linears(device)
-        shapes = {name: p.shape for name, p in model.named_parameters()}
-        engine = _ds_engine(deepspeed, model, stage=stage)
-        shown = {name: getattr(p, "ds_shape", p.shape) for name, p in engine.module.named_parameters()}
-        assert shown == shapes, f"stage {stage}: {shown} != {shapes}"
-
-
-@proves("deepspeed", Capability.HYBRID_SHARD)
-def _deepspeed_removed_mics(rank: int, world_size: int, device: torch.device) -> None:
-    # MiCS (mics_shard_size: shard within groups, replicate across) was DeepSpeed's hybrid
-    # sharding; ZeRO++'s zero_hpz_partition_size only adds a secondary copy of the parameters
-    # for backward's gathers, while the primary partition and optimizer state stay world-wide.
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    from deepspeed.runtime.config import DeepSpeedConfigError
-
-    with pytest.raises(DeepSpeedConfigError, match="MiCS ZeRO-3 sharding has been removed"):
-        _ds_engine(deepspeed, _two_linears(device), stage=3, mics_shard_size=1)
-
-
-def _deepspeed_manages_every_parameter(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    options = set(inspect.signature(deepspeed.initialize).parameters)
-    assert not {"ignored_modules", "ignored_params", "ignored_states"} & options, options
-    model = fixtures.build(_RootWithOwnParameter, current_seed(), device)
-    engine = _ds_engine(deepspeed, model, stage=3)
-    not_partitioned = [
-        name for name, p in engine.module.named_parameters()
-        if getattr(p, "ds_status", None) != deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE
-    ]
-    assert not not_partitioned, f"left unpartitioned: {not_partitioned}"
-
-
-proves("deepspeed", Capability.IGNORED_MODULES)(_deepspeed_manages_every_parameter)
-proves("deepspeed", Capability.UNMANAGED_ROOT)(_deepspeed_manages_every_parameter)
-
-
-@proves("deepspeed", Capability.INTROSPECT_UNIT_FQNS)
-def _deepspeed_partitions_each_parameter(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
-    for name, param in engine.module.named_parameters():
-        expected = -(-param.ds_numel // world_size)  # its own partition, not a unit's
-        assert param.ds_tensor.numel() == expected, (name, param.ds_tensor.numel(), expected)
-
-
-@proves("deepspeed", Capability.INTROSPECT_EVENTS)
-def _deepspeed_has_no_fetch_events(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    engine_only = {
-        name for name in dir(deepspeed.DeepSpeedEngine)
-        if not name.startswith("_") and name not in dir(nn.Module)
-    }
-    hooks = sorted(n for n in engine_only if any(w in n for w in ("hook", "event", "callback")))
-    assert not hooks, f"DeepSpeedEngine has public hooks now: {hooks}"
-
-
-@proves("deepspeed", Capability.MIXED_STRATEGIES)
-def _deepspeed_has_one_stage(rank: int, world_size: int, device: torch.device) -> None:
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    with pytest.raises(ValueError):  # pydantic's ValidationError: a stage per module is no stage
-        DeepSpeedZeroConfig(stage={"0": 3, "1": 1})
-    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
-    assert engine.zero_optimization_stage() == 3
-
-
-@proves("deepspeed", Capability.SHARDED_STATE_DICT)
-def _deepspeed_state_dict_is_not_sharded(rank: int, world_size: int, device: torch.device) -> None:
-    from torch.distributed.tensor import DTensor
-
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
-    state = engine.module.state_dict()
-    assert not any(isinstance(v, DTensor) or type(v).__name__ == "ShardedTensor" for v in state.values())
-    # The partitioned parameters' entries are ZeRO-3's empty placeholders.
-    assert all(v.numel() == 0 for v in state.values()), {k: v.shape for k, v in state.items()}
-
-
-@proves("deepspeed", Capability.TENSOR_PARALLEL)
-def _deepspeed_refuses_dtensor_parameters(rank: int, world_size: int, device: torch.device) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    _, deepspeed = _deepspeed(rank, world_size, device)
-    mesh = init_device_mesh(device.type, (world_size,))
-    for stage in (1, 3):
-        model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
-        parallelize_module(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
-        with pytest.raises(RuntimeError, match="Couldn't swap"):
-            _ds_engine(deepspeed, model, stage=stage)
-
-
-def _deepspeed_gather_lacks(option: str) -> Proof:
-    def proof(rank: int, world_size: int, device: torch.device) -> None:
-        _, deepspeed = _deepspeed(rank, world_size, device)
-        assert option not in inspect.signature(deepspeed.zero.GatheredParameters).parameters
-        engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
-        with pytest.raises(TypeError, match=option):
-            deepspeed.zero.GatheredParameters(list(engine.module.parameters()), **{option: True})
-    return proof
-
-
-for _option, _capability in (
-    ("rank0_only", Capability.UNSHARD_RANK0_ONLY),
-    ("offload_to_cpu", Capability.UNSHARD_OFFLOAD_TO_CPU),
-    ("with_grads", Capability.UNSHARD_WITH_GRADS),
-):
-    proves("deepspeed", _capability)(_deepspeed_gather_lacks(_option))
 
 
 # -- the tests -----------------------------------------------------------------------------------
