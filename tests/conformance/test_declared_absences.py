@@ -309,6 +309,31 @@ for _option, _capability in (
     proves("deepspeed", _capability)(_deepspeed_gather_lacks(_option))
 
 
+# Combinations of capabilities an adapter declares unsupported together
+# (``UNSUPPORTED_COMBINATIONS``), proven like single capabilities.
+COMBINATION_PROOFS: dict[tuple[str, frozenset[Capability]], Proof] = {}
+
+
+def _deepspeed_stage0_ignores_offload(rank: int, world_size: int, device: torch.device) -> None:
+    # NO_SHARD is stage 0: DeepSpeed accepts offload_optimizer in the config, then, below
+    # stage 1, steps the client's torch optimizer itself (no ZeRO optimizer, nothing on the host).
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    model = _two_linears(device)
+    client = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=client, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+    })
+    assert ds_engine.zero_cpu_offload(), "the offload setting was not taken"
+    assert ds_engine.optimizer is client, type(ds_engine.optimizer).__name__
+
+
+COMBINATION_PROOFS["deepspeed", frozenset({Capability.CPU_OFFLOAD, Capability.NO_SHARD})] = (
+    _deepspeed_stage0_ignores_offload
+)
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 
@@ -455,6 +480,49 @@ def test_every_declared_absence_has_a_proof() -> None:
     )
     assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
     assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
+
+
+def _declared_combinations() -> set[tuple[str, frozenset[Capability]]]:
+    declared = set()
+    for backend in _installed_builtins():
+        adapter_cls = registry.load(backend)
+        for device in DEVICES:
+            adapter = adapter_cls.__new__(adapter_cls)
+            BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=2, device=torch.device(device)))
+            declared |= {(backend, combination) for combination in adapter.unsupported_combinations()}
+    return declared
+
+
+def test_every_declared_combination_has_a_proof() -> None:
+    declared = _declared_combinations()
+    missing = sorted(f"{b}: {sorted(c.name for c in cs)}" for b, cs in declared - COMBINATION_PROOFS.keys())
+    leftover = sorted(
+        f"{b}: {sorted(c.name for c in cs)}" for b, cs in COMBINATION_PROOFS.keys() - declared
+        if b in _installed_builtins()
+    )
+    assert not missing, f"combinations declared unsupported without a proof here: {missing}"
+    assert not leftover, f"proofs of combinations no longer declared (delete them): {leftover}"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    ("backend_name", "combination"),
+    [
+        pytest.param(b, cs, id=f"{b}-{'+'.join(sorted(c.name for c in cs))}")
+        for b, cs in sorted(COMBINATION_PROOFS, key=lambda key: (key[0], sorted(c.name for c in key[1])))
+    ],
+)
+def test_declared_combination_absence_is_real(
+    backend_name: str, combination: frozenset[Capability], rank: int, world_size: int,
+    device: torch.device,
+) -> None:
+    if backend_name not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
+        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+    if combination not in adapter.unsupported_combinations():
+        pytest.skip(f"{backend_name} supports {sorted(c.name for c in combination)} on {device.type}")
+    COMBINATION_PROOFS[backend_name, combination](rank, world_size, device)
 
 
 def _proof_params() -> list:
