@@ -33,6 +33,7 @@ from conformance.protocol import (
     require,
     require_all,
 )
+from conformance.test_runtime import spec_with_mesh
 
 # A forward through a sharded model against the same computation unsharded: same values, same
 # input, but a kernel may block a matmul differently when a parameter is a view into a flat
@@ -213,18 +214,10 @@ def test_optim_state_dict_round_trip(
     """
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, _STATE_DICT_CAPABILITY[kind])
-    # Before the mesh: building it creates groups on every rank (see test_runtime._spec).
-    require(backend, Capability.for_strategy(strategy))
-    spec = ShardingSpec(
-        strategy=strategy,
-        auto_wrap_classes=(fixtures.Unit,),
-        offload_params=param_offload,
-        mesh=(
-            fixtures.hybrid_mesh(world_size, device)
-            if strategy is ShardingStrategy.HYBRID_SHARD else None
-        ),
+    spec = spec_with_mesh(  # everything required before a HYBRID_SHARD mesh is built
+        backend, world_size, device,
+        strategy=strategy, auto_wrap_classes=(fixtures.Unit,), offload_params=param_offload,
     )
-    require_all(backend, spec.feature_capabilities())
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
 

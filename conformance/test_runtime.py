@@ -61,6 +61,28 @@ ITERATIONS = 5
 LOCAL_BATCH = 2
 
 
+def spec_with_mesh(
+    backend: BackendAdapter, world_size: int, device: torch.device, **fields: object
+) -> ShardingSpec:
+    """``ShardingSpec(**fields)``, with a (replicate, shard) mesh for HYBRID_SHARD, after
+    requiring every capability it needs.
+
+    Required before the mesh is built: building it creates process groups on every rank, and
+    a rank that skips while another is still connecting to one of them leaves that rank
+    failing in gloo's connectFullMesh instead of skipping with the others. A HYBRID_SHARD
+    spec needs what the same spec under FULL_SHARD needs, with the strategy swapped."""
+    strategy = fields.get("strategy", ShardingStrategy.FULL_SHARD)
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        stand_in = ShardingSpec(**{**fields, "strategy": ShardingStrategy.FULL_SHARD})
+        require_all(backend, (stand_in.feature_capabilities() - {Capability.FULL_SHARD})
+                    | {Capability.HYBRID_SHARD})
+        spec = ShardingSpec(**fields, mesh=fixtures.hybrid_mesh(world_size, device))
+    else:
+        spec = ShardingSpec(**fields)
+    require_all(backend, spec.feature_capabilities())
+    return spec
+
+
 def _spec(
     backend: BackendAdapter,
     wrap: str,
@@ -71,21 +93,13 @@ def _spec(
 ) -> ShardingSpec:
     """auto: every ``Unit`` is its own unit, then the root. manual: ``unit2`` by FQN, then the
     root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes.
-    ``param_offload``: sharded parameters (and the optimizer step) live on CPU.
-
-    The strategy is required before the mesh is built: building it creates process groups
-    on every rank, and a rank that skips while another is still connecting to one of them
-    leaves that rank failing in gloo's connectFullMesh instead of skipping with the others."""
-    require(backend, Capability.for_strategy(strategy))
-    return ShardingSpec(
+    ``param_offload``: sharded parameters (and the optimizer step) live on CPU. Skips (on
+    every rank alike) unless the backend has all of it."""
+    return spec_with_mesh(
+        backend, world_size, device,
         strategy=strategy,
         auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
         manual_units=("unit2",) if wrap == "manual" else (),
-        mesh=(
-            fixtures.hybrid_mesh(world_size, device)
-            if strategy is ShardingStrategy.HYBRID_SHARD
-            else None
-        ),
         offload_params=param_offload,
     )
 
@@ -152,7 +166,6 @@ def test_training(
     require(backend, Capability.FULL_STATE_DICT)
     plan = _plan(optimizer)
     spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
-    require_all(backend, spec.feature_capabilities())
     oracle = _oracle(plan, world_size, device)
     oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
     # Offloaded gradients are left to the parameters' check: torch FSDP1's with_grads gathers a
@@ -240,7 +253,6 @@ def test_unshard_after_training(
     require_all(backend, unshard_capabilities())
     plan = _plan("sgd", TRAINED_STEPS)
     spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
-    require_all(backend, spec.feature_capabilities())
     oracle = _oracle(plan, world_size, device)
     tolerance = PARAM_TOLERANCE["sgd"]
     problems: list[str] = []  # asserted once every form has run (see test_training)

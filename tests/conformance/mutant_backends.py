@@ -89,7 +89,7 @@ def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int]
         with torch.no_grad():
             if outputs:
                 corrupt(outputs, len(call.record.group))
-        if call.async_op and not call.functional and result is not None:
+        if call.async_op and not call.spec.functional and result is not None:
             return _completed_work()
         return result
 
