@@ -1,6 +1,9 @@
 """Known failures of a backend, recorded per scenario, and how they change a test's outcome.
 
-``conformance/expectations/<backend>.toml`` lists the scenarios a backend is known to fail::
+A TOML file lists the scenarios a backend is known to fail. Which file, for the backend named
+``<name>`` (the adapter's ``name``): ``<dir>/<name>.toml`` when ``--expectations-dir <dir>`` is
+given; else the file the adapter class carries (``EXPECTATIONS``, see :func:`adapter_file`), so
+a third-party package ships its own; else ``conformance/expectations/<name>.toml``::
 
     [[expected_failure]]
     scenario = "conformance/test_runtime.py::test_training[ws2-manual-HYBRID_SHARD-adam]"
@@ -33,6 +36,7 @@ reports stale entries, and ``--strict-expectations`` makes them fail the run.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 import tomllib
@@ -128,11 +132,15 @@ class Judgement:
 
 
 class Expectations:
-    """One backend's entries, looked up by scenario id and run context."""
+    """One backend's entries, looked up by scenario id and run context; ``source`` is the file
+    they came from (None: the backend has none)."""
 
-    def __init__(self, backend: str, entries: list[ExpectedFailure] | None = None) -> None:
+    def __init__(
+        self, backend: str, entries: list[ExpectedFailure] | None = None, source: Path | None = None
+    ) -> None:
         self.backend = backend
         self.entries = list(entries or [])
+        self.source = source
         self._by_scenario: dict[str, list[ExpectedFailure]] = {}
         for entry in self.entries:
             self._by_scenario.setdefault(entry.scenario, []).append(entry)
@@ -192,9 +200,25 @@ def path_for(backend: str, directory: Path = EXPECTATIONS_DIR) -> Path:
     return directory / f"{backend}.toml"
 
 
+def adapter_file(adapter_cls: type) -> Path | None:
+    """The expectations file an adapter class carries (``EXPECTATIONS``, a path relative to the
+    file of the module whose class sets it, or absolute), or None."""
+    for klass in adapter_cls.__mro__:
+        if "EXPECTATIONS" in vars(klass):
+            declared = vars(klass)["EXPECTATIONS"]
+            if declared is None:
+                return None
+            return (Path(inspect.getfile(klass)).parent / declared).resolve()
+    return None
+
+
 def load(backend: str, directory: Path = EXPECTATIONS_DIR) -> Expectations:
-    """The backend's expected failures (none when it has no file)."""
-    path = path_for(backend, directory)
+    """The backend's expected failures from ``directory/<backend>.toml`` (none without one)."""
+    return load_file(backend, path_for(backend, directory))
+
+
+def load_file(backend: str, path: Path) -> Expectations:
+    """The backend's expected failures from ``path`` (none when it does not exist)."""
     if not path.exists():
         return Expectations(backend)
     try:
@@ -234,7 +258,7 @@ def load(backend: str, directory: Path = EXPECTATIONS_DIR) -> Expectations:
             f"{path}: the {backend} backend may not have expected failures ({len(entries)} "
             "listed); fix the reference backend instead"
         )
-    return Expectations(backend, entries)
+    return Expectations(backend, entries, source=path)
 
 
 def _condition(raw: Any, where: str) -> Condition:

@@ -1,15 +1,18 @@
 """pytest plugin: ``--backend`` selection, backend parametrization, expected-failure outcomes.
 
 Loaded by the root conftest (``pytest_plugins = ["harness.plugin", "conformance.plugin"]``).
-Every test that takes a ``backend`` argument runs once per selected backend; the rank-side
-fixture in ``conformance.rank_fixtures`` turns the name into an adapter inside each rank.
-Expected failures are matched by scenario id and run context (device, torch version, world
-size); entries that describe nothing the run checked are reported as stale, and fail the run
-under ``--strict-expectations``.
+Every test that takes a ``backend`` argument runs once per selected backend: the parameter is
+the selection as given (the rank-side fixture in ``conformance.rank_fixtures`` loads it in each
+rank), the test id, the matrix column, the JUnit ``backend`` property and the expectations are
+the adapter's ``name`` (``registry.name_of``). Expected failures are matched by scenario id and
+run context (device, torch version, world size); entries that describe nothing the run checked
+are reported as stale, and fail the run under ``--strict-expectations``.
 """
 
 from __future__ import annotations
 
+import sys
+import sysconfig
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +37,13 @@ _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 
 @dataclass(frozen=True)
 class BackendSelection:
-    backends: list[str]  # selections, in the order given: parametrize values and ids
-    expected: dict[str, expectations.Expectations]  # selection -> its backend's entries
+    backends: list[str]  # selections, in the order given: the parametrize values
+    names: dict[str, str]  # selection -> the adapter's name: test ids, reports, expectations
+    expected: dict[str, expectations.Expectations]  # name -> that backend's entries
+    origins: dict[str, str]  # name -> where it came from (registry.origin), for the header
+
+    def name(self, selection: str) -> str:
+        return self.names[selection]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -52,10 +60,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         ),
     )
     group.addoption(
-        "--expectations-dir",
-        default=str(expectations.EXPECTATIONS_DIR),
+        "--backend-path",
+        action="append",
+        default=[],
         metavar="DIR",
-        help="where <backend>.toml expected-failure files are read (default: %(default)s)",
+        help=(
+            "directory put at the front of sys.path (here and in the ranks) before --backend "
+            "'package.module:attr' is imported; REPRO lines carry it"
+        ),
+    )
+    group.addoption(
+        "--expectations-dir",
+        default=None,
+        metavar="DIR",
+        help=(
+            "read every backend's expected failures from DIR/<name>.toml (default: the file an "
+            f"adapter carries, else {expectations.EXPECTATIONS_DIR}/<name>.toml)"
+        ),
     )
     group.addoption(
         "--strict-expectations",
@@ -68,29 +89,96 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "smoke: an adapter's basics in under a minute (conformance/test_smoke.py; -k smoke or -m smoke)",
+    )
+    # Ranks take the parent's sys.path with every task, so this reaches them too.
+    for directory in reversed(config.getoption("backend_path")):
+        path = str(Path(directory).resolve())
+        if path not in sys.path:
+            sys.path.insert(0, path)
     try:
-        backends = registry.select(config.getoption("backend") or [registry.DEFAULT])
-        directory = Path(config.getoption("expectations_dir"))
-        expected = {
-            selection: expectations.load(registry.expectations_name(selection), directory)
-            for selection in backends
-        }
+        config.stash[_STATE] = _select(config)
     except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_STATE] = BackendSelection(backends, expected)
     config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    return f"conformance backends: {', '.join(config.stash[_STATE].backends)}"
+def _select(config: pytest.Config) -> BackendSelection:
+    backends: list[str] = []
+    names: dict[str, str] = {}
+    owners: dict[str, str] = {}  # name -> the selection that has it
+    for selection in registry.select(config.getoption("backend") or [registry.DEFAULT]):
+        name = registry.name_of(selection)
+        other = owners.get(name)
+        if other is not None:
+            if registry.target_of(other) == registry.target_of(selection):
+                continue  # the same adapter selected twice, by name and by import path
+            raise registry.BackendSelectionError(
+                f"backends {other!r} and {selection!r} are both named {name!r}; test ids, "
+                "reports and expectations are keyed by the adapter's name, so give one of "
+                "them another `name`"
+            )
+        owners[name] = selection
+        backends.append(selection)
+        names[selection] = name
+    explicit = config.getoption("expectations_dir")
+    expected = {
+        names[selection]: _expectations(selection, names[selection], explicit)
+        for selection in backends
+    }
+    origins = {names[selection]: registry.origin(selection) for selection in backends}
+    return BackendSelection(backends, names, expected, origins)
+
+
+def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:
+    """``--expectations-dir`` when given, else the adapter's own file, else the built-in one."""
+    if explicit is not None:
+        return expectations.load(name, Path(explicit))
+    own = expectations.adapter_file(registry.load(selection))
+    if own is None:
+        return expectations.load(name)
+    if not own.exists():
+        raise expectations.ExpectationsError(
+            f"backend {name!r} declares its expectations file {own} (EXPECTATIONS), which does "
+            "not exist; ship it with the adapter or drop the attribute"
+        )
+    return expectations.load_file(name, own)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The backends, each with where it came from and its expectations file, and, for
+    ``--backend all``, the optional built-ins it could not pick up."""
+    state = config.stash[_STATE]
+    lines = [f"conformance backends: {', '.join(state.names[s] for s in state.backends)}"]
+    for selection in state.backends:
+        name = state.names[selection]
+        entries = state.expected[name]
+        source = (
+            f"{_shown_path(entries.source, config)} ({len(entries)} entries)"
+            if entries.source is not None and entries.source.exists() else "none"
+        )
+        lines.append(f"  {name}: {state.origins[name]}; expected failures: {source}")
+    if registry.ALL in (config.getoption("backend") or []):
+        for name, install in registry.missing_optional().items():
+            lines.append(f"  {name}: not installed, left out of 'all' (install: {install})")
+    return lines
+
+
+def _shown_path(path: Path, config: pytest.Config) -> str:
+    try:
+        return str(path.resolve().relative_to(config.rootpath.resolve()))
+    except ValueError:
+        return str(path)
 
 
 @pytest.hookimpl(tryfirst=True)  # first, so the backend leads the test id
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames and not _parametrizes_backend_itself(metafunc):
-        backends = metafunc.config.stash[_STATE].backends
-        metafunc.parametrize("backend", backends, ids=backends)
+        state = metafunc.config.stash[_STATE]
+        metafunc.parametrize("backend", state.backends, ids=[state.names[s] for s in state.backends])
 
 
 def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
@@ -109,14 +197,23 @@ def _selection(item: Any) -> str | None:
     return callspec.params["backend"]
 
 
+def _backend_name(item: Any) -> str | None:
+    """The adapter name of a test parametrized by the plugin (None for any other test)."""
+    selection = _selection(item)
+    state = item.config.stash.get(_STATE, None)
+    if selection is None or state is None or selection not in state.names:
+        return None
+    return state.name(selection)
+
+
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     """Note every test collected with a backend, before any deselection (-k, -m, --lf)."""
     for node in report.result:
-        selection = _selection(node)
-        if selection is not None and isinstance(node, pytest.Item):
+        name = _backend_name(node) if isinstance(node, pytest.Item) else None
+        if name is not None:
             record = node.config.stash.get(_RUN, None)
             if record is not None:
-                record.note_collected(selection, expectations.scenario_id(node.nodeid, selection))
+                record.note_collected(name, expectations.scenario_id(node.nodeid, name))
 
 
 def run_context(item: pytest.Item) -> expectations.RunContext:
@@ -131,7 +228,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    selection = _selection(item)
+    selection = _backend_name(item)
     if selection is None:
         return report
     scenario = expectations.scenario_id(item.nodeid, selection)
@@ -179,22 +276,44 @@ def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> Non
 
 
 def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or "backend" not in callspec.params:
+    """The backend as it was given, what makes an import-path backend importable, and the
+    expectations directory when one was given."""
+    selection = _selection(item)
+    if _backend_name(item) is None or selection is None:
         return []
-    args = ["--backend", callspec.params["backend"]]
+    args = []
+    for directory in _import_directories(selection, item.config):
+        args += ["--backend-path", directory]
+    args += ["--backend", selection]
     directory = item.config.getoption("expectations_dir")
-    if Path(directory).resolve() != expectations.EXPECTATIONS_DIR.resolve():
-        args += ["--expectations-dir", directory]
+    if directory is not None:
+        args += ["--expectations-dir", str(Path(directory).resolve())]
     return args
 
 
+def _import_directories(selection: str, config: pytest.Config) -> list[str]:
+    """For a ``module:attr`` selection, the sys.path entry its module was found in, unless a
+    plain ``python -m pytest`` in the root directory finds it anyway (the root directory
+    itself, the interpreter's own and site-packages directories)."""
+    if ":" not in selection:
+        return []
+    module = sys.modules.get(selection.partition(":")[0])
+    location = getattr(module, "__file__", None)
+    if location is None:
+        return []
+    # A.B.C lives in <entry>/A/B/C.py or <entry>/A/B/C/__init__.py.
+    levels = selection.partition(":")[0].count(".") + (Path(location).name == "__init__.py")
+    entry = Path(location).resolve().parents[levels]
+    standard = {Path(p).resolve() for p in sysconfig.get_paths().values()}
+    if entry == config.rootpath.resolve() or entry in standard:
+        return []
+    return [str(entry)]
+
+
 def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
-    """Per-rank reports group the scenarios by backend (JUnit: one suite per backend)."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or "backend" not in callspec.params:
-        return {}
-    return {"backend": str(callspec.params["backend"])}
+    """Per-rank reports group the scenarios by backend (JUnit: one suite per backend name)."""
+    name = _backend_name(item)
+    return {} if name is None else {"backend": name}
 
 
 def _covered_files(config: pytest.Config) -> set[Path]:

@@ -220,11 +220,19 @@ class BackendAdapter(abc.ABC):
     CAPABILITIES: ClassVar[frozenset[Capability]]
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
+    # Capabilities the backend has one by one but not together (DeepSpeed: CPU offload, but not
+    # with NO_SHARD, its ZeRO stage 0), each with the reason. require_all() skips a scenario
+    # that needs every member of one, as "unsupported: <a> with <b>: <reason>".
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Capability], str]] = {}
     # Module path components the backend's *wrappers* insert between a module and its children
     # (torch FSDP1: "_fsdp_wrapped_module"). Scenarios compare parameter names after removing
     # exactly these and nothing else (see :func:`declared_fqn`): a backend that leaks any other
     # prefix into names fails. Declare them; there is no other way to have names cleaned.
     WRAPPER_COMPONENTS: ClassVar[frozenset[str]] = frozenset()
+    # The adapter's own expected-failure file (conformance.expectations): a path relative to the
+    # file of the module that sets it, e.g. "expectations.toml" next to the adapter module, so
+    # a package registered as an entry point ships its known failures with it.
+    EXPECTATIONS: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -253,6 +261,18 @@ class BackendAdapter(abc.ABC):
 
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
+
+    def unsupported_combinations(self) -> Mapping[frozenset[Capability], str]:
+        """Override when it depends on the environment, like :meth:`capabilities`."""
+        return self.UNSUPPORTED_COMBINATIONS
+
+    def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The low-precision compute dtypes ``ShardingSpec.param_dtype`` may take here,
+        preferred first (scenarios with a mixed-precision axis use the first; see
+        :func:`mixed_precision_dtype`). Default: float16, then bfloat16. Override when the
+        backend computes in only some of them on ``env.device`` (DeepSpeed's CPU accelerator
+        has bfloat16 but no float16). Only read where ``MIXED_PRECISION`` is declared."""
+        return (torch.float16, torch.bfloat16)
 
     # -- applying sharding ----------------------------------------------------------------
     @abc.abstractmethod
@@ -480,6 +500,16 @@ def unshard_capabilities(
     return needed
 
 
+def mixed_precision_dtype(backend: BackendAdapter) -> torch.dtype:
+    """The ``param_dtype`` a mixed-precision scenario asks ``backend`` for: its preferred
+    low-precision dtype. The contract is the same for each (compute in it, keep float32 shards
+    and show float32 full parameters), so a backend is tested in a dtype it has rather than
+    skipped for lack of another. Float16 for a backend that names none (it lacks
+    ``MIXED_PRECISION``, which the scenario's ``require`` then reports)."""
+    dtypes = backend.mixed_precision_dtypes() if backend.supports(Capability.MIXED_PRECISION) else ()
+    return dtypes[0] if dtypes else torch.float16
+
+
 def require(backend: BackendAdapter, capability: Capability) -> None:
     """Skip the running test as ``unsupported: <capability>: <reason>`` unless supported.
 
@@ -492,8 +522,19 @@ def require(backend: BackendAdapter, capability: Capability) -> None:
 
 
 def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:
-    for capability in sorted(capabilities, key=lambda c: list(Capability).index(c)):
+    """:func:`require` each capability (in declaration order), then skip if they include a
+    combination the backend declares unsupported (``UNSUPPORTED_COMBINATIONS``)."""
+    ordered = sorted(capabilities, key=_declaration_order)
+    for capability in ordered:
         require(backend, capability)
+    for combination, reason in backend.unsupported_combinations().items():
+        if combination <= set(capabilities):
+            together = " with ".join(c.value for c in sorted(combination, key=_declaration_order))
+            pytest.skip(f"unsupported: {together}: {reason}")
+
+
+def _declaration_order(capability: Capability) -> int:
+    return list(Capability).index(capability)
 
 
 def submodule(model: nn.Module, fqn: str) -> nn.Module:

@@ -1,15 +1,17 @@
 """Backend names -> adapter classes: built-ins, entry points, and ``package.module:attr``.
 
-A *selection* is the string a user passes to ``--backend``; it is also the parametrize value
-and test id, and it is what the rank side turns back into an adapter class with :func:`load`.
-Built-in names win over entry points of the same name.
+A *selection* is the string a user passes to ``--backend``; it is the parametrize value, and
+what the rank side turns back into an adapter class with :func:`load`. Test ids, reports and
+expectations use the adapter's ``name`` instead (:func:`name_of`): the same as the selection
+for a registered name, the class's ``name`` for ``module:attr``. Built-in names win over entry
+points of the same name.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 
 from conformance.protocol import BackendAdapter
 
@@ -47,12 +49,50 @@ def _builtin_targets() -> dict[str, str]:
     return targets
 
 
-def _entry_point_targets() -> dict[str, str]:
+def _entry_points() -> dict[str, EntryPoint]:
     return {
-        ep.name: ep.value
+        ep.name: ep
         for ep in entry_points(group=ENTRY_POINT_GROUP)
         if ep.name not in BUILTIN and ep.name not in OPTIONAL_BUILTIN
     }
+
+
+def _entry_point_targets() -> dict[str, str]:
+    return {name: ep.value for name, ep in _entry_points().items()}
+
+
+def origin(selection: str) -> str:
+    """Where an accepted selection comes from, for the run's header: ``built-in``,
+    ``optional built-in (deepspeed 0.19.8)``, ``entry point of vendor-pkg 1.2``, or
+    ``import path``; each followed by the ``module:attr`` it loads."""
+    if _is_target(selection):
+        return f"import path {selection}"
+    target = target_of(selection)
+    if selection in BUILTIN:
+        return f"built-in {target}"
+    if selection in OPTIONAL_BUILTIN:
+        library = OPTIONAL_BUILTIN[selection][0]
+        return f"optional built-in {target} ({library} {_version(library)})"
+    point = _entry_points()[selection]
+    dist = getattr(point, "dist", None)
+    package = f"{dist.name} {dist.version}" if dist is not None else "an installed package"
+    return f"entry point of {package}: {target}"
+
+
+def missing_optional() -> dict[str, str]:
+    """Optional built-in backends whose library is not installed here: name -> install command."""
+    return {
+        name: install
+        for name, (library, _target, install) in OPTIONAL_BUILTIN.items()
+        if importlib.util.find_spec(library) is None
+    }
+
+
+def _version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "version unknown"
 
 
 def known_names() -> list[str]:
@@ -135,6 +175,7 @@ def load(selection: str) -> type[BackendAdapter]:
     return adapter
 
 
-def expectations_name(selection: str) -> str:
-    """The name whose expectations file applies: the adapter's ``name`` for ``module:attr``."""
+def name_of(selection: str) -> str:
+    """The adapter's ``name``: what test ids, reports and expectations use for ``selection``
+    (a ``module:attr`` selection shows as its class's ``name``)."""
     return load(selection).name if _is_target(selection) else selection

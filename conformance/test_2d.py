@@ -125,18 +125,20 @@ def _batch(
 
 
 def _train_step(
+    backend: BackendAdapter,
     model: nn.Module,
     loss_model: nn.Module,
-    optim: torch.optim.Optimizer,
+    optim: Any,
     iteration: int,
     dp_rank: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """One step on this dp rank's batch; returns the output (detached) before the step."""
-    optim.zero_grad(set_to_none=True)
+    """One step on this dp rank's batch through the adapter's training-loop hooks; returns
+    the output (detached) before the step."""
+    backend.zero_grad(model, optim)
     output = model(*_batch(loss_model, iteration, dp_rank, device))
-    loss_model.loss(output).backward()
-    optim.step()
+    backend.backward(model, loss_model.loss(output))
+    backend.step(model, optim)
     return output.detach()
 
 
@@ -193,12 +195,17 @@ def test_2d_training(
         }
         start = {label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
                  for label, model in (("1-D", one_d), ("2-D", two_d))}
-        optims = {"1-D": make_optim(one_d.parameters()), "2-D": make_optim(two_d.parameters())}
+        optims = {
+            "1-D": backend.make_optimizer(one_d, make_optim),
+            "2-D": backend.make_optimizer(two_d, make_optim),
+        }
         outputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         losses = []
         for iteration in range(ITERATIONS):
             before = {
-                label: _train_step(model, loss_model, optims[label], iteration, dp_rank, device)
+                label: _train_step(
+                    backend, model, loss_model, optims[label], iteration, dp_rank, device
+                )
                 for label, model in (("1-D", one_d), ("2-D", two_d))
             }
             losses.append(loss_model.loss(before["2-D"]).item())
@@ -357,12 +364,12 @@ def test_2d_load_state_dict(
     for form in backend.forms():
         where = f"rank {rank}: {form.value}, {model_name} model"
         model, loss_model = _two_d(backend, model_cls, current_seed(), device, mesh, form)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        optim = backend.make_optimizer(model, functools.partial(torch.optim.Adam, lr=1e-2))
         checkpoint = io.BytesIO()
         torch.save(backend.state_dict(model, StateDictKind.SHARDED), checkpoint)
         saved = copy.deepcopy(backend.state_dict(model, StateDictKind.SHARDED))
 
-        _train_step(model, loss_model, optim, 0, mesh.get_local_rank("dp"), device)
+        _train_step(backend, model, loss_model, optim, 0, mesh.get_local_rank("dp"), device)
         stepped = backend.state_dict(model, StateDictKind.SHARDED)
         changed = torch.tensor(
             [any(not torch.equal(_local(stepped[k]), _local(v)) for k, v in saved.items())],
@@ -412,21 +419,21 @@ def test_2d_optim_state_dict(
     for form in backend.forms():
         where = f"rank {rank}: {form.value}, {kind.value} optimizer state dict"
         trained, loss_model = _two_d(backend, model_cls, current_seed(), device, mesh, form)
-        optim = make_optim(trained.parameters())
+        optim = backend.make_optimizer(trained, make_optim)
         for iteration in range(2):
-            _train_step(trained, loss_model, optim, iteration, dp_rank, device)
+            _train_step(backend, trained, loss_model, optim, iteration, dp_rank, device)
         model_checkpoint = copy.deepcopy(backend.state_dict(trained, StateDictKind.SHARDED))
         optim_checkpoint = copy.deepcopy(backend.optim_state_dict(trained, optim, kind))
 
         restored, _ = _two_d(backend, model_cls, current_seed() + 1, device, mesh, form)
-        restored_optim = make_optim(restored.parameters())
+        restored_optim = backend.make_optimizer(restored, make_optim)
         backend.load_state_dict(restored, model_checkpoint, StateDictKind.SHARDED)
         # A copy: optimizers may adopt the loaded tensors, and the checkpoint must stay intact.
         backend.load_optim_state_dict(restored, restored_optim, copy.deepcopy(optim_checkpoint), kind)
         read_back = _gather_tree(backend.optim_state_dict(restored, restored_optim, kind))
         saved = _gather_tree(optim_checkpoint)
-        _train_step(trained, loss_model, optim, 2, dp_rank, device)
-        _train_step(restored, loss_model, restored_optim, 2, dp_rank, device)
+        _train_step(backend, trained, loss_model, optim, 2, dp_rank, device)
+        _train_step(backend, restored, loss_model, restored_optim, 2, dp_rank, device)
         after = {
             label: _gather_tree(backend.state_dict(model, StateDictKind.SHARDED))
             for label, model in (("original", trained), ("restored", restored))

@@ -80,7 +80,7 @@ def training_step(
     inputs = fixtures.local_batch(
         model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device
     )
-    model.loss(sharded(*inputs)).backward()
+    backend.backward(sharded, model.loss(sharded(*inputs)))
 
 
 def _raise_unless_order_error(error: RuntimeError) -> None:
@@ -122,6 +122,6 @@ def test_unequal_shape_divergence_is_not_silent(
             model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device
         )
         try:
-            model.loss(sharded(*inputs)).backward()
+            backend.backward(sharded, model.loss(sharded(*inputs)))
         except RuntimeError as error:
             _raise_unless_order_error(error)

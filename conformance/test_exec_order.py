@@ -79,13 +79,14 @@ def _inputs(
 
 
 def _train_step(
-    model: fixtures.TwoPathModel, sharded: torch.nn.Module, iteration: int, rank: int,
-    device: torch.device,
+    backend: BackendAdapter, model: fixtures.TwoPathModel, sharded: torch.nn.Module,
+    iteration: int, rank: int, device: torch.device,
 ) -> list[str]:
-    """One forward + backward; returns the execution-order warnings it issued."""
+    """One forward + backward (through the adapter); returns the order warnings it issued."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # count every issue, not just the first per location
-        model.loss(sharded(*_inputs(model, iteration, rank, device))).backward()
+        loss = model.loss(sharded(*_inputs(model, iteration, rank, device)))
+        backend.backward(sharded, loss)
     return [
         str(w.message) for w in caught
         if issubclass(w.category, UserWarning)
@@ -158,13 +159,13 @@ def test_later_iteration_order_change_warns_once(
     expected_warning = "^" + re.escape(LATER_WARNING.format(rank=rank))
     for model, sharded in _sharded_models(backend, strategy, device):
         for iteration in range(iters_before_path_change):
-            assert _train_step(model, sharded, iteration, rank, device) == [], (
+            assert _train_step(backend, model, sharded, iteration, rank, device) == [], (
                 f"rank {rank} warned before any path changed (iteration {iteration})"
             )
         if rank != 0:
             model.flip_path()
-        changed = _train_step(model, sharded, iters_before_path_change, rank, device)
-        after = _train_step(model, sharded, iters_before_path_change + 1, rank, device)
+        changed = _train_step(backend, model, sharded, iters_before_path_change, rank, device)
+        after = _train_step(backend, model, sharded, iters_before_path_change + 1, rank, device)
         if rank == 0:
             assert changed == [], f"rank 0 kept its path but warned: {changed}"
         else:
@@ -197,7 +198,7 @@ def test_train_eval_alternation_warns_nothing(
         for _epoch in range(2):
             sharded.train()
             for _ in range(3):
-                issued += _train_step(model, sharded, iteration, rank, device)
+                issued += _train_step(backend, model, sharded, iteration, rank, device)
                 iteration += 1
             sharded.eval()
             model.flip_path()

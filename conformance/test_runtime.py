@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
-from harness import WorldShape, current_seed
 
 import fixtures
 from conformance.protocol import (
@@ -24,7 +23,9 @@ from conformance.protocol import (
     require_all,
     unshard_capabilities,
 )
+from conformance.scenario_specs import hybrid_fits, spec_with_mesh
 from fixtures.compare import Tolerance, differences, report
+from harness import current_seed
 
 # Two optimizers, because they catch different bugs. Adam (the seed's) normalises every update
 # by the gradient's running RMS, so it is blind to a gradient scaled by a constant: a backend
@@ -62,6 +63,7 @@ LOCAL_BATCH = 2
 
 
 def _spec(
+    backend: BackendAdapter,
     wrap: str,
     strategy: ShardingStrategy,
     world_size: int,
@@ -70,16 +72,13 @@ def _spec(
 ) -> ShardingSpec:
     """auto: every ``Unit`` is its own unit, then the root. manual: ``unit2`` by FQN, then the
     root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes.
-    ``param_offload``: sharded parameters (and the optimizer step) live on CPU."""
-    return ShardingSpec(
+    ``param_offload``: sharded parameters (and the optimizer step) live on CPU. Skips (on
+    every rank alike) unless the backend has all of it."""
+    return spec_with_mesh(
+        backend, world_size, device,
         strategy=strategy,
         auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
         manual_units=("unit2",) if wrap == "manual" else (),
-        mesh=(
-            fixtures.hybrid_mesh(world_size, device)
-            if strategy is ShardingStrategy.HYBRID_SHARD
-            else None
-        ),
         offload_params=param_offload,
     )
 
@@ -105,11 +104,6 @@ def _shown(backend: BackendAdapter, sharded: nn.Module, *, grads: bool) -> dict[
 strategy_axis = pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 
 
-def _hybrid_fits(world: WorldShape, params: Mapping[str, object]) -> str | None:
-    """``exclude=`` of the world-size marker: HYBRID_SHARD needs two shard groups or more."""
-    if params.get("strategy") is ShardingStrategy.HYBRID_SHARD:
-        return fixtures.hybrid_shard_exclusion(world.size, world.local_size)
-    return None
 wrap_axis = pytest.mark.parametrize("wrap", ["auto", "manual"])
 
 
@@ -125,7 +119,7 @@ def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) 
 TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=_hybrid_fits)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
 @pytest.mark.parametrize(
     ("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"]
 )
@@ -152,8 +146,7 @@ def test_training(
     """
     require(backend, Capability.FULL_STATE_DICT)
     plan = _plan(optimizer)
-    spec = _spec(wrap, strategy, world_size, device, param_offload)
-    require_all(backend, spec.feature_capabilities())
+    spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
     oracle = _oracle(plan, world_size, device)
     oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
     # Offloaded gradients are left to the parameters' check: torch FSDP1's with_grads gathers a
@@ -185,8 +178,7 @@ def test_training(
                 ))
 
         losses = torch.tensor(fixtures.train_sharded(
-            sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
-            backend=backend,
+            backend, sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
         ))
         state = backend.state_dict(sharded, StateDictKind.FULL)
         found = differences(state, oracle.state_dict, PARAM_TOLERANCE[optimizer])
@@ -218,7 +210,7 @@ def test_training(
 TRAINED_STEPS = 2
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=_hybrid_fits)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
 @pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 @strategy_axis
 @wrap_axis
@@ -241,8 +233,7 @@ def test_unshard_after_training(
     """
     require_all(backend, unshard_capabilities())
     plan = _plan("sgd", TRAINED_STEPS)
-    spec = _spec(wrap, strategy, world_size, device, param_offload)
-    require_all(backend, spec.feature_capabilities())
+    spec = _spec(backend, wrap, strategy, world_size, device, param_offload)
     oracle = _oracle(plan, world_size, device)
     tolerance = PARAM_TOLERANCE["sgd"]
     problems: list[str] = []  # asserted once every form has run (see test_training)
@@ -261,7 +252,7 @@ def test_unshard_after_training(
                 ))
 
         fixtures.train_sharded(
-            sharded, model, plan, rank=rank, device=device, after_step=check_view, backend=backend
+            backend, sharded, model, plan, rank=rank, device=device, after_step=check_view
         )
     assert not problems, (
         f"rank {rank}: the unshard view differs from the oracle's parameters:\n"
@@ -302,7 +293,7 @@ def test_unshard_reshard_order(
                 device=device,
             )
             with backend.record_events(sharded) as events:
-                model.loss(sharded(*inputs)).backward()
+                backend.backward(sharded, model.loss(sharded(*inputs)))
             _check_step_order(list(events), expected_fqns, form.value)
             steps.append([(e.kind, e.unit) for e in events])
         events_by_form[form] = steps

@@ -16,9 +16,12 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
   FQNs, one with flat parameters (``use_orig_params=False``) shows ``<unit FQN>._flat_param``;
   inside, every unshared unit shows its original parameters under their original FQNs. Names
   are compared after removing only the adapter's declared ``WRAPPER_COMPONENTS``.
-* Storage: each rank's flat parameter of a unit managing N elements holds ceil(N / world size)
-  elements (the padding that evens out the shards); sharded original parameters hold disjoint
-  parts, so their local sizes summed over ranks are the parameter's size (no padding shows).
+* Storage (read through the adapter's ``local_shard``, what a rank stores): each rank's flat
+  parameter of a unit managing N elements holds ceil(N / world size) elements (the padding that
+  evens out the shards); of a sharded original parameter no rank shows the full tensor, and
+  the parts the ranks store add up to N plus at most the padding that evens them out (between
+  N and ceil(N / world size) x world size). Scenarios write into a rank's part only through
+  ``set_local_shard`` (under DeepSpeed ZeRO-3 the parameter itself is an empty placeholder).
 * Refusals, with the error type and text the seeds require: unsharding during forward or
   backward raises ``AssertionError`` (FSDP1's) or ``RuntimeError`` whose message contains
   "Cannot manually unshard parameters during forward/backward"; ``rank0_only`` with
@@ -49,6 +52,7 @@ from conformance.protocol import (
     ShardingStrategy,
     declared_fqn,
     flat_param_fqn,
+    mixed_precision_dtype,
     require,
     require_all,
     unshard_capabilities,
@@ -138,7 +142,7 @@ def _flag(name: str) -> Callable[[bool], str]:
 
 writeback_axis = pytest.mark.parametrize("writeback", [True, False], ids=_flag("writeback"))
 mixed_precision_axis = pytest.mark.parametrize(
-    "mixed_precision", [True, False], ids=["fp16", "fp32"]
+    "mixed_precision", [True, False], ids=["mixed", "fp32"]
 )
 param_offload_axis = pytest.mark.parametrize(
     "param_offload", [True, False], ids=_flag("param_offload")
@@ -187,25 +191,23 @@ def _named_params(backend: BackendAdapter, sharded: nn.Module) -> dict[str, nn.P
     return {declared_fqn(backend, name): p for name, p in sharded.named_parameters()}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of a parameter or gradient (a DTensor's local shard)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _shows_full(tensor: torch.Tensor, shape: torch.Size) -> bool:
     """A full view is a plain tensor of the original shape (a shard is a DTensor or smaller)."""
     return not isinstance(tensor, DTensor) and tensor.shape == shape
 
 
-def _unit_params(
-    backend: BackendAdapter, sharded: nn.Module, inner: bool
-) -> list[nn.Parameter]:
-    """Parameters (flat or original) that unit ``0`` (inner) or the root (outer) manages."""
-    chosen = [
-        p for name, p in _named_params(backend, sharded).items() if name.startswith("0.") == inner
-    ]
+def _unit_param_names(backend: BackendAdapter, sharded: nn.Module, inner: bool) -> list[str]:
+    """Names (flat or original) of the parameters unit ``0`` (inner) or the root (outer)
+    manages, as the storage accessors take them."""
+    chosen = [name for name in _named_params(backend, sharded) if name.startswith("0.") == inner]
     assert chosen, f"no parameter of the {'inner' if inner else 'outer'} unit is visible"
     return chosen
+
+
+def _fill_stored(backend: BackendAdapter, sharded: nn.Module, name: str, value: float) -> None:
+    """Write ``value`` into every element this rank stores of parameter ``name``."""
+    stored = backend.local_shard(sharded, name)
+    backend.set_local_shard(sharded, name, torch.full_like(stored, value))
 
 
 def _full_values(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
@@ -262,7 +264,7 @@ def test_unshard_writeback(
     _require_unshard(backend, writeback=writeback)
     spec = ShardingSpec(
         manual_units=("0",),
-        param_dtype=torch.float16 if mixed_precision else None,
+        param_dtype=mixed_precision_dtype(backend) if mixed_precision else None,
         offload_params=param_offload,
         use_orig_params=use_orig_params,
     )
@@ -271,17 +273,19 @@ def test_unshard_writeback(
     checked_name, other_name = names if unit == "inner" else reversed(names)
     changes_persist = writeback or (world_size == 1 and not param_offload)
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
-        written = _unit_params(backend, sharded, inner=unit == "inner")
-        with torch.no_grad():
-            for param in written:
-                _local(param).fill_(rank + 2)
+        written = _unit_param_names(backend, sharded, inner=unit == "inner")
+        for name in written:
+            _fill_stored(backend, sharded, name, rank + 2)
         with backend.unshard(sharded, writeback=writeback), torch.no_grad():
             for param in sharded.parameters():
                 param.zero_()
 
-        # With more ranks than a parameter has rows (5 rows at world size 8) a rank may store
-        # nothing of the unit: it has nothing to check, but some rank must store the unit.
-        stored = [part for part in (_local(p).reshape(-1) for p in written) if part.numel()]
+        # A rank may store nothing of the unit (more ranks than a parameter has rows, or a
+        # backend that places whole parameters on some ranks): it has nothing to check, but
+        # some rank must store the unit.
+        stored = [
+            part for part in (backend.local_shard(sharded, name).reshape(-1) for name in written) if part.numel()
+        ]
         holders = torch.tensor([int(bool(stored))], device=device)
         dist.all_reduce(holders)
         assert holders.item() > 0, f"{form.value}: no rank stores anything of the {unit} unit"
@@ -339,7 +343,7 @@ def _check_param_data(
     spec = ShardingSpec(
         manual_units=fixtures.NestedModel.UNIT_FQNS,
         shard_root=False,
-        param_dtype=torch.float16 if mixed_precision else None,
+        param_dtype=mixed_precision_dtype(backend) if mixed_precision else None,
         offload_params=param_offload,
         use_orig_params=use_orig_params,
     )
@@ -444,27 +448,38 @@ def test_unshard_singleton_writeback(
     _require_unshard(backend, writeback=True)
     spec = ShardingSpec(use_orig_params=use_orig_params)
     for form, sharded in _sharded_models(backend, Singleton, spec, device):
-        stored = [_local(p).reshape(-1) for p in sharded.parameters()]
+        names = list(_named_params(backend, sharded))
+        sizes = [backend.local_shard(sharded, name).numel() for name in names]
         if not use_orig_params:
-            assert [s.numel() for s in stored] == [1], (
+            assert sizes == [1], (
                 f"{form.value}: a flat parameter of one element should be padded to one element "
-                f"per rank, rank {rank} stores {[s.numel() for s in stored]}"
+                f"per rank, rank {rank} stores {dict(zip(names, sizes))}"
             )
-        with torch.no_grad():
-            for part in stored:
-                if part.numel():
-                    part[0] = rank + 2
-        assert _full_values(backend, sharded)["0.weight"].item() == 2.0, (
-            f"{form.value}: padding written by another rank leaked into the full weight"
+        for name, size in zip(names, sizes):
+            if size:
+                part = backend.local_shard(sharded, name)
+                part.reshape(-1)[0] = rank + 2
+                backend.set_local_shard(sharded, name, part)
+        shown = _full_values(backend, sharded)["0.weight"].item()
+        assert shown == 2.0, (
+            f"{form.value}: the full 0.weight reads {shown}, expected 2.0, the value rank 0 "
+            f"wrote into the element it stores (each rank wrote rank + 2 into the first element "
+            f"it stores; this rank, {rank}, stores {dict(zip(names, sizes))} elements)"
         )
         with backend.unshard(sharded, writeback=True), torch.no_grad():
             weight = _named_params(backend, sharded)["0.weight"]
             assert weight.shape == (1, 1), f"{form.value}: full weight has shape {weight.shape}"
             weight.zero_()
-        if rank == 0:
-            assert stored[0][0].item() == 0.0, f"{form.value}: rank 0 lost the written zero"
-        assert _full_values(backend, sharded)["0.weight"].item() == 0.0, (
-            f"{form.value}: the zero written inside did not persist"
+        # Read everything (the full view is a collective) before any rank asserts alone.
+        kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if rank == 0 else 0.0
+        shown = _full_values(backend, sharded)["0.weight"].item()
+        assert shown == 0.0, (
+            f"{form.value}: the full 0.weight reads {shown} after a writeback context that "
+            "zeroed it, expected 0.0"
+        )
+        assert kept == 0.0, (
+            f"{form.value}: rank 0 stores {kept} for {names[0]} after a writeback context "
+            "that zeroed the full weight, expected 0.0"
         )
 
 
@@ -494,7 +509,7 @@ def test_unshard_respects_reshard(
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
         manual_units=("0",),
-        param_dtype=torch.float16 if mixed_precision else None,
+        param_dtype=mixed_precision_dtype(backend) if mixed_precision else None,
         use_orig_params=use_orig_params,
     )
 
@@ -506,7 +521,7 @@ def test_unshard_respects_reshard(
         where = form.value
         output = sharded(torch.zeros(5, device=device))
         check(sharded, True, f"{where}: after forward")
-        output.sum().backward()
+        backend.backward(sharded, output.sum())
         check(sharded, False, f"{where}: after backward")
 
         output = sharded(torch.zeros(5, device=device))
@@ -515,7 +530,7 @@ def test_unshard_respects_reshard(
         ):
             pass
         check(sharded, not mixed_precision, f"{where}: after an unshard before backward")
-        output.sum().backward()
+        backend.backward(sharded, output.sum())
         with backend.unshard(
             sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
         ):
@@ -541,7 +556,9 @@ def _check_names_and_storage(
     """TwoLayer's parameter names and per-rank storage, given which units are unsharded.
 
     Unsharded unit: its original parameters, full shape. Sharded unit: with original parameters,
-    disjoint parts whose local sizes sum over ranks to the parameter's size; with flat
+    no rank shows the full parameter, and what the ranks store of it (``local_shard``) adds up
+    to its size, plus at most the padding that evens out the parts (summed over ranks, between
+    N and ceil(N / world size) x world size: nothing dropped, nothing stored twice); with flat
     parameters, ``<unit>._flat_param`` of ceil(N / world size) elements on every rank.
     Collective (one all-reduce), so every rank calls it at the same point.
     """
@@ -562,14 +579,20 @@ def _check_names_and_storage(
         for name in names
     ]
     local_sizes = torch.tensor(
-        [_local(params[name]).numel() for name in partitioned], dtype=torch.int64, device=device
+        [backend.local_shard(sharded, name).numel() for name in partitioned],
+        dtype=torch.int64, device=device,
     )
     dist.all_reduce(local_sizes)
     for name, total in zip(partitioned, local_sizes.tolist()):
         numel = shapes[name].numel()
-        assert total == numel and not _shows_full(params[name], shapes[name]), (
-            f"{where}: sharded {name} stores {total} elements summed over ranks "
-            f"(this rank: {tuple(params[name].shape)}), expected disjoint parts of its {numel}"
+        padded = -(-numel // world_size) * world_size
+        assert not _shows_full(params[name], shapes[name]), (
+            f"{where}: sharded {name} shows {type(params[name]).__name__} "
+            f"{tuple(params[name].shape)} on this rank, its full shape"
+        )
+        assert numel <= total <= padded, (
+            f"{where}: the ranks store {total} elements of sharded {name} in all; parts of its "
+            f"{numel} elements (padding included) add up to between {numel} and {padded}"
         )
     for unit, names in _TWO_LAYER_UNITS.items():
         if unsharded[unit]:
@@ -583,8 +606,9 @@ def _check_names_and_storage(
             flat = params[flat_param_fqn(unit)]
             numel = sum(shapes[name].numel() for name in names)
             padded_shard = -(-numel // world_size)
-            assert _local(flat).numel() == padded_shard, (
-                f"{where}: {flat_param_fqn(unit)} holds {_local(flat).numel()} elements on this "
+            stored = backend.local_shard(sharded, flat_param_fqn(unit)).numel()
+            assert stored == padded_shard, (
+                f"{where}: {flat_param_fqn(unit)} holds {stored} elements on this "
                 f"rank; a unit of {numel} elements sharded {world_size} ways holds "
                 f"ceil({numel}/{world_size}) = {padded_shard}"
             )
@@ -646,7 +670,7 @@ def test_unshard_recurse(
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
         manual_units=("0",),
-        param_dtype=torch.float16 if mixed_precision else None,
+        param_dtype=mixed_precision_dtype(backend) if mixed_precision else None,
         use_orig_params=use_orig_params,
     )
     expected = {"": target == "outer", "0": recurse or target == "inner"}
@@ -699,8 +723,10 @@ def test_unshard_named_parameters_and_buffers(
 # -- gradients ------------------------------------------------------------------------------
 
 
-def _stored_grads(sharded: nn.Module) -> list[torch.Tensor]:
-    return [_local(p.grad).clone() for p in sharded.parameters() if p.grad is not None]
+def _stored_grads(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's stored gradient of every parameter that has one, by name."""
+    stored = {name: backend.local_grad_shard(sharded, name) for name in _named_params(backend, sharded)}
+    return {name: grad for name, grad in stored.items() if grad is not None}
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -737,10 +763,13 @@ def test_unshard_with_grads(
         full = _full_values(backend, sharded)
         assert full.keys() == ddp_params.keys(), f"{form.value}: parameter names differ"
         for name, value in full.items():
-            torch.testing.assert_close(value, ddp_params[name].detach(), **EXACT)
+            torch.testing.assert_close(
+                value, ddp_params[name].detach(), **EXACT,
+                msg=lambda m, name=name: f"{form.value}: full {name} differs from DDP's\n{m}",
+            )
 
         def check_grads(when: str) -> None:
-            before = _stored_grads(sharded)
+            before = _stored_grads(backend, sharded)
             context = backend.unshard(
                 sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
             )
@@ -766,17 +795,17 @@ def test_unshard_with_grads(
                     # A zero gradient would make the writeback check below vacuous.
                     assert seen.grad.count_nonzero() > 0, f"{form.value}: {name} gradient is 0"
                     seen.grad *= WRITEBACK_FACTOR
-            after = _stored_grads(sharded)
-            assert len(after) == len(before), (
-                f"{form.value} {when}: {len(before)} parameters stored a gradient before the "
-                f"context, {len(after)} after it"
+            after = _stored_grads(backend, sharded)
+            assert after.keys() == before.keys(), (
+                f"{form.value} {when}: parameters storing a gradient before the context "
+                f"{sorted(before)}, after it {sorted(after)}"
             )
             factor = WRITEBACK_FACTOR if changes_persist else 1.0
-            for old, new in zip(before, after):
+            for name, old in before.items():
                 torch.testing.assert_close(
-                    new, old * factor, **EXACT,
-                    msg=lambda m: (
-                        f"{form.value} {when}: stored gradient after the context is not "
+                    after[name], old * factor, **EXACT,
+                    msg=lambda m, name=name: (
+                        f"{form.value} {when}: {name}: stored gradient after the context is not "
                         f"{factor} x the one before (writeback={writeback})\n{m}"
                     ),
                 )
@@ -793,8 +822,8 @@ def test_unshard_with_grads(
             ddp_loss = local.loss(ddp(*inputs))
             sharded_loss = local.loss(sharded(*inputs))
             if iteration == 0:
-                ddp_loss.backward()
-                sharded_loss.backward()
+                ddp_loss.backward()  # DDP is the reference, not the backend under test
+                backend.backward(sharded, sharded_loss)
             check_grads(phase)
 
 
@@ -827,8 +856,8 @@ def test_unshard_with_grads_none(
     for form, sharded in _sharded_models(backend, model_cls, spec, device):
         if case == "partly_used":
             inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
-            sharded(inputs.to(device)).sum().backward()
-        stored = _has_grad_on_any_rank(_named_params(backend, sharded), device)
+            backend.backward(sharded, sharded(inputs.to(device)).sum())
+        stored = _has_grad_on_any_rank(backend, sharded, device)
         with backend.unshard(sharded, writeback=False, with_grads=True):
             shown = {
                 name: p.grad is not None for name, p in _named_params(backend, sharded).items()
@@ -850,12 +879,15 @@ def test_unshard_with_grads_none(
 
 
 def _has_grad_on_any_rank(
-    params: dict[str, nn.Parameter], device: torch.device
+    backend: BackendAdapter, sharded: nn.Module, device: torch.device
 ) -> dict[str, bool]:
     """Whether any rank stores a gradient for each parameter (shards may be empty locally)."""
-    flags = torch.tensor([p.grad is not None for p in params.values()], device=device).int()
+    names = list(_named_params(backend, sharded))
+    flags = torch.tensor(
+        [backend.local_grad_shard(sharded, name) is not None for name in names], device=device
+    ).int()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return dict(zip(params, (bool(f) for f in flags.tolist())))
+    return dict(zip(names, (bool(f) for f in flags.tolist())))
 
 
 # -- submodule ------------------------------------------------------------------------------
@@ -880,7 +912,13 @@ def test_unshard_submodule(backend: BackendAdapter, device: torch.device) -> Non
             )
             for name, param in seen.items():
                 assert _shows_full(param, wanted[name].shape), f"{form.value}: {name} not full"
-                torch.testing.assert_close(param.detach(), wanted[name].detach(), **EXACT)
+                torch.testing.assert_close(
+                    param.detach(), wanted[name].detach(), **EXACT,
+                    msg=lambda m, name=name: (
+                        f"{form.value}: {name} inside unshard of unit 0 differs from the "
+                        f"unsharded model\n{m}"
+                    ),
+                )
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -917,7 +955,7 @@ def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.dev
 
         output.register_hook(unshard_now)
         with pytest.raises(MISUSE_ERRORS) as misuse:
-            output.sum().backward()
+            backend.backward(sharded, output.sum())
         _assert_misuse(misuse.value, form)
 
 

@@ -82,7 +82,7 @@ _STAGES = {
     ShardingStrategy.FULL_SHARD: 3,
 }
 _MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-# The child name under which our wrapper holds the model; original_fqn drops it from names.
+# The child name under which our wrapper holds the model: the adapter's one wrapper component.
 _WRAPPED = "_deepspeed_wrapped_module"
 
 _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
@@ -126,7 +126,34 @@ def _import_deepspeed(device: torch.device) -> Any:
             f"{device}: set DS_ACCELERATOR={device.type} before anything imports deepspeed"
         )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the output
+    _keep_collectives_on_torch_distributed(deepspeed)
     return deepspeed
+
+
+def _keep_collectives_on_torch_distributed(deepspeed: Any) -> None:
+    """Tell DeepSpeed its CPU shared-memory all-reduce op is unavailable, before its comm
+    backend exists.
+
+    ``deepspeed.comm.torch.TorchBackend.__init__`` (created by the first ``deepspeed.initialize``)
+    JIT-compiles that op whenever ``deepspeed.ops.__compatible_ops__`` lists it as compatible:
+    minutes of C++ compilation on a machine without a build cache (214 s measured here), which
+    would land inside the first test. The op serves ``inference_all_reduce`` only (DeepSpeed
+    inference / AutoTP); training never calls it, and where it runs it reduces through shared
+    memory, outside torch.distributed, where the harness's collective trace cannot see it.
+    DeepSpeed treats an incompatible op as absent and falls back to torch.distributed, and it
+    keeps that table in one module-level dict so that such edits persist. Nothing to do once
+    its comm backend exists (the op was then built or found absent already) or on
+    accelerators without the op (CUDA).
+    """
+    import deepspeed.ops
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+
+    if getattr(comm.comm, "cdb", None) is not None:
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 class DeepSpeedModel(nn.Module):
@@ -164,6 +191,11 @@ class DeepSpeedModel(nn.Module):
         if self.engine is None:
             assert self.build_engine is not None
             self.build_engine(self, None)
+        dtype = self.spec.param_dtype
+        if dtype is not None:
+            # DeepSpeed's fp16/bf16 modes cast the model, not its inputs: a DeepSpeed training
+            # loop feeds inputs in the compute dtype itself (torch FSDP casts them for you).
+            args, kwargs = _cast_floating((args, kwargs), dtype)
         return self.engine(*args, **kwargs)
 
     def stage(self) -> int:
@@ -180,6 +212,7 @@ class DeepSpeedModel(nn.Module):
 
 class DeepSpeedAdapter(BackendAdapter):
     name = "deepspeed"
+    WRAPPER_COMPONENTS = frozenset({_WRAPPED})
     CAPABILITIES = frozenset({
         Capability.WRAPPER,
         Capability.UNITS,
@@ -189,6 +222,7 @@ class DeepSpeedAdapter(BackendAdapter):
         Capability.NO_SHARD,
         Capability.SHARD_OPTIM_STATE,
         Capability.MIXED_PRECISION,
+        Capability.CPU_OFFLOAD,
         Capability.UNSHARD,
         Capability.UNSHARD_WRITEBACK,
         Capability.UNSHARD_NON_RECURSIVE,
@@ -201,16 +235,12 @@ class DeepSpeedAdapter(BackendAdapter):
             "deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"
         ),
         Capability.HYBRID_SHARD: (
-            "ZeRO shards over its own data-parallel group; the adapter does not map a "
-            "(replicate, shard) DeviceMesh onto MiCS (mics_shard_size), which builds its own groups"
+            "ZeRO shards over the whole data-parallel group: DeepSpeed's hybrid sharding (MiCS, "
+            "mics_shard_size) is gone ('MiCS ZeRO-3 sharding has been removed'), and ZeRO++'s "
+            "zero_hpz_partition_size only adds a secondary parameter copy per group"
         ),
         Capability.MIXED_PRECISION: (
-            "DeepSpeed's accelerator on this device has no fp16 (is_fp16_supported() is false), "
-            "and the scenarios ask for float16"
-        ),
-        Capability.CPU_OFFLOAD: (
-            "the adapter does not map offload_params onto ZeRO-3 offload_param (unverified "
-            "without a GPU; on CPU the parameters already live in host memory)"
+            "DeepSpeed's accelerator on this device supports neither fp16 nor bf16"
         ),
         Capability.IGNORED_MODULES: (
             "ZeRO partitions every parameter of the model it is given; it cannot leave "
@@ -246,6 +276,12 @@ class DeepSpeedAdapter(BackendAdapter):
         ),
         Capability.MIXED_STRATEGIES: "one ZeRO stage applies to the whole model",
     }
+    UNSUPPORTED_COMBINATIONS = {
+        frozenset({Capability.CPU_OFFLOAD, Capability.NO_SHARD}): (
+            "NO_SHARD is ZeRO stage 0, which has no offload: DeepSpeed ignores offload_optimizer "
+            "and offload_param below stage 1 and trains with everything on the device"
+        ),
+    }
 
     def __init__(self, env: BackendEnv) -> None:
         super().__init__(env)
@@ -265,11 +301,21 @@ class DeepSpeedAdapter(BackendAdapter):
         return current_label()
 
     def capabilities(self) -> frozenset[Capability]:
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_fp16_supported():
+        if not self.mixed_precision_dtypes():
             return self.CAPABILITIES - {Capability.MIXED_PRECISION}
         return self.CAPABILITIES
+
+    def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
+        """What DeepSpeed's accelerator trains in here: its CPU accelerator has bfloat16 and
+        no float16 (``is_fp16_supported()`` is false), CUDA both."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        supported = {
+            torch.float16: accelerator.is_fp16_supported(),
+            torch.bfloat16: accelerator.is_bf16_supported(),
+        }
+        return tuple(dtype for dtype, present in supported.items() if present)
 
     def close(self) -> None:
         _PARAM_FQNS.clear()
@@ -307,6 +353,17 @@ class DeepSpeedAdapter(BackendAdapter):
             _PARAM_FQNS[id(param)] = fqn
         root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
         root.build_engine = self._build_engine
+        if spec.param_dtype is not None:
+            # What DeepSpeed's fp16/bf16 mode does to the model's storage, done now rather than
+            # when the engine is built: deepspeed.initialize casts the parameters (buffers
+            # stay as they are) and keeps float32 only as the ZeRO optimizer's master copy;
+            # a model built under zero.Init with that config is born in the low dtype, and the
+            # engine leaves such a model's parameters alone. Storage must not depend on whether
+            # a scenario's first forward (which builds the engine) has run yet.
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.is_floating_point():
+                        param.data = param.data.to(spec.param_dtype)
         if config["zero_optimization"]["stage"] == 3:
             # Partition now, as if the model had been built under zero.Init, so storage is
             # sharded from here on whether or not (or when) the engine gets built.
@@ -335,7 +392,27 @@ class DeepSpeedAdapter(BackendAdapter):
                     f"trains in; use one of {sorted(map(str, _MIXED_DTYPES))}"
                 )
             config[key] = {"enabled": True}
+        if spec.offload_params:
+            config["zero_optimization"].update(
+                self._offload(config["zero_optimization"]["stage"], pin=self.env.device.type == "cuda")
+            )
+            # ZeRO-Offload steps the optimizer on the host; DeepSpeed refuses a client torch
+            # optimizer there unless told that is intended (scenarios bring plain torch ones).
+            config["zero_force_ds_cpu_optimizer"] = False
         return config
+
+    @staticmethod
+    def _offload(stage: int, *, pin: bool) -> dict[str, Any]:
+        """ZeRO-Offload for ``offload_params`` ("sharded parameters live on CPU, the optimizer
+        steps them there"): every stage moves the fp32 master partition and the optimizer state
+        to the host and steps there (``offload_optimizer``); stage 3, the one with sharded
+        parameters, keeps those on the host too (``offload_param``). Stage 0 has no offload:
+        DeepSpeed's own refusal is what a scenario sees. Host buffers are pinned only for a CUDA
+        device (DeepSpeed's default there; a CPU accelerator has nothing to pin for)."""
+        offload: dict[str, Any] = {"offload_optimizer": {"device": "cpu", "pin_memory": pin}}
+        if stage == 3:
+            offload["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return offload
 
     @staticmethod
     def _unit_fqns(model: nn.Module, spec: ShardingSpec) -> list[str]:
@@ -384,9 +461,6 @@ class DeepSpeedAdapter(BackendAdapter):
         optimizer.zero_grad()
 
     # -- unshard ------------------------------------------------------------------------
-    def original_fqn(self, name: str) -> str:
-        return ".".join(part for part in name.split(".") if part and part != _WRAPPED)
-
     @contextlib.contextmanager
     def unshard(
         self,
@@ -622,6 +696,17 @@ def _zero_state_layout(base: torch.optim.Optimizer) -> tuple[list[str], dict[str
             else:
                 scalars.setdefault(key, value)
     return elementwise, scalars
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (tuples, lists, dicts) cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast_floating(item, dtype) for key, item in value.items()}
+    return value
 
 
 def _copy(value: Any) -> Any:

@@ -42,14 +42,18 @@ from conformance.protocol import (
     unshard_capabilities,
 )
 
-# The path component the wrapper inserts between itself and the model (DDP: "module").
-_WRAPPED = "module"
 _FULL = StateDictOptions(full_state_dict=True)
 
 
 class TemplateAdapter(BackendAdapter):
-    # Shown in reports; the expectations file is conformance/expectations/<name>.toml.
+    # Test ids, reports and expectations use it; the expectations file is
+    # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
     name = "template-ddp"
+    # EXPECTATIONS = "expectations.toml"
+    # Path components your *wrapper* inserts between the root you return and the user's model
+    # (DDP: "module"): scenarios remove exactly these from parameter names and nothing else,
+    # so name them all (and only them: every path component so named is dropped).
+    WRAPPER_COMPONENTS = frozenset({"module"})
     # Declare only what really works; everything else is skipped as "unsupported: <why>".
     CAPABILITIES = frozenset({
         Capability.WRAPPER,
@@ -79,10 +83,6 @@ class TemplateAdapter(BackendAdapter):
         require_all(self, spec.needed_capabilities(form))
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-
-    def original_fqn(self, name: str) -> str:
-        # Names seen on the returned module -> the original model's FQNs.
-        return ".".join(part for part in name.split(".") if part and part != _WRAPPED)
 
     # -- training loop: the defaults, spelled out -------------------------------------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:

@@ -45,8 +45,21 @@ def test_default_backend_is_reference(pytester: pytest.Pytester) -> None:
 
 
 def test_all_selects_every_builtin(pytester: pytest.Pytester) -> None:
+    """Every built-in, the optional ones whose library is installed here included, and the
+    header says what each is and which optional ones were left out."""
+    from conformance import registry
+
+    known = registry.known_names()
     result = run(pytester, "all")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=len(known) - 1, failed=1)
+    result.stdout.fnmatch_lines([
+        f"conformance backends: {', '.join(known)}",
+        "  reference: built-in conformance.adapters.reference:ReferenceAdapter; expected failures: none",
+    ])
+    for name in registry.missing_optional():
+        result.stdout.fnmatch_lines([f"  {name}: not installed, left out of 'all' (install: *)"])
+    for name in set(known) & set(registry.OPTIONAL_BUILTIN):
+        result.stdout.fnmatch_lines([f"  {name}: optional built-in *"])
 
 
 def test_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
@@ -181,3 +194,117 @@ def test_case(backend):
     result.assert_outcomes(skipped=1)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert "stale expect" not in result.stdout.str()
+
+
+# -- adapters by import path: ids, reports and expectations by name; their own expectations -----
+
+VENDOR_ADAPTER = """
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+
+class VendorAdapter(TorchFSDP2Adapter):
+    name = "vendor-fsdp"
+    EXPECTATIONS = "vendor_expectations.toml"
+
+class Renamed(TorchFSDP2Adapter):
+    name = "torch-fsdp1"
+"""
+
+
+def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """An adapter package outside the root directory, imported through --backend-path."""
+    vendor = pytester.path / "vendor"
+    vendor.mkdir(exist_ok=True)
+    (vendor / "vendor_adapter.py").write_text(VENDOR_ADAPTER)
+    (vendor / "vendor_expectations.toml").write_text(
+        '[[expected_failure]]\nscenario = "test_scenario.py::test_case[a]"\n'
+        'failure = "planned failure"\nreason = "shipped with the adapter"\n'
+    )
+    pytester.makepyfile(test_scenario=SCENARIO.replace('"torch-fsdp2"', '"vendor_adapter:VendorAdapter"'))
+    return pytester.runpytest_subprocess(
+        "-p", "conformance.plugin", "-p", "no:cacheprovider", "-rxXf", "-v",
+        "--backend-path", str(vendor), "--reports-dir", str(pytester.path / "reports"), *args,
+    )
+
+
+def test_an_import_path_backend_is_shown_and_judged_by_its_name(pytester: pytest.Pytester) -> None:
+    result = run_vendor(pytester, "--backend", "vendor_adapter:VendorAdapter", "--backend", "reference")
+    result.assert_outcomes(passed=1, xfailed=1)
+    result.stdout.fnmatch_lines([
+        "conformance backends: vendor-fsdp, reference",
+        "  vendor-fsdp: import path vendor_adapter:VendorAdapter; expected failures: "
+        "*vendor_expectations.toml (1 entries)",
+        "*test_case[[]vendor-fsdp-a[]]*XFAIL*",
+        "*XFAIL*test_case[[]vendor-fsdp-a[]]*expected-fail: shipped with the adapter*",
+    ])
+    matrix = (pytester.path / "reports" / "conformance.md").read_text()
+    assert "| scenario | vendor-fsdp | reference |" in matrix, matrix
+
+
+def test_expectations_dir_overrides_the_adapters_own_file(pytester: pytest.Pytester) -> None:
+    pytester.mkdir("empty")
+    result = run_vendor(
+        pytester, "--backend", "vendor_adapter:VendorAdapter",
+        "--expectations-dir", str(pytester.path / "empty"),
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["  vendor-fsdp: import path *; expected failures: none"])
+
+
+def test_two_backends_of_one_name_are_refused_and_one_adapter_twice_runs_once(
+    pytester: pytest.Pytester,
+) -> None:
+    clash = run_vendor(pytester, "--backend", "torch-fsdp1", "--backend", "vendor_adapter:Renamed")
+    assert clash.ret == pytest.ExitCode.USAGE_ERROR
+    clash.stderr.fnmatch_lines(["*backends 'torch-fsdp1' and 'vendor_adapter:Renamed' are both named "
+                                "'torch-fsdp1'*"])
+    twice = run_vendor(
+        pytester, "--backend", "torch-fsdp2",
+        "--backend", "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+    )
+    twice.assert_outcomes(passed=1)
+    twice.stdout.fnmatch_lines(["conformance backends: torch-fsdp2"])
+
+
+FAILING_DISTRIBUTED = """
+import pytest
+
+@pytest.mark.world_size(2)
+def test_fails(backend, rank):
+    assert rank < 0, f"planned failure of {backend.name} on rank {rank}"
+"""
+
+
+def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
+    """The REPRO line carries the --backend-path that made the adapter importable (ranks
+    included) and the selection as given; run from its own directory without that path on
+    PYTHONPATH, it fails the same way."""
+    import shlex
+    import subprocess
+    import sys
+
+    from adapter_testing import REPO, run_inner_session
+
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    (vendor / "vendor_adapter.py").write_text(VENDOR_ADAPTER.replace('EXPECTATIONS = "vendor_expectations.toml"', ""))
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    result = run_inner_session(inner, FAILING_DISTRIBUTED, ["vendor_adapter:VendorAdapter"],
+                               "--backend-path", str(vendor), "-p", "cacheprovider")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "planned failure of vendor-fsdp on rank" in output, output
+    repro = next(line for line in output.splitlines() if line.startswith("REPRO: "))
+    command = repro.removeprefix("REPRO: ").split("  (or: ")[0]
+    assert f"--backend-path {shlex.quote(str(vendor))} --backend vendor_adapter:VendorAdapter" in command, repro
+    assert "'test_inner.py::test_fails[vendor-fsdp]'" in command, repro
+    # The inner session's configuration came from -c/-p (a real project has it in its root
+    # directory, where the REPRO line cd's to); the backend's own arguments are the line's.
+    session = ["-c", str(REPO / "pyproject.toml"), "-p", "harness.plugin", "-p", "conformance.plugin"]
+    again = subprocess.run(
+        [*shlex.split(command.partition(" && ")[2]), *session], cwd=shlex.split(command)[1], text=True,
+        capture_output=True, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                                               "HOME": str(tmp_path)},
+    )
+    rerun = again.stdout + again.stderr
+    assert again.returncode == 1 and "planned failure of vendor-fsdp on rank" in rerun, rerun
+    assert sys.executable in command

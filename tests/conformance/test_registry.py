@@ -85,7 +85,7 @@ def test_optional_builtin_is_listed_only_where_its_library_is_installed(optional
 def test_entry_point_backend_loads(third_party: str) -> None:
     assert registry.select([third_party]) == [third_party]
     assert registry.load(third_party) is TorchFSDP2Adapter
-    assert registry.expectations_name(third_party) == third_party
+    assert registry.name_of(third_party) == third_party
 
 
 def test_unknown_name_lists_known_ones(third_party: str) -> None:
@@ -101,7 +101,7 @@ def test_module_attr_selection(adapter_module: str) -> None:
     target = f"{adapter_module}:MyAdapter"
     assert registry.select([target]) == [target]
     assert registry.load(target).__name__ == "MyAdapter"
-    assert registry.expectations_name(target) == "my-backend"
+    assert registry.name_of(target) == "my-backend"
 
 
 @pytest.mark.parametrize(
@@ -139,3 +139,17 @@ def test_adapter_must_declare_a_form() -> None:
             (BackendAdapter,),
             {"name": "x", "CAPABILITIES": frozenset({Capability.AUTO_WRAP})},
         )
+
+
+def test_origin_says_where_each_backend_comes_from(
+    third_party: str, optional_builtins: None, adapter_module: str
+) -> None:
+    assert registry.origin("reference") == "built-in conformance.adapters.reference:ReferenceAdapter"
+    assert registry.origin("present-lib").startswith(
+        "optional built-in conformance.adapters.torch_fsdp2:TorchFSDP2Adapter (json "
+    )
+    assert registry.origin(third_party) == (
+        "entry point of an installed package: conformance.adapters.torch_fsdp2:TorchFSDP2Adapter"
+    )
+    assert registry.origin(f"{adapter_module}:MyAdapter") == f"import path {adapter_module}:MyAdapter"
+    assert registry.missing_optional() == {"absent-lib": "pip install absent-extra"}

@@ -1,0 +1,40 @@
+"""ShardingSpec builders and world-size exclusions that several scenario modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+import fixtures
+from conformance.protocol import BackendAdapter, Capability, ShardingSpec, ShardingStrategy, require_all
+from harness import WorldShape
+
+
+def spec_with_mesh(
+    backend: BackendAdapter, world_size: int, device: torch.device, **fields: object
+) -> ShardingSpec:
+    """``ShardingSpec(**fields)``, with a (replicate, shard) mesh for HYBRID_SHARD, after
+    requiring every capability it needs.
+
+    Required before the mesh is built: building it creates process groups on every rank, and
+    a rank that skips while another is still connecting to one of them leaves that rank
+    failing in gloo's connectFullMesh instead of skipping with the others. A HYBRID_SHARD
+    spec needs what the same spec under FULL_SHARD needs, with the strategy swapped."""
+    strategy = fields.get("strategy", ShardingStrategy.FULL_SHARD)
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        stand_in = ShardingSpec(**{**fields, "strategy": ShardingStrategy.FULL_SHARD})
+        require_all(backend, (stand_in.feature_capabilities() - {Capability.FULL_SHARD})
+                    | {Capability.HYBRID_SHARD})
+        spec = ShardingSpec(**fields, mesh=fixtures.hybrid_mesh(world_size, device))
+    else:
+        spec = ShardingSpec(**fields)
+    require_all(backend, spec.feature_capabilities())
+    return spec
+
+
+def hybrid_fits(world: WorldShape, params: Mapping[str, object]) -> str | None:
+    """``exclude=`` of the world-size marker: HYBRID_SHARD needs two shard groups or more."""
+    if params.get("strategy") is ShardingStrategy.HYBRID_SHARD:
+        return fixtures.hybrid_shard_exclusion(world.size, world.local_size)
+    return None
