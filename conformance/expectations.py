@@ -56,8 +56,12 @@ DEVICES = ("cpu", "cuda")
 _KEYS = {"scenario", "failure", "reason", "link", "when"}
 _WHEN_KEYS = {"device", "torch", "world_size"}
 _COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
-    "==": operator.eq, "!=": operator.ne, "<=": operator.le, ">=": operator.ge,
-    "<": operator.lt, ">": operator.gt,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,
+    ">": operator.gt,
 }
 _CLAUSE = re.compile(r"^\s*(==|!=|<=|>=|<|>)\s*([0-9][0-9A-Za-z.]*?)(\.\*)?\s*$")
 
@@ -135,9 +139,7 @@ class Expectations:
     """One backend's entries, looked up by scenario id and run context; ``source`` is the file
     they came from (None: the backend has none)."""
 
-    def __init__(
-        self, backend: str, entries: list[ExpectedFailure] | None = None, source: Path | None = None
-    ) -> None:
+    def __init__(self, backend: str, entries: list[ExpectedFailure] | None = None, source: Path | None = None) -> None:
         self.backend = backend
         self.entries = list(entries or [])
         self.source = source
@@ -227,9 +229,7 @@ def load_file(backend: str, path: Path) -> Expectations:
         raise ExpectationsError(f"{path}: not valid TOML ({error})") from None
     unknown_tables = set(data) - {"expected_failure"}
     if unknown_tables:
-        raise ExpectationsError(
-            f"{path}: unknown keys {sorted(unknown_tables)}; entries go in [[expected_failure]]"
-        )
+        raise ExpectationsError(f"{path}: unknown keys {sorted(unknown_tables)}; entries go in [[expected_failure]]")
     entries: list[ExpectedFailure] = []
     seen: set[tuple[str, Condition]] = set()
     for index, raw in enumerate(data.get("expected_failure", [])):
@@ -265,14 +265,10 @@ def _condition(raw: Any, where: str) -> Condition:
     if raw is None:
         return Condition()
     if not isinstance(raw, dict) or not raw:
-        raise ExpectationsError(
-            f"{where}: 'when' must be a non-empty table, e.g. when = {{ device = \"cuda\" }}"
-        )
+        raise ExpectationsError(f"{where}: 'when' must be a non-empty table, e.g. when = {{ device = \"cuda\" }}")
     unknown = set(raw) - _WHEN_KEYS
     if unknown:
-        raise ExpectationsError(
-            f"{where}: 'when' has unknown keys {sorted(unknown)}; use {sorted(_WHEN_KEYS)}"
-        )
+        raise ExpectationsError(f"{where}: 'when' has unknown keys {sorted(unknown)}; use {sorted(_WHEN_KEYS)}")
     devices = _string_list(raw.get("device", []), where, "device")
     bad = [d for d in devices if d not in DEVICES]
     if bad:
@@ -287,9 +283,7 @@ def _condition(raw: Any, where: str) -> Condition:
             raise ExpectationsError(f"{where}: when.torch: {error}") from None
     sizes = raw.get("world_size", [])
     sizes = [sizes] if isinstance(sizes, int) and not isinstance(sizes, bool) else sizes
-    if not isinstance(sizes, list) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
-    ):
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
         raise ExpectationsError(f"{where}: when.world_size must be a positive int or a list of them")
     return Condition(tuple(devices), torch_condition.strip(), tuple(sizes))
 

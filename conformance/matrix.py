@@ -4,6 +4,7 @@ Written after a run as `reports/conformance.md` (for a CI job summary) and
 `reports/conformance.html`, where each failed cell links to its failures' text and repro lines.
 Stale expected-failure entries (see `conformance.expectations`) get a section of their own.
 """
+
 from __future__ import annotations
 
 import html
@@ -73,8 +74,12 @@ def _anchor(scenario: str, backend: str) -> str:
 
 
 def render_markdown(matrix: Matrix) -> str:
-    lines = ["# Conformance matrix", "", "| scenario | " + " | ".join(matrix.backends) + " |",
-             "| --- |" + " --- |" * len(matrix.backends)]
+    lines = [
+        "# Conformance matrix",
+        "",
+        "| scenario | " + " | ".join(matrix.backends) + " |",
+        "| --- |" + " --- |" * len(matrix.backends),
+    ]
     for scenario in matrix.scenarios:
         cells = []
         for backend in matrix.backends:
@@ -92,7 +97,7 @@ def render_markdown(matrix: Matrix) -> str:
         lines += [f"- {entry}" for entry in matrix.stale]
     if matrix.failures:
         lines += ["", "## Failures", ""]
-        for (scenario, backend), failures in sorted(matrix.failures.items()):
+        for (_scenario, _backend), failures in sorted(matrix.failures.items()):
             for failure in failures:
                 first = next((line for line in failure.text.splitlines() if line.strip()), "")
                 lines.append(f"- `{failure.test_id}`: {first[:300]}")
@@ -127,10 +132,14 @@ def render_html(matrix: Matrix) -> str:
             details.append(f"<pre>{esc(failure.text)}</pre>")
     stale = "".join(f"<li>{esc(entry)}</li>" for entry in matrix.stale)
     stale_section = f"<h2>Stale expectations</h2><ul>{stale}</ul>" if stale else ""
-    style = ("body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
-             "padding:3px 8px;text-align:left}.fail{background:#f8c0c0}.xfail{background:#f4e6b0}"
-             ".unsup{background:#dde4f0}.ok{background:#c8ecc8}pre{background:#f4f4f4;padding:6px;overflow:auto}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>Conformance matrix</title>"
-            f"<style>{style}</style></head><body><h1>Conformance matrix</h1>"
-            f"<table><tr><th>scenario</th>{head}</tr>{''.join(rows)}<tr><th>total</th>{totals}</tr></table>"
-            f"{stale_section}<h2>Failures</h2>{''.join(details) or '<p>none</p>'}</body></html>\n")
+    style = (
+        "body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
+        "padding:3px 8px;text-align:left}.fail{background:#f8c0c0}.xfail{background:#f4e6b0}"
+        ".unsup{background:#dde4f0}.ok{background:#c8ecc8}pre{background:#f4f4f4;padding:6px;overflow:auto}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>Conformance matrix</title>"
+        f"<style>{style}</style></head><body><h1>Conformance matrix</h1>"
+        f"<table><tr><th>scenario</th>{head}</tr>{''.join(rows)}<tr><th>total</th>{totals}</tr></table>"
+        f"{stale_section}<h2>Failures</h2>{''.join(details) or '<p>none</p>'}</body></html>\n"
+    )

@@ -125,10 +125,7 @@ def _select(config: pytest.Config) -> BackendSelection:
         backends.append(selection)
         names[selection] = name
     explicit = config.getoption("expectations_dir")
-    expected = {
-        names[selection]: _expectations(selection, names[selection], explicit)
-        for selection in backends
-    }
+    expected = {names[selection]: _expectations(selection, names[selection], explicit) for selection in backends}
     origins = {names[selection]: registry.origin(selection) for selection in backends}
     return BackendSelection(backends, names, expected, origins)
 
@@ -158,7 +155,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         entries = state.expected[name]
         source = (
             f"{_shown_path(entries.source, config)} ({len(entries)} entries)"
-            if entries.source is not None and entries.source.exists() else "none"
+            if entries.source is not None and entries.source.exists()
+            else "none"
         )
         lines.append(f"  {name}: {state.origins[name]}; expected failures: {source}")
     if registry.ALL in (config.getoption("backend") or []):
@@ -254,9 +252,7 @@ def pytest_runtest_makereport(
         # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
         # the entry: only skips of a test that had its devices make an entry stale.
         if context.device is not None or context.world_size is None:
-            item.config.stash[_RUN].note_skipped(
-                selection, scenario, context, _skip_reason(report) or "skipped"
-            )
+            item.config.stash[_RUN].note_skipped(selection, scenario, context, _skip_reason(report) or "skipped")
     return report
 
 

@@ -124,9 +124,7 @@ class ShardingSpec:
 
     def __post_init__(self) -> None:
         if self.auto_wrap_classes and self.manual_units:
-            raise ValueError(
-                "ShardingSpec: give auto_wrap_classes or manual_units, not both"
-            )
+            raise ValueError("ShardingSpec: give auto_wrap_classes or manual_units, not both")
         for fqn in self.manual_units:
             if not fqn:
                 raise ValueError(
@@ -140,9 +138,7 @@ class ShardingSpec:
                 "override the root ('') or FQNs listed in manual_units"
             )
         for strategy in self.strategies():
-            if strategy is ShardingStrategy.HYBRID_SHARD and (
-                self.mesh is None or self.mesh.ndim != 2
-            ):
+            if strategy is ShardingStrategy.HYBRID_SHARD and (self.mesh is None or self.mesh.ndim != 2):
                 raise ValueError(
                     "HYBRID_SHARD needs an explicit 2-D mesh (replicate, shard): pass "
                     "ShardingSpec(mesh=fixtures.hybrid_mesh(world_size, device))"
@@ -255,9 +251,7 @@ class BackendAdapter(abc.ABC):
         return capability in self.capabilities()
 
     def unsupported_reason(self, capability: Capability) -> str:
-        return self.UNSUPPORTED_REASONS.get(
-            capability, f"the {self.name} adapter does not provide it"
-        )
+        return self.UNSUPPORTED_REASONS.get(capability, f"the {self.name} adapter does not provide it")
 
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
@@ -321,15 +315,11 @@ class BackendAdapter(abc.ABC):
         """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
 
     @abc.abstractmethod
-    def load_state_dict(
-        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
-    ) -> None:
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
 
     @abc.abstractmethod
-    def optim_state_dict(
-        self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind
-    ) -> dict[str, Any]:
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         """Optimizer state dict keyed by parameter FQNs."""
 
     @abc.abstractmethod
@@ -438,9 +428,7 @@ class BackendAdapter(abc.ABC):
         """Overwrite this rank's stored gradient of ``fqn`` (which must exist) with ``value``."""
         grad = self.named_parameter(model, fqn).grad
         if grad is None:
-            raise ValueError(
-                f"{fqn}: this rank stores no gradient to overwrite (run a backward first)"
-            )
+            raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
         _copy_into(_local_tensor(grad), value, f"{fqn} gradient")
 
     # -- collective labels and lifetime ------------------------------------------------------
@@ -454,7 +442,7 @@ class BackendAdapter(abc.ABC):
         """
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the right default
         """Called once after each test body (passed or not), before the harness destroys
         the process groups the test created. Drop what the backend caches across models
         (e.g. process groups a library keeps in module globals). Default: nothing."""
@@ -516,9 +504,7 @@ def require(backend: BackendAdapter, capability: Capability) -> None:
     Every rank evaluates the same condition, so every rank skips together.
     """
     if not backend.supports(capability):
-        pytest.skip(
-            f"unsupported: {capability.value}: {backend.unsupported_reason(capability)}"
-        )
+        pytest.skip(f"unsupported: {capability.value}: {backend.unsupported_reason(capability)}")
 
 
 def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from harness import RankContext, rank_fixture, register_label_provider
-
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
+from harness import RankContext, rank_fixture, register_label_provider
 
 
 @rank_fixture
@@ -26,9 +25,7 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
         )
     adapter_cls = registry.load(selection)
     adapter = adapter_cls(
-        BackendEnv(
-            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank
-        )
+        BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
     unregister = register_label_provider(adapter.collective_label)
     try:

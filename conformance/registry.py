@@ -140,9 +140,7 @@ def target_of(selection: str) -> str:
         return selection
     target = _builtin_targets().get(selection) or _entry_point_targets().get(selection)
     if target is None:
-        raise BackendSelectionError(
-            f"unknown backend {selection!r}; known backends: {', '.join(known_names())}"
-        )
+        raise BackendSelectionError(f"unknown backend {selection!r}; known backends: {', '.join(known_names())}")
     return target
 
 
@@ -151,9 +149,7 @@ def load(selection: str) -> type[BackendAdapter]:
     target = target_of(selection)
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise BackendSelectionError(
-            f"backend {selection!r}: expected 'package.module:attr', got {target!r}"
-        )
+        raise BackendSelectionError(f"backend {selection!r}: expected 'package.module:attr', got {target!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
@@ -169,8 +165,7 @@ def load(selection: str) -> type[BackendAdapter]:
         ) from None
     if not (isinstance(adapter, type) and issubclass(adapter, BackendAdapter)):
         raise BackendSelectionError(
-            f"backend {selection!r}: {target} is {adapter!r}, not a subclass of "
-            "conformance.protocol.BackendAdapter"
+            f"backend {selection!r}: {target} is {adapter!r}, not a subclass of conformance.protocol.BackendAdapter"
         )
     return adapter
 

@@ -11,9 +11,7 @@ from conformance.protocol import BackendAdapter, Capability, ShardingSpec, Shard
 from harness import WorldShape
 
 
-def spec_with_mesh(
-    backend: BackendAdapter, world_size: int, device: torch.device, **fields: object
-) -> ShardingSpec:
+def spec_with_mesh(backend: BackendAdapter, world_size: int, device: torch.device, **fields: object) -> ShardingSpec:
     """``ShardingSpec(**fields)``, with a (replicate, shard) mesh for HYBRID_SHARD, after
     requiring every capability it needs.
 
@@ -24,8 +22,7 @@ def spec_with_mesh(
     strategy = fields.get("strategy", ShardingStrategy.FULL_SHARD)
     if strategy is ShardingStrategy.HYBRID_SHARD:
         stand_in = ShardingSpec(**{**fields, "strategy": ShardingStrategy.FULL_SHARD})
-        require_all(backend, (stand_in.feature_capabilities() - {Capability.FULL_SHARD})
-                    | {Capability.HYBRID_SHARD})
+        require_all(backend, (stand_in.feature_capabilities() - {Capability.FULL_SHARD}) | {Capability.HYBRID_SHARD})
         spec = ShardingSpec(**fields, mesh=fixtures.hybrid_mesh(world_size, device))
     else:
         spec = ShardingSpec(**fields)

@@ -37,13 +37,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from harness import current_seed
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fixtures
-from fixtures.compare import EXACT, Tolerance, assert_tensors_close
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -52,6 +50,8 @@ from conformance.protocol import (
     StateDictKind,
     require,
 )
+from fixtures.compare import EXACT, Tolerance, assert_tensors_close
+from harness import current_seed
 
 # 2-D against 1-D training and against the oracle: the row-wise layer sums TP partial products
 # with an all-reduce where the unsharded model does one matmul, and gradients are summed in a
@@ -94,9 +94,7 @@ def _mesh(device: torch.device, dim_names: tuple[str, str] = ("dp", "tp")) -> De
 
 def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """``net1`` column-wise then ``net2`` row-wise: the pair needs one all-reduce in forward."""
-    return parallelize_module(
-        model, tp_mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-    )
+    return parallelize_module(model, tp_mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
 
 
 def _two_d(
@@ -115,12 +113,14 @@ def _two_d(
     return backend.shard(model, spec, form), model
 
 
-def _batch(
-    model: nn.Module, iteration: int, dp_rank: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def _batch(model: nn.Module, iteration: int, dp_rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     return fixtures.local_batch(
-        model, seed=current_seed(), iteration=iteration, rank=dp_rank,
-        batch_size=LOCAL_BATCH, device=device,
+        model,
+        seed=current_seed(),
+        iteration=iteration,
+        rank=dp_rank,
+        batch_size=LOCAL_BATCH,
+        device=device,
     )
 
 
@@ -148,9 +148,7 @@ def _train_step(
 @two_d_world
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("params", ["orig_params", "flat_params"])
-def test_2d_training(
-    backend: BackendAdapter, params: str, optimizer: str, rank: int, device: torch.device
-) -> None:
+def test_2d_training(backend: BackendAdapter, params: str, optimizer: str, rank: int, device: torch.device) -> None:
     """2-D trains like 1-D sharding over all ranks and like the single-process oracle.
 
     Adam or plain SGD (lr 1e-2), five steps, ``fixtures.ThreeLayerMLP``. The 1-D model shards the same
@@ -170,9 +168,7 @@ def test_2d_training(
     seed = current_seed()
     make_optim = OPTIMIZERS[optimizer]
     param_tolerance = SGD_PARAM_TOLERANCE if optimizer == "sgd" else PARAM_TOLERANCE
-    plan = fixtures.TrainingPlan(
-        seed=seed, iterations=ITERATIONS, batch_size=LOCAL_BATCH, make_optimizer=make_optim
-    )
+    plan = fixtures.TrainingPlan(seed=seed, iterations=ITERATIONS, batch_size=LOCAL_BATCH, make_optimizer=make_optim)
     unwrapped = fixtures.build(fixtures.ThreeLayerMLP, seed, device)
     initial = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
     mesh = _mesh(device)
@@ -183,18 +179,26 @@ def test_2d_training(
         where = f"rank {rank}: {form.value}, {params}, {optimizer}"
         one_d = backend.shard(
             fixtures.build(fixtures.ThreeLayerMLP, seed, device),
-            ShardingSpec(use_orig_params=use_orig_params), form,
+            ShardingSpec(use_orig_params=use_orig_params),
+            form,
         )
         two_d, loss_model = _two_d(
-            backend, fixtures.ThreeLayerMLP, seed, device, mesh, form,
+            backend,
+            fixtures.ThreeLayerMLP,
+            seed,
+            device,
+            mesh,
+            form,
             use_orig_params=use_orig_params,
         )
         names = {
             label: sorted(backend.original_fqn(n) for n, _ in model.named_parameters())
             for label, model in (("1-D", one_d), ("2-D", two_d))
         }
-        start = {label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
-                 for label, model in (("1-D", one_d), ("2-D", two_d))}
+        start = {
+            label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
+            for label, model in (("1-D", one_d), ("2-D", two_d))
+        }
         optims = {
             "1-D": backend.make_optimizer(one_d, make_optim),
             "2-D": backend.make_optimizer(two_d, make_optim),
@@ -203,9 +207,7 @@ def test_2d_training(
         losses = []
         for iteration in range(ITERATIONS):
             before = {
-                label: _train_step(
-                    backend, model, loss_model, optims[label], iteration, dp_rank, device
-                )
+                label: _train_step(backend, model, loss_model, optims[label], iteration, dp_rank, device)
                 for label, model in (("1-D", one_d), ("2-D", two_d))
             }
             losses.append(loss_model.loss(before["2-D"]).item())
@@ -214,27 +216,34 @@ def test_2d_training(
                 after = {"1-D": one_d(*inputs), "2-D": two_d(*inputs)}
             outputs.append((f"before step {iteration}", before["1-D"], before["2-D"]))
             outputs.append((f"after step {iteration}", after["1-D"], after["2-D"]))
-        final = {label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
-                 for label, model in (("1-D", one_d), ("2-D", two_d))}
+        final = {
+            label: _gather_tree(backend.state_dict(model, StateDictKind.FULL))
+            for label, model in (("1-D", one_d), ("2-D", two_d))
+        }
 
         # Every collective is done; checks from here on may differ between ranks.
         assert names["2-D"] == names["1-D"], f"{where}: 2-D parameters {names['2-D']} != 1-D {names['1-D']}"
         for label, state in start.items():
-            assert_tensors_close(state, initial, EXACT,
-                                f"{where}: initial {label} full state dict vs the unwrapped model")
+            assert_tensors_close(
+                state, initial, EXACT, f"{where}: initial {label} full state dict vs the unwrapped model"
+            )
         for when, one, two in outputs:
             torch.testing.assert_close(
-                two, one, **OUTPUT_TOLERANCE,
+                two,
+                one,
+                **OUTPUT_TOLERANCE,
                 msg=lambda m, when=when: f"{where}: 2-D output {when} differs from 1-D\n{m}",
             )
         torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor([r[dp_rank] for r in oracle.rank_losses]),
+            torch.tensor(losses),
+            torch.tensor([r[dp_rank] for r in oracle.rank_losses]),
             **OUTPUT_TOLERANCE,
             msg=lambda m: f"{where}: 2-D local losses diverge from the oracle (dp rank {dp_rank})\n{m}",
         )
         for label, state in final.items():
-            assert_tensors_close(state, oracle.state_dict, param_tolerance,
-                                f"{where}: final {label} parameters vs the oracle")
+            assert_tensors_close(
+                state, oracle.state_dict, param_tolerance, f"{where}: final {label} parameters vs the oracle"
+            )
 
 
 # -- invalid composition ------------------------------------------------------------------
@@ -253,15 +262,12 @@ def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: t
     for form in backend.forms():
         mesh = _mesh(device, ("tp", "dp"))
         with pytest.raises((RuntimeError, ValueError)) as caught:
-            model = _tensor_parallel(
-                fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device), mesh["tp"]
-            )
+            model = _tensor_parallel(fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device), mesh["tp"])
             backend.shard(model, ShardingSpec(mesh=mesh["dp"]), form)
         message = str(caught.value)
         names_tp = "TP" in message or "tensor parallel" in message.lower()
         assert names_tp and "innermost" in message.lower(), (
-            f"rank {rank}: {form.value}: the error does not say the TP dimension must be the "
-            f"innermost one: {message}"
+            f"rank {rank}: {form.value}: the error does not say the TP dimension must be the innermost one: {message}"
         )
 
 
@@ -270,9 +276,7 @@ def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: t
 
 @two_d_world
 @pytest.mark.parametrize("model_name", list(_MODELS))
-def test_2d_full_state_dict(
-    backend: BackendAdapter, model_name: str, rank: int, device: torch.device
-) -> None:
+def test_2d_full_state_dict(backend: BackendAdapter, model_name: str, rank: int, device: torch.device) -> None:
     """The full state dict of a 2-D model is the unwrapped model's, and loads back.
 
     Keys are the unwrapped model's; values are plain tensors (gathered over dp and tp) equal to
@@ -296,9 +300,7 @@ def test_2d_full_state_dict(
 
         for label, got in (("full state dict", state), ("full state dict after loading", reloaded)):
             sharded = sorted(name for name, value in got.items() if isinstance(value, DTensor))
-            assert not sharded, (
-                f"{where}: {label} holds DTensors for {sharded}, not plain global tensors"
-            )
+            assert not sharded, f"{where}: {label} holds DTensors for {sharded}, not plain global tensors"
             assert_tensors_close(got, expected, EXACT, f"{where}: {label}")
 
 
@@ -338,8 +340,7 @@ def test_2d_sharded_state_dict(
             f"{where}: keys {sorted(state)} differ from the unwrapped model's {sorted(expected)}"
         )
         for name, want in expected.items():
-            _assert_layout(state[name], gathered[name], world_size, tp_placements.get(name),
-                           f"{where}: {name}")
+            _assert_layout(state[name], gathered[name], world_size, tp_placements.get(name), f"{where}: {name}")
             full = gathered[name][0]
             assert full.shape == want.shape and torch.equal(full.cpu(), want.cpu()), (
                 f"{where}: {name}: full_tensor() differs from the unwrapped model's value"
@@ -348,9 +349,7 @@ def test_2d_sharded_state_dict(
 
 @two_d_world
 @pytest.mark.parametrize("model_name", list(_MODELS))
-def test_2d_load_state_dict(
-    backend: BackendAdapter, model_name: str, rank: int, device: torch.device
-) -> None:
+def test_2d_load_state_dict(backend: BackendAdapter, model_name: str, rank: int, device: torch.device) -> None:
     """A sharded 2-D state dict saved with ``torch.save`` loads back over a trained model.
 
     Save to an in-memory buffer, take an Adam step (which must change the state), load the
@@ -373,7 +372,8 @@ def test_2d_load_state_dict(
         stepped = backend.state_dict(model, StateDictKind.SHARDED)
         changed = torch.tensor(
             [any(not torch.equal(_local(stepped[k]), _local(v)) for k, v in saved.items())],
-            dtype=torch.int32, device=device,
+            dtype=torch.int32,
+            device=device,
         )
         dist.all_reduce(changed, op=dist.ReduceOp.MAX)
         checkpoint.seek(0)
@@ -395,9 +395,7 @@ def test_2d_load_state_dict(
 
 @two_d_world
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
-def test_2d_optim_state_dict(
-    backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device
-) -> None:
+def test_2d_optim_state_dict(backend: BackendAdapter, kind: StateDictKind, rank: int, device: torch.device) -> None:
     """Optimizer state of a 2-D model survives get -> set into a fresh model -> get.
 
     ``UnevenMLP``, Adam, two steps. The state is keyed by the parameter FQNs; per-parameter
@@ -451,8 +449,9 @@ def test_2d_optim_state_dict(
                         f"parameter's global shape {tuple(shapes[name])}"
                     )
         _assert_same_tree(read_back, saved, where)
-        assert_tensors_close(after["restored"], after["original"], STEP_TOLERANCE,
-                            f"{where}: one more step, restored vs original")
+        assert_tensors_close(
+            after["restored"], after["original"], STEP_TOLERANCE, f"{where}: one more step, restored vs original"
+        )
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -462,9 +461,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _gather_dtensors(
-    state: Mapping[str, Any], device: torch.device
-) -> dict[str, tuple[torch.Tensor, int]]:
+def _gather_dtensors(state: Mapping[str, Any], device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
     """Per key (sorted, so every rank issues the same collectives): (full value, local numel
     summed over all ranks)."""
     gathered = {}
@@ -496,8 +493,7 @@ def _assert_layout(
             f"{where}: a tensor-parallel parameter on mesh {dims}, not the 2-D (dp, tp) mesh"
         )
         assert (placements[dims.index("tp")],) == tp_placement, (
-            f"{where}: placement on tp {placements[dims.index('tp')]} differs from the TP "
-            f"placement {tp_placement}"
+            f"{where}: placement on tp {placements[dims.index('tp')]} differs from the TP placement {tp_placement}"
         )
     sharded_over = 1
     for dim, placement in enumerate(placements):

@@ -47,9 +47,7 @@ FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
-param_offload_axis = pytest.mark.parametrize(
-    "param_offload", [False, True], ids=["no_param_offload", "param_offload"]
-)
+param_offload_axis = pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 _STATE_DICT_CAPABILITY = {
     StateDictKind.FULL: Capability.FULL_STATE_DICT,
     StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
@@ -63,9 +61,7 @@ def _layout_spec(layout: str) -> ShardingSpec:
     if layout == "submodules":  # both units sharded, the root stays a plain module
         return ShardingSpec(manual_units=fixtures.CompositeModel.UNIT_FQNS, shard_root=False)
     if layout == "mixed":  # unit1 fully sharded inside a NO_SHARD root
-        return ShardingSpec(
-            manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD}
-        )
+        return ShardingSpec(manual_units=("unit1",), strategy_overrides={"": ShardingStrategy.NO_SHARD})
     raise ValueError(f"unknown layout {layout!r}: use root, submodules or mixed")
 
 
@@ -106,16 +102,17 @@ def test_full_state_dict(
         _assert_all_zero(backend.state_dict(target, StateDictKind.FULL), where)
         backend.load_state_dict(target, copy.deepcopy(state), StateDictKind.FULL)
         _assert_same_state(
-            backend.state_dict(target, StateDictKind.FULL), expected,
+            backend.state_dict(target, StateDictKind.FULL),
+            expected,
             f"{where}: full state dict after loading into a zeroed sharded model",
         )
         with torch.no_grad():
             output = target(*inputs)
         torch.testing.assert_close(
-            output, expected_output, **FORWARD_TOLERANCE,
-            msg=lambda m, where=where: (
-                f"{where}: forward after loading differs from the unsharded model\n{m}"
-            ),
+            output,
+            expected_output,
+            **FORWARD_TOLERANCE,
+            msg=lambda m, where=where: f"{where}: forward after loading differs from the unsharded model\n{m}",
         )
 
 
@@ -127,7 +124,11 @@ def test_full_state_dict(
     ids=["none-ignored", "ignored", "none-ignored-param_offload"],
 )
 def test_save_load_flow(
-    backend: BackendAdapter, kind: StateDictKind, ignore: bool, param_offload: bool, rank: int,
+    backend: BackendAdapter,
+    kind: StateDictKind,
+    ignore: bool,
+    param_offload: bool,
+    rank: int,
     device: torch.device,
 ) -> None:
     """Save a trained tied-weight transformer, load it into a fresh sharded model, match.
@@ -144,18 +145,21 @@ def test_save_load_flow(
     model_cls = fixtures.TiedTransformer
     ignored = model_cls.IGNORABLE_MODULES if ignore else ()
     spec = ShardingSpec(
-        auto_wrap_classes=model_cls.LAYER_CLASSES, ignored_modules=ignored,
+        auto_wrap_classes=model_cls.LAYER_CLASSES,
+        ignored_modules=ignored,
         offload_params=param_offload,
     )
     require_all(backend, spec.feature_capabilities())
     local = fixtures.build(model_cls, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
-    ignored_params = {
-        name for name, _ in local.named_parameters() if _under(name, ignored)
-    }
+    ignored_params = {name for name, _ in local.named_parameters() if _under(name, ignored)}
     batch = functools.partial(
-        fixtures.local_batch, local, seed=current_seed(), rank=rank, batch_size=LOCAL_BATCH,
+        fixtures.local_batch,
+        local,
+        seed=current_seed(),
+        rank=rank,
+        batch_size=LOCAL_BATCH,
         device=device,
     )
 
@@ -168,31 +172,29 @@ def test_save_load_flow(
         optim = backend.make_optimizer(saved, functools.partial(torch.optim.SGD, lr=0.1))
         state = backend.state_dict(saved, kind)
         _assert_kind(state, kind, local, ignored_params, where)
-        _assert_same_state(
-            _gathered(state, device), expected, f"{where}: state dict vs the unsharded model"
-        )
+        _assert_same_state(_gathered(state, device), expected, f"{where}: state dict vs the unsharded model")
 
         _train_step(backend, saved, optim, local, 0, rank, device)
         checkpoint = copy.deepcopy(backend.state_dict(saved, kind))
 
-        target = backend.shard(
-            fixtures.build(model_cls, current_seed() + 1, device), spec, form
-        )
+        target = backend.shard(fixtures.build(model_cls, current_seed() + 1, device), spec, form)
         _zero_local_storage(backend, target)
         _assert_stored_zero(backend.state_dict(target, kind), where, device)
         backend.load_state_dict(target, checkpoint, kind)
         _assert_stores_alike(
-            backend.state_dict(target, kind), backend.state_dict(saved, kind),
-            f"{where}: loaded model vs the trained model it was saved from", device,
+            backend.state_dict(target, kind),
+            backend.state_dict(saved, kind),
+            f"{where}: loaded model vs the trained model it was saved from",
+            device,
         )
         inputs = batch(iteration=1)
         with torch.no_grad():
             output, expected_output = target(*inputs), saved(*inputs)
         torch.testing.assert_close(
-            output, expected_output, **FORWARD_TOLERANCE,
-            msg=lambda m, where=where: (
-                f"{where}: forward of the loaded model differs from the saved model\n{m}"
-            ),
+            output,
+            expected_output,
+            **FORWARD_TOLERANCE,
+            msg=lambda m, where=where: f"{where}: forward of the loaded model differs from the saved model\n{m}",
         )
 
 
@@ -201,8 +203,13 @@ def test_save_load_flow(
 @param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
 def test_optim_state_dict_round_trip(
-    backend: BackendAdapter, kind: StateDictKind, param_offload: bool,
-    strategy: ShardingStrategy, world_size: int, rank: int, device: torch.device,
+    backend: BackendAdapter,
+    kind: StateDictKind,
+    param_offload: bool,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
 ) -> None:
     """Optimizer state survives get -> load into a fresh model and optimizer -> get.
 
@@ -215,8 +222,12 @@ def test_optim_state_dict_round_trip(
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, _STATE_DICT_CAPABILITY[kind])
     spec = spec_with_mesh(  # everything required before a HYBRID_SHARD mesh is built
-        backend, world_size, device,
-        strategy=strategy, auto_wrap_classes=(fixtures.Unit,), offload_params=param_offload,
+        backend,
+        world_size,
+        device,
+        strategy=strategy,
+        auto_wrap_classes=(fixtures.Unit,),
+        offload_params=param_offload,
     )
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
@@ -236,30 +247,29 @@ def test_optim_state_dict_round_trip(
         optim_checkpoint = copy.deepcopy(backend.optim_state_dict(trained, optim, kind))
         keys = set(optim_checkpoint.get("state", {}))
         assert keys == param_fqns, (
-            f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs "
-            f"{sorted(param_fqns)}"
+            f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs {sorted(param_fqns)}"
         )
 
-        restored = backend.shard(
-            fixtures.build(model_cls, current_seed() + 1, device, dim=16), spec, form
-        )
+        restored = backend.shard(fixtures.build(model_cls, current_seed() + 1, device, dim=16), spec, form)
         restored_optim = backend.make_optimizer(restored, make_optim)
         backend.load_state_dict(restored, model_checkpoint, kind)
         # A copy: optimizers may adopt the loaded tensors, and the checkpoint must stay intact.
-        backend.load_optim_state_dict(
-            restored, restored_optim, copy.deepcopy(optim_checkpoint), kind
-        )
+        backend.load_optim_state_dict(restored, restored_optim, copy.deepcopy(optim_checkpoint), kind)
         _assert_stores_alike(
-            backend.optim_state_dict(restored, restored_optim, kind), optim_checkpoint,
-            f"{where}: optimizer state read back after loading", device,
+            backend.optim_state_dict(restored, restored_optim, kind),
+            optim_checkpoint,
+            f"{where}: optimizer state read back after loading",
+            device,
         )
 
         _train_step(backend, trained, optim, loss_model, 2, rank, device)
         _train_step(backend, restored, restored_optim, loss_model, 2, rank, device)
         _assert_stores_alike(
-            backend.state_dict(restored, kind), backend.state_dict(trained, kind),
+            backend.state_dict(restored, kind),
+            backend.state_dict(trained, kind),
             f"{where}: parameters after one more step, restored vs original model+optimizer",
-            device, STEP_TOLERANCE,
+            device,
+            STEP_TOLERANCE,
         )
 
 
@@ -277,8 +287,12 @@ def _train_step(
 ) -> None:
     """One step through the adapter's training-loop hooks (``optim`` from make_optimizer)."""
     inputs = fixtures.local_batch(
-        loss_model, seed=current_seed(), iteration=iteration, rank=rank,
-        batch_size=LOCAL_BATCH, device=device,
+        loss_model,
+        seed=current_seed(),
+        iteration=iteration,
+        rank=rank,
+        batch_size=LOCAL_BATCH,
+        device=device,
     )
     backend.zero_grad(model, optim)
     backend.backward(model, loss_model.loss(model(*inputs)))
@@ -371,22 +385,18 @@ def _assert_kind(
             )
         else:
             assert _is_sharded(value), (
-                f"{where}: sharded state dict holds {name} as {type(value).__name__}, not as a "
-                "sharded tensor"
+                f"{where}: sharded state dict holds {name} as {type(value).__name__}, not as a sharded tensor"
             )
 
 
-def _assert_same_state(
-    actual: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str
-) -> None:
+def _assert_same_state(actual: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str) -> None:
     missing = sorted(expected.keys() - actual.keys())
     extra = sorted(actual.keys() - expected.keys())
     assert not missing and not extra, f"{where}: keys missing {missing}, unexpected {extra}"
     for name, want in expected.items():
         got = actual[name]
         assert got.shape == want.shape and got.dtype == want.dtype, (
-            f"{where}: {name} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} "
-            f"{tuple(want.shape)}"
+            f"{where}: {name} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
         )
         assert torch.equal(got.detach().cpu(), want.detach().cpu()), (
             f"{where}: {name}: {describe_difference(got, want)}"
@@ -435,7 +445,10 @@ def _fail_together(problems: list[str], where: str, device: torch.device) -> Non
 
 
 def _assert_stores_alike(
-    actual: Any, expected: Any, where: str, device: torch.device,
+    actual: Any,
+    expected: Any,
+    where: str,
+    device: torch.device,
     tolerance: Tolerance = EXACT,
 ) -> None:
     """Two state dicts (or optimizer state dicts) of the same kind and layout hold the same

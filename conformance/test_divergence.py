@@ -33,11 +33,11 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn as nn
-from harness import current_seed
 
 import fixtures
 from conformance.protocol import ApiForm, BackendAdapter, ShardingSpec
 from fixtures.models import SumLossMixin
+from harness import current_seed
 
 ORDER_ERROR = r"^Forward order differs across ranks"
 
@@ -64,9 +64,7 @@ class SwappableUnits(SumLossMixin, nn.Module):
         return (torch.randn(batch_size, 6, generator=generator),)
 
 
-def training_step(
-    backend: BackendAdapter, form: ApiForm, rank: int, device: torch.device, *, crossed: bool
-) -> None:
+def training_step(backend: BackendAdapter, form: ApiForm, rank: int, device: torch.device, *, crossed: bool) -> None:
     """One forward + backward of :class:`SwappableUnits` sharded by ``backend`` in ``form``.
 
     ``crossed``: rank 0 runs ``first`` then ``second``, every other rank ``second`` then
@@ -77,9 +75,7 @@ def training_step(
     sharded = backend.shard(model, ShardingSpec(manual_units=SwappableUnits.UNIT_FQNS), form)
     if crossed and rank != 0:
         model.order = tuple(reversed(SwappableUnits.UNIT_FQNS))
-    inputs = fixtures.local_batch(
-        model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device
-    )
+    inputs = fixtures.local_batch(model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device)
     backend.backward(sharded, model.loss(sharded(*inputs)))
 
 
@@ -89,9 +85,7 @@ def _raise_unless_order_error(error: RuntimeError) -> None:
 
 
 @pytest.mark.world_size(min=2, default=[2, 4])
-def test_same_shape_divergence_is_not_silent(
-    backend: BackendAdapter, rank: int, device: torch.device
-) -> None:
+def test_same_shape_divergence_is_not_silent(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """Ranks running equal-sized units in different orders are stopped or reported, per form.
 
     Passes when every rank raises the order error; a step that completes is failed by the
@@ -105,22 +99,16 @@ def test_same_shape_divergence_is_not_silent(
 
 
 @pytest.mark.world_size(min=2, default=2)
-def test_unequal_shape_divergence_is_not_silent(
-    backend: BackendAdapter, rank: int, device: torch.device
-) -> None:
+def test_unequal_shape_divergence_is_not_silent(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """The seed's model, default configuration: rank 0 runs ``path_a``, rank 1 ``path_b`` in
     the first step. Passes when every rank raises the order error before any mismatched
     collective; a crash or a hang fails it (module docstring)."""
     for form in backend.forms():
         model = fixtures.build(fixtures.UnequalTwoPathModel, current_seed(), device)
-        sharded = backend.shard(
-            model, ShardingSpec(manual_units=fixtures.UnequalTwoPathModel.UNIT_FQNS), form
-        )
+        sharded = backend.shard(model, ShardingSpec(manual_units=fixtures.UnequalTwoPathModel.UNIT_FQNS), form)
         if rank != 0:
             model.flip_path()
-        inputs = fixtures.local_batch(
-            model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device
-        )
+        inputs = fixtures.local_batch(model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device)
         try:
             backend.backward(sharded, model.loss(sharded(*inputs)))
         except RuntimeError as error:

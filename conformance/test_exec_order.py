@@ -20,7 +20,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from harness import current_seed
 
 import fixtures
 from conformance.protocol import (
@@ -30,6 +29,7 @@ from conformance.protocol import (
     ShardingStrategy,
     require,
 )
+from harness import current_seed
 
 STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
 MODELS = {"equal": fixtures.TwoPathModel, "seed": fixtures.UnequalTwoPathModel}
@@ -69,18 +69,24 @@ def _sharded_models(
         yield model, backend.shard(model, spec, form)
 
 
-def _inputs(
-    model: fixtures.TwoPathModel, iteration: int, rank: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def _inputs(model: fixtures.TwoPathModel, iteration: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     return fixtures.local_batch(
-        model, seed=current_seed(), iteration=iteration, rank=rank, batch_size=LOCAL_BATCH,
+        model,
+        seed=current_seed(),
+        iteration=iteration,
+        rank=rank,
+        batch_size=LOCAL_BATCH,
         device=device,
     )
 
 
 def _train_step(
-    backend: BackendAdapter, model: fixtures.TwoPathModel, sharded: torch.nn.Module,
-    iteration: int, rank: int, device: torch.device,
+    backend: BackendAdapter,
+    model: fixtures.TwoPathModel,
+    sharded: torch.nn.Module,
+    iteration: int,
+    rank: int,
+    device: torch.device,
 ) -> list[str]:
     """One forward + backward (through the adapter); returns the order warnings it issued."""
     with warnings.catch_warnings(record=True) as caught:
@@ -88,9 +94,9 @@ def _train_step(
         loss = model.loss(sharded(*_inputs(model, iteration, rank, device)))
         backend.backward(sharded, loss)
     return [
-        str(w.message) for w in caught
-        if issubclass(w.category, UserWarning)
-        and str(w.message).startswith(ORDER_WARNING_PREFIX)
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, UserWarning) and str(w.message).startswith(ORDER_WARNING_PREFIX)
     ]
 
 
@@ -120,9 +126,7 @@ def test_first_iteration_order_mismatch_raises(
     Marked ``expect_divergence`` because of the labels of the check's own collectives (above);
     the ``pytest.raises`` on every rank is what this scenario asserts.
     """
-    models = _sharded_models(
-        backend, strategy, device, use_orig_params=params == "original", model_cls=MODELS[model]
-    )
+    models = _sharded_models(backend, strategy, device, use_orig_params=params == "original", model_cls=MODELS[model])
     for two_path, sharded in models:
         if rank != 0:
             two_path.flip_path()
@@ -207,8 +211,6 @@ def test_train_eval_alternation_warns_nothing(
                 for _ in range(3):
                     model.loss(sharded(*_inputs(model, iteration, rank, device)))
                     iteration += 1
-            issued += [
-                str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING_PREFIX)
-            ]
+            issued += [str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING_PREFIX)]
             model.flip_path()
         assert issued == [], f"rank {rank} warned about eval forwards: {issued}"

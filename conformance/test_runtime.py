@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -75,7 +76,9 @@ def _spec(
     ``param_offload``: sharded parameters (and the optimizer step) live on CPU. Skips (on
     every rank alike) unless the backend has all of it."""
     return spec_with_mesh(
-        backend, world_size, device,
+        backend,
+        world_size,
+        device,
         strategy=strategy,
         auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
         manual_units=("unit2",) if wrap == "manual" else (),
@@ -85,7 +88,9 @@ def _spec(
 
 def _plan(optimizer: str, iterations: int = ITERATIONS) -> fixtures.TrainingPlan:
     return fixtures.TrainingPlan(
-        seed=current_seed(), iterations=iterations, batch_size=LOCAL_BATCH,
+        seed=current_seed(),
+        iterations=iterations,
+        batch_size=LOCAL_BATCH,
         make_optimizer=OPTIMIZERS[optimizer],
     )
 
@@ -109,8 +114,10 @@ wrap_axis = pytest.mark.parametrize("wrap", ["auto", "manual"])
 
 def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) -> fixtures.OracleRun:
     return fixtures.train_oracle(
-        fixtures.build(fixtures.CompositeModel, plan.seed, device), plan,
-        world_size=world_size, device=device,
+        fixtures.build(fixtures.CompositeModel, plan.seed, device),
+        plan,
+        world_size=world_size,
+        device=device,
     )
 
 
@@ -120,9 +127,7 @@ TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 
 
 @pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
-@pytest.mark.parametrize(
-    ("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"]
-)
+@pytest.mark.parametrize(("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"])
 @strategy_axis
 @wrap_axis
 def test_training(
@@ -172,21 +177,37 @@ def test_training(
                 grads = _shown(backend, sharded, grads=True)
             found = differences(grads, oracle.grads[iteration], GRAD_TOLERANCE)
             if found:
-                problems.append(report(
-                    f"{form.value} form: gradients after backward {iteration}", found,
-                    len(oracle.grads[iteration]), GRAD_TOLERANCE,
-                ))
+                problems.append(
+                    report(
+                        f"{form.value} form: gradients after backward {iteration}",
+                        found,
+                        len(oracle.grads[iteration]),
+                        GRAD_TOLERANCE,
+                    )
+                )
 
-        losses = torch.tensor(fixtures.train_sharded(
-            backend, sharded, model, plan, rank=rank, device=device, after_backward=check_grads,
-        ))
+        losses = torch.tensor(
+            fixtures.train_sharded(
+                backend,
+                sharded,
+                model,
+                plan,
+                rank=rank,
+                device=device,
+                after_backward=check_grads,
+            )
+        )
         state = backend.state_dict(sharded, StateDictKind.FULL)
         found = differences(state, oracle.state_dict, PARAM_TOLERANCE[optimizer])
         if found:
-            problems.append(report(
-                f"{form.value} form: final state dict after {ITERATIONS} steps", found,
-                len(oracle.state_dict), PARAM_TOLERANCE[optimizer],
-            ))
+            problems.append(
+                report(
+                    f"{form.value} form: final state dict after {ITERATIONS} steps",
+                    found,
+                    len(oracle.state_dict),
+                    PARAM_TOLERANCE[optimizer],
+                )
+            )
         if not torch.allclose(losses, oracle_losses, **LOSS_TOLERANCE):
             problems.append(
                 f"{form.value} form: local losses diverge from the single-process oracle:\n"
@@ -194,15 +215,15 @@ def test_training(
             )
         losses_by_form[form] = losses
 
-    assert not problems, (
-        f"rank {rank}: {optimizer} training differs from the single-process oracle:\n"
-        + "\n".join(problems)
+    assert not problems, f"rank {rank}: {optimizer} training differs from the single-process oracle:\n" + "\n".join(
+        problems
     )
     if len(losses_by_form) == 2:
         wrapper_losses, composable_losses = losses_by_form.values()
         # Same backend, same core: only accumulation order inside one process may differ.
         torch.testing.assert_close(
-            wrapper_losses, composable_losses,
+            wrapper_losses,
+            composable_losses,
             msg=lambda m: f"rank {rank}: wrapper and composable losses differ\n{m}",
         )
 
@@ -246,25 +267,22 @@ def test_unshard_after_training(
                 shown = _shown(backend, sharded, grads=False)
             found = differences(shown, oracle.params[iteration], tolerance)
             if found:
-                problems.append(report(
-                    f"{form.value} form: unshard after step {iteration}", found,
-                    len(oracle.params[iteration]), tolerance,
-                ))
+                problems.append(
+                    report(
+                        f"{form.value} form: unshard after step {iteration}",
+                        found,
+                        len(oracle.params[iteration]),
+                        tolerance,
+                    )
+                )
 
-        fixtures.train_sharded(
-            backend, sharded, model, plan, rank=rank, device=device, after_step=check_view
-        )
-    assert not problems, (
-        f"rank {rank}: the unshard view differs from the oracle's parameters:\n"
-        + "\n".join(problems)
-    )
+        fixtures.train_sharded(backend, sharded, model, plan, rank=rank, device=device, after_step=check_view)
+    assert not problems, f"rank {rank}: the unshard view differs from the oracle's parameters:\n" + "\n".join(problems)
 
 
 @pytest.mark.world_size(min=2, default=2)
 @wrap_axis
-def test_unshard_reshard_order(
-    backend: BackendAdapter, wrap: str, rank: int, device: torch.device
-) -> None:
+def test_unshard_reshard_order(backend: BackendAdapter, wrap: str, rank: int, device: torch.device) -> None:
     """Units manage the expected parameters and unshard/reshard in execution order.
 
     For every form: each unit owns exactly its parameters (by FQN); in a training step each
@@ -289,7 +307,11 @@ def test_unshard_reshard_order(
         steps = []
         for iteration in range(2):
             inputs = fixtures.local_batch(
-                model, seed=current_seed(), iteration=iteration, rank=rank, batch_size=2,
+                model,
+                seed=current_seed(),
+                iteration=iteration,
+                rank=rank,
+                batch_size=2,
                 device=device,
             )
             with backend.record_events(sharded) as events:
@@ -306,9 +328,7 @@ def _partition(model: torch.nn.Module, units: tuple[str, ...]) -> dict[str, list
     """Parameter FQNs per unit: a parameter belongs to the innermost unit containing it."""
     owners: dict[str, list[str]] = {unit: [] for unit in ("", *units)}
     for name, _ in model.named_parameters():
-        owner = max(
-            (u for u in units if name.startswith(f"{u}.")), key=len, default=""
-        )
+        owner = max((u for u in units if name.startswith(f"{u}.")), key=len, default="")
         owners[owner].append(name)
     return {unit: sorted(names) for unit, names in owners.items()}
 
@@ -319,7 +339,7 @@ def _check_step_order(events: list[ShardEvent], units: dict[str, list[str]], for
         assert kinds and kinds[0] == "unshard" and kinds[-1] == "reshard", (
             f"{form}: unit {unit!r} events {kinds} do not start unsharding and end resharded"
         )
-        assert all(a != b for a, b in zip(kinds, kinds[1:])), (
+        assert all(a != b for a, b in itertools.pairwise(kinds)), (
             f"{form}: unit {unit!r} events {kinds} do not alternate"
         )
     unshards = [e.unit for e in events if e.kind == "unshard"]
@@ -328,6 +348,4 @@ def _check_step_order(events: list[ShardEvent], units: dict[str, list[str]], for
             f"{form}: forward unshard order {unshards} is not unit1 then unit2"
         )
         last = {unit: max(i for i, u in enumerate(unshards) if u == unit) for unit in units}
-        assert last["unit2"] < last["unit1"], (
-            f"{form}: backward unshard order {unshards} is not unit2 then unit1"
-        )
+        assert last["unit2"] < last["unit1"], f"{form}: backward unshard order {unshards} is not unit2 then unit1"

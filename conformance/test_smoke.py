@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import current_seed
 
 import conformance.test_runtime as runtime  # a module, so its tests are not collected here
 import fixtures
@@ -41,6 +40,7 @@ from conformance.protocol import (
     unshard_capabilities,
 )
 from fixtures.compare import EXACT, differences, report
+from harness import current_seed
 
 pytestmark = [pytest.mark.smoke, pytest.mark.world_size(2)]
 
@@ -78,12 +78,16 @@ def test_smoke_training_matches_the_oracle(
     require(backend, Capability.FULL_STATE_DICT)
     spec = _spec(backend)
     plan = fixtures.TrainingPlan(
-        seed=current_seed(), iterations=ITERATIONS, batch_size=runtime.LOCAL_BATCH,
+        seed=current_seed(),
+        iterations=ITERATIONS,
+        batch_size=runtime.LOCAL_BATCH,
         make_optimizer=runtime.OPTIMIZERS["sgd"],
     )
     oracle = fixtures.train_oracle(
-        fixtures.build(fixtures.CompositeModel, plan.seed, device), plan,
-        world_size=world_size, device=device,
+        fixtures.build(fixtures.CompositeModel, plan.seed, device),
+        plan,
+        world_size=world_size,
+        device=device,
     )
     expected_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
     tolerance = runtime.PARAM_TOLERANCE["sgd"]
@@ -91,27 +95,26 @@ def test_smoke_training_matches_the_oracle(
     for form in backend.forms():
         model = fixtures.build(fixtures.CompositeModel, plan.seed, device)
         sharded = backend.shard(model, spec, form)
-        losses = torch.tensor(
-            fixtures.train_sharded(backend, sharded, model, plan, rank=rank, device=device)
-        )
+        losses = torch.tensor(fixtures.train_sharded(backend, sharded, model, plan, rank=rank, device=device))
         state = backend.state_dict(sharded, StateDictKind.FULL)
         found = differences(state, oracle.state_dict, tolerance)
         if found:
-            problems.append(report(
-                f"{_where(spec, form, rank)}: full state dict after {ITERATIONS} SGD steps vs the "
-                "oracle", found, len(oracle.state_dict), tolerance,
-            ))
+            problems.append(
+                report(
+                    f"{_where(spec, form, rank)}: full state dict after {ITERATIONS} SGD steps vs the oracle",
+                    found,
+                    len(oracle.state_dict),
+                    tolerance,
+                )
+            )
         if not torch.allclose(losses, expected_losses, **runtime.LOSS_TOLERANCE):
             problems.append(
-                f"{_where(spec, form, rank)}: local losses {losses.tolist()}, the oracle's "
-                f"{expected_losses.tolist()}"
+                f"{_where(spec, form, rank)}: local losses {losses.tolist()}, the oracle's {expected_losses.tolist()}"
             )
     assert not problems, "\n".join(problems)
 
 
-def test_smoke_unshard_shows_the_full_parameters(
-    backend: BackendAdapter, rank: int, device: torch.device
-) -> None:
+def test_smoke_unshard_shows_the_full_parameters(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """Inside a read-only ``unshard()`` every parameter shows under its original name (only the
     declared ``WRAPPER_COMPONENTS`` removed), full and equal to the unsharded model's."""
     require_all(backend, unshard_capabilities())
@@ -119,21 +122,19 @@ def test_smoke_unshard_shows_the_full_parameters(
     local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
     expected = {name: p.detach().clone() for name, p in local.named_parameters()}
     for form in backend.forms():
-        sharded = backend.shard(
-            fixtures.build(fixtures.CompositeModel, current_seed(), device), spec, form
-        )
+        sharded = backend.shard(fixtures.build(fixtures.CompositeModel, current_seed(), device), spec, form)
         with backend.unshard(sharded, writeback=False):
             shown = {declared_fqn(backend, n): p.detach().clone() for n, p in sharded.named_parameters()}
         found = differences(shown, expected, EXACT)
         assert not found, report(
             f"{_where(spec, form, rank)}: parameters inside unshard() vs the unsharded model",
-            found, len(expected), EXACT,
+            found,
+            len(expected),
+            EXACT,
         )
 
 
-def test_smoke_full_state_dict_round_trip(
-    backend: BackendAdapter, rank: int, device: torch.device
-) -> None:
+def test_smoke_full_state_dict_round_trip(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """The full state dict holds the unsharded model's keys and values bit for bit; loaded
     into a sharded model built from another seed, that model's full state dict is the same."""
     require(backend, Capability.FULL_STATE_DICT)
@@ -145,22 +146,19 @@ def test_smoke_full_state_dict_round_trip(
         saved = backend.shard(fixtures.build(fixtures.CompositeModel, current_seed(), device), spec, form)
         state = backend.state_dict(saved, StateDictKind.FULL)
         found = differences(state, expected, EXACT)
-        assert not found, report(f"{where}: full state dict vs the unsharded model", found,
-                                 len(expected), EXACT)
-        target = backend.shard(
-            fixtures.build(fixtures.CompositeModel, current_seed() + 1, device), spec, form
-        )
+        assert not found, report(f"{where}: full state dict vs the unsharded model", found, len(expected), EXACT)
+        target = backend.shard(fixtures.build(fixtures.CompositeModel, current_seed() + 1, device), spec, form)
         backend.load_state_dict(target, {k: v.clone() for k, v in state.items()}, StateDictKind.FULL)
         found = differences(backend.state_dict(target, StateDictKind.FULL), expected, EXACT)
         assert not found, report(
             f"{where}: full state dict after loading into a model built from another seed",
-            found, len(expected), EXACT,
+            found,
+            len(expected),
+            EXACT,
         )
 
 
-def test_smoke_collective_labels_name_parameters(
-    backend: BackendAdapter, rank: int, device: torch.device
-) -> None:
+def test_smoke_collective_labels_name_parameters(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """Every label ``collective_label()`` gives while the backend's collectives of a training
     step run is a comma-separated list of the model's parameter FQNs (declared wrapper
     components removed) or, for a collective that moves no parameter, a description in words
@@ -184,7 +182,9 @@ def test_smoke_collective_labels_name_parameters(
         names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         sharded = backend.shard(model, spec, form)
         plan = fixtures.TrainingPlan(
-            seed=current_seed(), iterations=1, batch_size=runtime.LOCAL_BATCH,
+            seed=current_seed(),
+            iterations=1,
+            batch_size=runtime.LOCAL_BATCH,
             make_optimizer=runtime.OPTIMIZERS["sgd"],
         )
         seen.clear()
@@ -193,15 +193,18 @@ def test_smoke_collective_labels_name_parameters(
             fixtures.train_sharded(backend, sharded, model, plan, rank=rank, device=device)
         finally:
             trace.set_interceptor(None)
-        strangers = sorted({
-            f"{op} labelled {label!r}: {unknown}"
-            for op, label in seen if label is not None
-            for unknown in [[n for n in _label_names(backend, label) if n not in names]] if unknown
-        })
+        strangers = sorted(
+            {
+                f"{op} labelled {label!r}: {unknown}"
+                for op, label in seen
+                if label is not None
+                for unknown in [[n for n in _label_names(backend, label) if n not in names]]
+                if unknown
+            }
+        )
         assert not errors and not strangers, (
             f"{_where(spec, form, rank)}: labels of the {len(seen)} collectives of one training "
-            "step:\n  " + "\n  ".join(errors + strangers)
-            + f"\n(the model's parameters: {sorted(names)})"
+            "step:\n  " + "\n  ".join(errors + strangers) + f"\n(the model's parameters: {sorted(names)})"
         )
 
 

@@ -39,7 +39,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from harness import current_seed
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,6 +56,7 @@ from conformance.protocol import (
     require_all,
     unshard_capabilities,
 )
+from harness import current_seed
 
 # Gathering and copying move values bit for bit: every comparison of parameters is exact.
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -141,19 +141,11 @@ def _flag(name: str) -> Callable[[bool], str]:
 
 
 writeback_axis = pytest.mark.parametrize("writeback", [True, False], ids=_flag("writeback"))
-mixed_precision_axis = pytest.mark.parametrize(
-    "mixed_precision", [True, False], ids=["mixed", "fp32"]
-)
-param_offload_axis = pytest.mark.parametrize(
-    "param_offload", [True, False], ids=_flag("param_offload")
-)
-orig_params_axis = pytest.mark.parametrize(
-    "use_orig_params", [True, False], ids=["orig_params", "flat_params"]
-)
+mixed_precision_axis = pytest.mark.parametrize("mixed_precision", [True, False], ids=["mixed", "fp32"])
+param_offload_axis = pytest.mark.parametrize("param_offload", [True, False], ids=_flag("param_offload"))
+orig_params_axis = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
 rank0_only_axis = pytest.mark.parametrize("rank0_only", [True, False], ids=_flag("rank0_only"))
-offload_to_cpu_axis = pytest.mark.parametrize(
-    "offload_to_cpu", [True, False], ids=_flag("offload_to_cpu")
-)
+offload_to_cpu_axis = pytest.mark.parametrize("offload_to_cpu", [True, False], ids=_flag("offload_to_cpu"))
 grad_strategy_axis = pytest.mark.parametrize(
     "strategy",
     [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
@@ -228,9 +220,7 @@ def _assert_refusal(error: BaseException, *options: str) -> None:
 
 def _assert_misuse(error: BaseException, form: ApiForm) -> None:
     message = str(error)
-    assert MISUSE_TEXT in message, (
-        f"{form.value}: {type(error).__name__} does not say {MISUSE_TEXT!r}: {message!r}"
-    )
+    assert MISUSE_TEXT in message, f"{form.value}: {type(error).__name__} does not say {MISUSE_TEXT!r}: {message!r}"
 
 
 # -- writeback ------------------------------------------------------------------------------
@@ -283,9 +273,7 @@ def test_unshard_writeback(
         # A rank may store nothing of the unit (more ranks than a parameter has rows, or a
         # backend that places whole parameters on some ranks): it has nothing to check, but
         # some rank must store the unit.
-        stored = [
-            part for part in (backend.local_shard(sharded, name).reshape(-1) for name in written) if part.numel()
-        ]
+        stored = [part for part in (backend.local_shard(sharded, name).reshape(-1) for name in written) if part.numel()]
         holders = torch.tensor([int(bool(stored))], device=device)
         dist.all_reduce(holders)
         assert holders.item() > 0, f"{form.value}: no rank stores anything of the {unit} unit"
@@ -315,7 +303,9 @@ def test_unshard_writeback(
                 "ranks wrote before the context"
             )
             torch.testing.assert_close(
-                full[other_name], initial[other_name].to(full[other_name].device), **EXACT,
+                full[other_name],
+                initial[other_name].to(full[other_name].device),
+                **EXACT,
                 msg=lambda m: f"{form.value}: {other_name} kept changes made inside\n{m}",
             )
 
@@ -335,9 +325,7 @@ def _check_param_data(
 ) -> None:
     """Full parameters of a plain root over several sharded roots match an unsharded copy."""
     writeback = _read_only_writeback(backend, rank0_only)
-    _require_unshard(
-        backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
-    )
+    _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     if rank0_only:
         require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
@@ -349,9 +337,7 @@ def _check_param_data(
     )
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with backend.unshard(
-            sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
-        ):
+        with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             if rank0_only and rank != 0:
                 for unit in fixtures.NestedModel.UNIT_FQNS:
                     assert not backend.is_unsharded(sharded, unit), (
@@ -370,15 +356,15 @@ def _check_param_data(
                 )
                 managed = name not in fixtures.NestedModel.UNMANAGED_PARAMS
                 want_device = torch.device("cpu") if offload_to_cpu and managed else device
-                assert seen.device == want_device, (
-                    f"{form.value}: {name} is on {seen.device}, expected {want_device}"
-                )
+                assert seen.device == want_device, f"{form.value}: {name} is on {seen.device}, expected {want_device}"
                 assert seen.dtype == expected.dtype, (
                     f"{form.value}: {name} shows {seen.dtype}: full parameters must be in the "
                     f"original {expected.dtype} even under mixed precision"
                 )
                 torch.testing.assert_close(
-                    seen.detach(), expected.detach().to(seen.device), **EXACT,
+                    seen.detach(),
+                    expected.detach().to(seen.device),
+                    **EXACT,
                     msg=lambda m, name=name: f"{form.value}: full {name} differs\n{m}",
                 )
 
@@ -406,8 +392,14 @@ def test_unshard_param_data(
     ranks keep every unit sharded inside the context.
     """
     _check_param_data(
-        backend, rank0_only, offload_to_cpu, param_offload, mixed_precision, use_orig_params,
-        rank, device,
+        backend,
+        rank0_only,
+        offload_to_cpu,
+        param_offload,
+        mixed_precision,
+        use_orig_params,
+        rank,
+        device,
     )
 
 
@@ -426,9 +418,7 @@ def test_unshard_param_data_no_shard(
     device: torch.device,
 ) -> None:
     """As test_unshard_param_data on one rank (nothing sharded); offload_to_cpu is refused there."""
-    _check_param_data(
-        backend, rank0_only, False, param_offload, mixed_precision, use_orig_params, rank, device
-    )
+    _check_param_data(backend, rank0_only, False, param_offload, mixed_precision, use_orig_params, rank, device)
 
 
 # -- padding --------------------------------------------------------------------------------
@@ -474,8 +464,7 @@ def test_unshard_singleton_writeback(
         kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if rank == 0 else 0.0
         shown = _full_values(backend, sharded)["0.weight"].item()
         assert shown == 0.0, (
-            f"{form.value}: the full 0.weight reads {shown} after a writeback context that "
-            "zeroed it, expected 0.0"
+            f"{form.value}: the full 0.weight reads {shown} after a writeback context that zeroed it, expected 0.0"
         )
         assert kept == 0.0, (
             f"{form.value}: rank 0 stores {kept} for {names[0]} after a writeback context "
@@ -503,9 +492,7 @@ def test_unshard_respects_reshard(
     reshards both; an unshard between them or after backward changes none of that, except
     that under mixed precision the root is resharded by it (backward gathers again)."""
     writeback = _read_only_writeback(backend, rank0_only)
-    _require_unshard(
-        backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
-    )
+    _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
         manual_units=("0",),
@@ -525,15 +512,11 @@ def test_unshard_respects_reshard(
         check(sharded, False, f"{where}: after backward")
 
         output = sharded(torch.zeros(5, device=device))
-        with backend.unshard(
-            sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
-        ):
+        with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
         check(sharded, not mixed_precision, f"{where}: after an unshard before backward")
         backend.backward(sharded, output.sum())
-        with backend.unshard(
-            sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu
-        ):
+        with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
         check(sharded, False, f"{where}: after an unshard following backward")
 
@@ -575,12 +558,12 @@ def _check_names_and_storage(
         f"(unsharded units: {sorted(u for u, state in unsharded.items() if state)})"
     )
     partitioned = [
-        name for unit, names in _TWO_LAYER_UNITS.items() if not unsharded[unit] and use_orig_params
-        for name in names
+        name for unit, names in _TWO_LAYER_UNITS.items() if not unsharded[unit] and use_orig_params for name in names
     ]
     local_sizes = torch.tensor(
         [backend.local_shard(sharded, name).numel() for name in partitioned],
-        dtype=torch.int64, device=device,
+        dtype=torch.int64,
+        device=device,
     )
     dist.all_reduce(local_sizes)
     for name, total in zip(partitioned, local_sizes.tolist()):
@@ -603,7 +586,7 @@ def _check_names_and_storage(
                     f"{tuple(shapes[name])}"
                 )
         elif not use_orig_params:
-            flat = params[flat_param_fqn(unit)]
+            assert flat_param_fqn(unit) in params, f"{where}: sharded unit {unit!r} shows no {flat_param_fqn(unit)}"
             numel = sum(shapes[name].numel() for name in names)
             padded_shard = -(-numel // world_size)
             stored = backend.local_shard(sharded, flat_param_fqn(unit)).numel()
@@ -633,9 +616,7 @@ def test_unshard_names_and_storage(
     nothing = {"": False, "0": False}
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
         where = f"{form.value}, {'original' if use_orig_params else 'flat'} parameters"
-        _check_names_and_storage(
-            backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, before"
-        )
+        _check_names_and_storage(backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, before")
         with backend.unshard(sharded, writeback=False):
             names = [declared_fqn(backend, name) for name, _ in sharded.named_parameters()]
             expected = [name for name, _ in TwoLayer().named_parameters()]
@@ -643,9 +624,7 @@ def test_unshard_names_and_storage(
             _check_names_and_storage(
                 backend, sharded, everything, use_orig_params, world_size, device, f"{where}, inside"
             )
-        _check_names_and_storage(
-            backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, after"
-        )
+        _check_names_and_storage(backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, after")
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -680,7 +659,12 @@ def test_unshard_recurse(
             state = {unit: backend.is_unsharded(sharded, unit) for unit in expected}
             assert state == expected, f"{form.value}: unsharded per unit {state}"
             _check_names_and_storage(
-                backend, sharded, expected, use_orig_params, world_size, device,
+                backend,
+                sharded,
+                expected,
+                use_orig_params,
+                world_size,
+                device,
                 f"{form.value}: inside unshard({fqn!r}, recurse={recurse})",
             )
 
@@ -715,7 +699,9 @@ def test_unshard_named_parameters_and_buffers(
                 )
                 for (name, tensor), (_, expected) in zip(seen, wanted):
                     torch.testing.assert_close(
-                        tensor.detach(), expected.detach(), **EXACT,
+                        tensor.detach(),
+                        expected.detach(),
+                        **EXACT,
                         msg=lambda m, name=name: f"{form.value}: {call} {name} differs\n{m}",
                     )
 
@@ -746,37 +732,30 @@ def test_unshard_with_grads(
 
     ``offload_to_cpu`` with NO_SHARD is refused (see test_unshard_offload_to_cpu_no_shard_raises).
     """
-    _require_unshard(
-        backend, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
-    )
-    spec = ShardingSpec(
-        strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES
-    )
+    _require_unshard(backend, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
+    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES)
     changes_persist = writeback or (strategy is ShardingStrategy.NO_SHARD and not offload_to_cpu)
     refused = offload_to_cpu and strategy is ShardingStrategy.NO_SHARD
     for form, sharded in _sharded_models(backend, fixtures.TiedTransformer, spec, device):
         local = fixtures.build(fixtures.TiedTransformer, current_seed(), device)
-        ddp = DistributedDataParallel(
-            local, device_ids=[device] if device.type == "cuda" else None
-        )
+        ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None)
         ddp_params = dict(local.named_parameters())
         full = _full_values(backend, sharded)
         assert full.keys() == ddp_params.keys(), f"{form.value}: parameter names differ"
         for name, value in full.items():
             torch.testing.assert_close(
-                value, ddp_params[name].detach(), **EXACT,
+                value,
+                ddp_params[name].detach(),
+                **EXACT,
                 msg=lambda m, name=name: f"{form.value}: full {name} differs from DDP's\n{m}",
             )
 
         def check_grads(when: str) -> None:
             before = _stored_grads(backend, sharded)
-            context = backend.unshard(
-                sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True
-            )
+            context = backend.unshard(sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
             if refused:
-                with pytest.raises(Exception) as refusal:
-                    with context:
-                        pass
+                with pytest.raises(Exception) as refusal, context:
+                    pass
                 _assert_refusal(refusal.value, "offload_to_cpu")
                 return
             with context, torch.no_grad():
@@ -787,10 +766,10 @@ def test_unshard_with_grads(
                     )
                     assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
                     torch.testing.assert_close(
-                        seen.grad, expected.grad.to(seen.grad.device), **GRAD_TOLERANCE,
-                        msg=lambda m, name=name: (
-                            f"{form.value} {when}: {name} gradient differs from DDP\n{m}"
-                        ),
+                        seen.grad,
+                        expected.grad.to(seen.grad.device),
+                        **GRAD_TOLERANCE,
+                        msg=lambda m, name=name: f"{form.value} {when}: {name} gradient differs from DDP\n{m}",
                     )
                     # A zero gradient would make the writeback check below vacuous.
                     assert seen.grad.count_nonzero() > 0, f"{form.value}: {name} gradient is 0"
@@ -803,7 +782,9 @@ def test_unshard_with_grads(
             factor = WRITEBACK_FACTOR if changes_persist else 1.0
             for name, old in before.items():
                 torch.testing.assert_close(
-                    after[name], old * factor, **EXACT,
+                    after[name],
+                    old * factor,
+                    **EXACT,
                     msg=lambda m, name=name: (
                         f"{form.value} {when}: {name}: stored gradient after the context is not "
                         f"{factor} x the one before (writeback={writeback})\n{m}"
@@ -816,7 +797,11 @@ def test_unshard_with_grads(
 
         for iteration, phase in enumerate(("after backward", "between forward and backward")):
             inputs = fixtures.local_batch(
-                local, seed=current_seed(), iteration=iteration, rank=rank, batch_size=2,
+                local,
+                seed=current_seed(),
+                iteration=iteration,
+                rank=rank,
+                batch_size=2,
                 device=device,
             )
             ddp_loss = local.loss(ddp(*inputs))
@@ -847,9 +832,7 @@ def test_unshard_with_grads_none(
     _require_unshard(backend, with_grads=True)
     if case == "before_backward":
         model_cls: type[nn.Module] = fixtures.TiedTransformer
-        spec = ShardingSpec(
-            strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES
-        )
+        spec = ShardingSpec(strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES)
     else:
         model_cls = PartlyUsed
         spec = ShardingSpec(strategy=strategy, manual_units=PartlyUsed.UNIT_FQNS)
@@ -859,12 +842,9 @@ def test_unshard_with_grads_none(
             backend.backward(sharded, sharded(inputs.to(device)).sum())
         stored = _has_grad_on_any_rank(backend, sharded, device)
         with backend.unshard(sharded, writeback=False, with_grads=True):
-            shown = {
-                name: p.grad is not None for name, p in _named_params(backend, sharded).items()
-            }
+            shown = {name: p.grad is not None for name, p in _named_params(backend, sharded).items()}
         assert shown == stored, (
-            f"{form.value}: gradient shown inside {shown} differs from gradient stored on some "
-            f"rank {stored}"
+            f"{form.value}: gradient shown inside {shown} differs from gradient stored on some rank {stored}"
         )
         # ``unused`` shares a unit with ``used``: a flat-gradient backend may store zeros for
         # it rather than None (torch FSDP1 does), so only the other two are pinned down.
@@ -878,14 +858,10 @@ def test_unshard_with_grads_none(
         )
 
 
-def _has_grad_on_any_rank(
-    backend: BackendAdapter, sharded: nn.Module, device: torch.device
-) -> dict[str, bool]:
+def _has_grad_on_any_rank(backend: BackendAdapter, sharded: nn.Module, device: torch.device) -> dict[str, bool]:
     """Whether any rank stores a gradient for each parameter (shards may be empty locally)."""
     names = list(_named_params(backend, sharded))
-    flags = torch.tensor(
-        [backend.local_grad_shard(sharded, name) is not None for name in names], device=device
-    ).int()
+    flags = torch.tensor([backend.local_grad_shard(sharded, name) is not None for name in names], device=device).int()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return dict(zip(names, (bool(f) for f in flags.tolist())))
 
@@ -903,20 +879,16 @@ def test_unshard_submodule(backend: BackendAdapter, device: torch.device) -> Non
     wanted = {name: p for name, p in local.items() if name.startswith("0.")}
     for form, sharded in _sharded_models(backend, PairOfPairs, spec, device):
         with backend.unshard(sharded, "0", writeback=False):
-            seen = {
-                name: p for name, p in _named_params(backend, sharded).items()
-                if name.startswith("0.")
-            }
-            assert seen.keys() == wanted.keys(), (
-                f"{form.value}: unit 0 shows {sorted(seen)}, expected {sorted(wanted)}"
-            )
+            seen = {name: p for name, p in _named_params(backend, sharded).items() if name.startswith("0.")}
+            assert seen.keys() == wanted.keys(), f"{form.value}: unit 0 shows {sorted(seen)}, expected {sorted(wanted)}"
             for name, param in seen.items():
                 assert _shows_full(param, wanted[name].shape), f"{form.value}: {name} not full"
                 torch.testing.assert_close(
-                    param.detach(), wanted[name].detach(), **EXACT,
+                    param.detach(),
+                    wanted[name].detach(),
+                    **EXACT,
                     msg=lambda m, name=name: (
-                        f"{form.value}: {name} inside unshard of unit 0 differs from the "
-                        f"unsharded model\n{m}"
+                        f"{form.value}: {name} inside unshard of unit 0 differs from the unsharded model\n{m}"
                     ),
                 )
 
@@ -960,37 +932,29 @@ def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.dev
 
 
 @pytest.mark.world_size(min=2, default=2)
-def test_unshard_rank0_only_with_writeback_raises(
-    backend: BackendAdapter, device: torch.device
-) -> None:
+def test_unshard_rank0_only_with_writeback_raises(backend: BackendAdapter, device: torch.device) -> None:
     """``rank0_only`` with ``writeback`` is refused: other ranks could not persist writes.
 
     Needs only ``rank0_only``: a backend that has it must refuse this combination whether or not
     it has writeback."""
     _require_unshard(backend, rank0_only=True)
     spec = ShardingSpec(manual_units=fixtures.NestedModel.UNIT_FQNS)
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(Exception) as refusal:
-            with backend.unshard(sharded, rank0_only=True, writeback=True):
-                pass
+    for _form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with pytest.raises(Exception) as refusal, backend.unshard(sharded, rank0_only=True, writeback=True):
+            pass
         _assert_refusal(refusal.value, "rank0_only", "writeback")
 
 
 @pytest.mark.world_size(min=2, default=2)
-def test_unshard_offload_to_cpu_no_shard_raises(
-    backend: BackendAdapter, device: torch.device
-) -> None:
+def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, device: torch.device) -> None:
     """``offload_to_cpu`` with NO_SHARD is refused (parameters are never gathered there).
 
     The upstream seed passes ``rank0_only=True, writeback=True`` here, which trips the other
     refusal first; this scenario isolates the intended one (``writeback=False``).
     """
     _require_unshard(backend, offload_to_cpu=True)
-    spec = ShardingSpec(
-        strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS
-    )
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(Exception) as refusal:
-            with backend.unshard(sharded, offload_to_cpu=True, writeback=False):
-                pass
+    spec = ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS)
+    for _form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with pytest.raises(Exception) as refusal, backend.unshard(sharded, offload_to_cpu=True, writeback=False):
+            pass
         _assert_refusal(refusal.value, "offload_to_cpu")

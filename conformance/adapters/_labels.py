@@ -8,6 +8,7 @@ unit's FQNs in a context variable, which the adapter's ``collective_label`` retu
 fixture registers that method with the harness for each test: nothing here imports the harness
 or registers anything at import.
 """
+
 from __future__ import annotations
 
 import contextvars

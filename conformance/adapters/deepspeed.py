@@ -65,8 +65,8 @@ from conformance.protocol import (
     innermost_first,
     require,
     require_all,
-    unshard_capabilities,
     submodule,
+    unshard_capabilities,
 )
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -165,8 +165,7 @@ class DeepSpeedModel(nn.Module):
     would list every parameter twice.
     """
 
-    def __init__(self, module: nn.Module, spec: ShardingSpec, config: dict[str, Any],
-                 units: list[str]) -> None:
+    def __init__(self, module: nn.Module, spec: ShardingSpec, config: dict[str, Any], units: list[str]) -> None:
         super().__init__()
         self._deepspeed_wrapped_module = module
         self.spec = spec
@@ -204,51 +203,44 @@ class DeepSpeedModel(nn.Module):
     def own_params(self, unit: str) -> list[nn.Parameter]:
         """Parameters of the unit at ``unit`` that no unit nested in it manages."""
         nested = [u for u in self.units if u != unit and (unit == "" or u.startswith(f"{unit}."))]
-        inside_nested = {
-            id(p) for fqn in nested for p in submodule(self.module, fqn).parameters()
-        }
+        inside_nested = {id(p) for fqn in nested for p in submodule(self.module, fqn).parameters()}
         return [p for p in submodule(self.module, unit).parameters() if id(p) not in inside_nested]
 
 
 class DeepSpeedAdapter(BackendAdapter):
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
-    CAPABILITIES = frozenset({
-        Capability.WRAPPER,
-        Capability.UNITS,
-        Capability.AUTO_WRAP,
-        Capability.FULL_SHARD,
-        Capability.SHARD_GRAD_OP,
-        Capability.NO_SHARD,
-        Capability.SHARD_OPTIM_STATE,
-        Capability.MIXED_PRECISION,
-        Capability.CPU_OFFLOAD,
-        Capability.UNSHARD,
-        Capability.UNSHARD_WRITEBACK,
-        Capability.UNSHARD_NON_RECURSIVE,
-        Capability.FULL_STATE_DICT,
-        Capability.OPTIM_STATE_DICT,
-        Capability.INTROSPECT_UNSHARDED,
-    })
+    CAPABILITIES = frozenset(
+        {
+            Capability.WRAPPER,
+            Capability.UNITS,
+            Capability.AUTO_WRAP,
+            Capability.FULL_SHARD,
+            Capability.SHARD_GRAD_OP,
+            Capability.NO_SHARD,
+            Capability.SHARD_OPTIM_STATE,
+            Capability.MIXED_PRECISION,
+            Capability.CPU_OFFLOAD,
+            Capability.UNSHARD,
+            Capability.UNSHARD_WRITEBACK,
+            Capability.UNSHARD_NON_RECURSIVE,
+            Capability.FULL_STATE_DICT,
+            Capability.OPTIM_STATE_DICT,
+            Capability.INTROSPECT_UNSHARDED,
+        }
+    )
     UNSUPPORTED_REASONS = {
-        Capability.COMPOSABLE: (
-            "deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"
-        ),
+        Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (
             "ZeRO shards over the whole data-parallel group: DeepSpeed's hybrid sharding (MiCS, "
             "mics_shard_size) is gone ('MiCS ZeRO-3 sharding has been removed'), and ZeRO++'s "
             "zero_hpz_partition_size only adds a secondary parameter copy per group"
         ),
-        Capability.MIXED_PRECISION: (
-            "DeepSpeed's accelerator on this device supports neither fp16 nor bf16"
-        ),
+        Capability.MIXED_PRECISION: ("DeepSpeed's accelerator on this device supports neither fp16 nor bf16"),
         Capability.IGNORED_MODULES: (
-            "ZeRO partitions every parameter of the model it is given; it cannot leave "
-            "submodules out"
+            "ZeRO partitions every parameter of the model it is given; it cannot leave submodules out"
         ),
-        Capability.FLAT_PARAMETERS: (
-            "DeepSpeed always exposes the original parameters; its flat buffers are internal"
-        ),
+        Capability.FLAT_PARAMETERS: ("DeepSpeed always exposes the original parameters; its flat buffers are internal"),
         Capability.UNSHARD_RANK0_ONLY: _NO_GATHER_OPTION,
         Capability.UNSHARD_OFFLOAD_TO_CPU: _NO_GATHER_OPTION,
         Capability.UNSHARD_WITH_GRADS: (
@@ -264,12 +256,8 @@ class DeepSpeedAdapter(BackendAdapter):
             "ZeRO does not compose with DTensor tensor parallelism (its tensor parallelism is "
             "AutoTP, which replaces modules)"
         ),
-        Capability.INTROSPECT_UNIT_FQNS: (
-            "DeepSpeed has no units to report: it partitions each parameter on its own"
-        ),
-        Capability.INTROSPECT_EVENTS: (
-            "DeepSpeed exposes no unshard/reshard events (its fetch hooks are internal)"
-        ),
+        Capability.INTROSPECT_UNIT_FQNS: ("DeepSpeed has no units to report: it partitions each parameter on its own"),
+        Capability.INTROSPECT_EVENTS: ("DeepSpeed exposes no unshard/reshard events (its fetch hooks are internal)"),
         Capability.UNMANAGED_ROOT: (
             "deepspeed.initialize manages every parameter of the model; a plain root over "
             "sharded units cannot be expressed"
@@ -287,8 +275,10 @@ class DeepSpeedAdapter(BackendAdapter):
         super().__init__(env)
         # DeepSpeed asserts LOCAL_RANK and reads RANK / WORLD_SIZE; the harness's TestIsolation
         # restores the environment after the test.
-        local_rank = env.local_rank if env.local_rank is not None else (
-            env.device.index if env.device.index is not None else env.rank
+        local_rank = (
+            env.local_rank
+            if env.local_rank is not None
+            else (env.device.index if env.device.index is not None else env.rank)
         )
         os.environ["LOCAL_RANK"] = str(local_rank)
         os.environ["RANK"] = str(env.rank)
@@ -333,8 +323,15 @@ class DeepSpeedAdapter(BackendAdapter):
         if release is not None:
             release(None)
             return
-        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
-                     "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
+        for name in (
+            "_WORLD_GROUP",
+            "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+            "_DATA_PARALLEL_GROUP",
+            "_MODEL_PARALLEL_GROUP",
+            "_TENSOR_MODEL_PARALLEL_GROUP",
+            "mpu",
+            "mesh_device",
+        ):
             if hasattr(groups, name):
                 setattr(groups, name, None)
         for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
@@ -417,13 +414,10 @@ class DeepSpeedAdapter(BackendAdapter):
     @staticmethod
     def _unit_fqns(model: nn.Module, spec: ShardingSpec) -> list[str]:
         if spec.auto_wrap_classes:
-            units = [
-                fqn for fqn, module in model.named_modules()
-                if fqn and isinstance(module, spec.auto_wrap_classes)
-            ]
+            units = [fqn for fqn, module in model.named_modules() if fqn and isinstance(module, spec.auto_wrap_classes)]
         else:
             units = list(spec.manual_units)
-        return innermost_first(tuple(units)) + [""]
+        return [*innermost_first(tuple(units)), ""]
 
     def _build_engine(self, root: DeepSpeedModel, factory: OptimizerFactory | None) -> Any:
         """deepspeed.initialize with the scenario's optimizer, or, when the scenario asked for
@@ -473,18 +467,23 @@ class DeepSpeedAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(self, unshard_capabilities(writeback=writeback, rank0_only=rank0_only,
-                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads))
+        require_all(
+            self,
+            unshard_capabilities(
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                recurse=recurse,
+                with_grads=with_grads,
+            ),
+        )
         root = _root(model)
         if recurse:
             params = list(submodule(root.module, fqn).parameters())
         elif fqn in root.units:
             params = root.own_params(fqn)
         else:
-            raise ValueError(
-                f"deepspeed adapter: recurse=False needs a unit FQN; {fqn!r} is not one of "
-                f"{root.units}"
-            )
+            raise ValueError(f"deepspeed adapter: recurse=False needs a unit FQN; {fqn!r} is not one of {root.units}")
         # modifier_rank: on exit rank 0's values are broadcast and partitioned again; without
         # it the gathered values are dropped. Outside stage 3 this is a no-op: parameters are
         # replicated and inside the context every rank sees (and changes) its own copy.
@@ -499,13 +498,9 @@ class DeepSpeedAdapter(BackendAdapter):
         require(self, _STATE_DICT_CAPABILITY[kind])
         root = _root(model)
         with self._ds.zero.GatheredParameters(list(root.module.parameters())):
-            return {
-                name: value.detach().clone() for name, value in root.module.state_dict().items()
-            }
+            return {name: value.detach().clone() for name, value in root.module.state_dict().items()}
 
-    def load_state_dict(
-        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
-    ) -> None:
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         require(self, _STATE_DICT_CAPABILITY[kind])
         root = _root(model)
         # What engine.load_checkpoint(load_module_only=True) does without the files: load
@@ -516,9 +511,7 @@ class DeepSpeedAdapter(BackendAdapter):
         if hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()
 
-    def optim_state_dict(
-        self, model: nn.Module, optim: Any, kind: StateDictKind
-    ) -> dict[str, Any]:
+    def optim_state_dict(self, model: nn.Module, optim: Any, kind: StateDictKind) -> dict[str, Any]:
         """torch's full optimizer-state layout keyed by parameter FQN (see
         docs/writing-an-adapter.md), assembled with DeepSpeed's safe_get_full_optimizer_state:
         one collective per parameter and elementwise state, on every rank."""
@@ -595,9 +588,7 @@ class DeepSpeedAdapter(BackendAdapter):
         param = self.named_parameter(model, fqn)
         target = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
         if value.shape != target.shape:
-            raise ValueError(
-                f"{fqn}: this rank stores shape {tuple(target.shape)}, got {tuple(value.shape)}"
-            )
+            raise ValueError(f"{fqn}: this rank stores shape {tuple(target.shape)}, got {tuple(value.shape)}")
         with torch.no_grad():
             target.copy_(value)
             # The ZeRO optimizer steps an fp32 master copy and writes it back over the
@@ -659,18 +650,14 @@ _STATE_DICT_CAPABILITY = {
 
 def _root(model: nn.Module) -> DeepSpeedModel:
     if not isinstance(model, DeepSpeedModel):
-        raise TypeError(
-            f"deepspeed adapter: expected the module shard() returned, got {type(model).__name__}"
-        )
+        raise TypeError(f"deepspeed adapter: expected the module shard() returned, got {type(model).__name__}")
     return model
 
 
 def _engine(model: nn.Module) -> Any:
     root = _root(model)
     if root.engine is None:
-        raise RuntimeError(
-            "deepspeed adapter: no engine yet: call make_optimizer (or run a forward) first"
-        )
+        raise RuntimeError("deepspeed adapter: no engine yet: call make_optimizer (or run a forward) first")
     return root.engine
 
 

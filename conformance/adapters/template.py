@@ -55,14 +55,16 @@ class TemplateAdapter(BackendAdapter):
     # so name them all (and only them: every path component so named is dropped).
     WRAPPER_COMPONENTS = frozenset({"module"})
     # Declare only what really works; everything else is skipped as "unsupported: <why>".
-    CAPABILITIES = frozenset({
-        Capability.WRAPPER,
-        Capability.NO_SHARD,
-        Capability.UNSHARD,
-        Capability.UNSHARD_WRITEBACK,
-        Capability.FULL_STATE_DICT,
-        Capability.OPTIM_STATE_DICT,
-    })
+    CAPABILITIES = frozenset(
+        {
+            Capability.WRAPPER,
+            Capability.NO_SHARD,
+            Capability.UNSHARD,
+            Capability.UNSHARD_WRITEBACK,
+            Capability.FULL_STATE_DICT,
+            Capability.OPTIM_STATE_DICT,
+        }
+    )
     # The reason each missing capability is missing: a claim about the backend, so a true one.
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: "DistributedDataParallel is a wrapper; it has no in-place form",
@@ -113,8 +115,16 @@ class TemplateAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(self, unshard_capabilities(writeback=writeback, rank0_only=rank0_only,
-                                offload_to_cpu=offload_to_cpu, recurse=recurse, with_grads=with_grads))
+        require_all(
+            self,
+            unshard_capabilities(
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                recurse=recurse,
+                with_grads=with_grads,
+            ),
+        )
         # DDP's parameters are always full: nothing to gather, and changes made inside are
         # made to the stored parameters (they persist whatever `writeback` says).
         yield
@@ -128,15 +138,15 @@ class TemplateAdapter(BackendAdapter):
         require(self, _STATE_DICT_CAPABILITY[kind])
         _inner(model).load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                         kind: StateDictKind) -> dict[str, Any]:
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         # torch's layout keyed by parameter FQN (docs/writing-an-adapter.md, "State-dict
         # layouts"); torch.distributed.checkpoint builds it for DDP and FSDP models.
         require(self, _STATE_DICT_CAPABILITY[kind])
         return get_optimizer_state_dict(model, optim, options=_FULL)
 
-    def load_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer,
-                              state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def load_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
         require(self, _STATE_DICT_CAPABILITY[kind])
         set_optimizer_state_dict(model, optim, dict(state_dict), options=_FULL)
 

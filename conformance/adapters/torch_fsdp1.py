@@ -18,21 +18,23 @@ import torch.nn as nn
 from torch.distributed.fsdp import (
     CPUOffload,
     FullStateDictConfig,
-    FullyShardedDataParallel as FSDP,
     MixedPrecision,
     ShardedStateDictConfig,
     StateDictType,
 )
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
+)
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conformance.adapters._labels import current_label, label_calls
 from conformance.adapters._common import (
     TorchAdapter,
     clean_fqn,
     parent_and_name,
     record_transitions,
 )
+from conformance.adapters._labels import current_label, label_calls
 from conformance.protocol import (
     ApiForm,
     Capability,
@@ -136,9 +138,7 @@ class TorchFSDP1Adapter(TorchAdapter):
                 _HANDLE_PREFIXES[module._handle] = clean_fqn(fqn)
         return model
 
-    def _kwargs(
-        self, spec: ShardingSpec, unit: str, ignored: list[nn.Module]
-    ) -> dict[str, Any]:
+    def _kwargs(self, spec: ShardingSpec, unit: str, ignored: list[nn.Module]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "sharding_strategy": _STRATEGIES[spec.strategy_for(unit)],
             "use_orig_params": spec.use_orig_params,
@@ -166,10 +166,16 @@ class TorchFSDP1Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        require_all(self, unshard_capabilities(
-            writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-            recurse=recurse, with_grads=with_grads,
-        ))
+        require_all(
+            self,
+            unshard_capabilities(
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                recurse=recurse,
+                with_grads=with_grads,
+            ),
+        )
         return FSDP.summon_full_params(
             _wrapped_submodule(model, fqn),
             recurse=recurse,
@@ -185,13 +191,10 @@ class TorchFSDP1Adapter(TorchAdapter):
         with FSDP.state_dict_type(model, state_dict_type, config):
             return model.state_dict()
 
-    def load_state_dict(
-        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
-    ) -> None:
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             model.load_state_dict(state_dict)
-
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -202,15 +205,10 @@ class TorchFSDP1Adapter(TorchAdapter):
         for fqn, module in model.named_modules():
             if isinstance(module, FSDP) and module._handle is not None:
                 prefix = clean_fqn(fqn)
-                units[prefix] = [
-                    f"{prefix}.{name}" if prefix else name
-                    for name in module._handle.flat_param._fqns
-                ]
+                units[prefix] = [f"{prefix}.{name}" if prefix else name for name in module._handle.flat_param._fqns]
         return units
 
-    def record_events(
-        self, model: nn.Module
-    ) -> contextlib.AbstractContextManager[list[ShardEvent]]:
+    def record_events(self, model: nn.Module) -> contextlib.AbstractContextManager[list[ShardEvent]]:
         handles = {
             clean_fqn(fqn): module._handle
             for fqn, module in model.named_modules()
@@ -220,7 +218,6 @@ class TorchFSDP1Adapter(TorchAdapter):
             (unit, handle, ("unshard", "reshard"), functools.partial(_holds_unsharded, handle))
             for unit, handle in handles.items()
         )
-
 
 
 def _wrapped_submodule(model: nn.Module, fqn: str) -> nn.Module:
@@ -247,4 +244,3 @@ def _handle(module: nn.Module) -> Any:
     if not isinstance(module, FSDP) or module._handle is None:
         raise ValueError(f"{type(module).__name__} is not an FSDP1 unit with parameters")
     return module._handle
-

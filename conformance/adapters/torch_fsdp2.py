@@ -55,9 +55,7 @@ from conformance.protocol import (
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
 # torch >= 2.7 (roughly): reshard_after_forward=None means "True, except for the root". Older
 # fully_shard takes a bool and always keeps the root unsharded after forward.
-_RESHARD_DEFAULT_IS_AUTO = (
-    inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
-)
+_RESHARD_DEFAULT_IS_AUTO = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
 
 
 def _label_collectives() -> None:
@@ -115,9 +113,7 @@ class TorchFSDP2Adapter(TorchAdapter):
     # -- applying sharding ----------------------------------------------------------------
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         require_all(self, spec.needed_capabilities(form))
-        ignored_params = {
-            p for fqn in spec.ignored_modules for p in submodule(model, fqn).parameters()
-        }
+        ignored_params = {p for fqn in spec.ignored_modules for p in submodule(model, fqn).parameters()}
         for fqn in self._unit_fqns(model, spec):
             fully_shard(submodule(model, fqn), **self._kwargs(spec, fqn, ignored_params))
         return model
@@ -136,11 +132,9 @@ class TorchFSDP2Adapter(TorchAdapter):
         else:
             units = list(spec.manual_units)
         ordered = innermost_first(tuple(units))
-        return ordered + [""] if spec.shard_root else ordered
+        return [*ordered, ""] if spec.shard_root else ordered
 
-    def _kwargs(
-        self, spec: ShardingSpec, unit: str, ignored_params: set[nn.Parameter]
-    ) -> dict[str, Any]:
+    def _kwargs(self, spec: ShardingSpec, unit: str, ignored_params: set[nn.Parameter]) -> dict[str, Any]:
         strategy = spec.strategy_for(unit)
         kwargs: dict[str, Any] = {
             "mesh": self._mesh(spec, strategy),
@@ -195,10 +189,16 @@ class TorchFSDP2Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(self, unshard_capabilities(
-            writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-            recurse=recurse, with_grads=with_grads,
-        ))
+        require_all(
+            self,
+            unshard_capabilities(
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                recurse=recurse,
+                with_grads=with_grads,
+            ),
+        )
         target = submodule(model, fqn)
         if recurse:
             units = [m for m in target.modules() if isinstance(m, FSDPModule)]
@@ -219,11 +219,8 @@ class TorchFSDP2Adapter(TorchAdapter):
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         return get_model_state_dict(model, options=dcp_options(kind))
 
-    def load_state_dict(
-        self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind
-    ) -> None:
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         set_model_state_dict(model, dict(state_dict), options=dcp_options(kind))
-
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -244,16 +241,13 @@ class TorchFSDP2Adapter(TorchAdapter):
                 ]
         return units
 
-    def record_events(
-        self, model: nn.Module
-    ) -> contextlib.AbstractContextManager[list[ShardEvent]]:
+    def record_events(self, model: nn.Module) -> contextlib.AbstractContextManager[list[ShardEvent]]:
         return record_transitions(
             (name, group, ("wait_for_unshard", "reshard"), functools.partial(_is_unsharded, group))
             for name, module in model.named_modules()
             if isinstance(module, FSDPModule)
             for group in _param_groups(module)
         )
-
 
 
 def _fsdp_module(module: nn.Module) -> FSDPModule:

@@ -20,14 +20,25 @@ from conformance.protocol import BackendAdapter
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train_steps(backend: BackendAdapter, sharded: nn.Module, loss_model: nn.Module, optim: object,
-                iterations: int, rank: int, device: torch.device, *, seed: int = 0,
-                first_iteration: int = 0, batch_size: int = 2) -> list[float]:
+def train_steps(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    loss_model: nn.Module,
+    optim: object,
+    iterations: int,
+    rank: int,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    first_iteration: int = 0,
+    batch_size: int = 2,
+) -> list[float]:
     """The scenario training loop of the protocol's training-loop contract; the local losses."""
     losses = []
     for iteration in range(first_iteration, first_iteration + iterations):
-        inputs = fixtures.local_batch(loss_model, seed=seed, iteration=iteration, rank=rank,
-                                      batch_size=batch_size, device=device)
+        inputs = fixtures.local_batch(
+            loss_model, seed=seed, iteration=iteration, rank=rank, batch_size=batch_size, device=device
+        )
         backend.zero_grad(sharded, optim)
         loss = loss_model.loss(sharded(*inputs))
         backend.backward(sharded, loss)
@@ -36,25 +47,45 @@ def train_steps(backend: BackendAdapter, sharded: nn.Module, loss_model: nn.Modu
     return losses
 
 
-def run_inner_session(directory: Path, tests: str, backends: list[str], *extra: str,
-                      timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+def run_inner_session(
+    directory: Path, tests: str, backends: list[str], *extra: str, timeout_s: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Write ``tests`` to ``directory/test_inner.py`` and run it once per backend selection."""
     (directory / "test_inner.py").write_text(tests)
     (directory / "expectations").mkdir(exist_ok=True)  # none: see the raw outcomes
     command = [
-        sys.executable, "-m", "pytest", "test_inner.py",
-        "-c", str(REPO / "pyproject.toml"), "--rootdir", str(directory),
-        "-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider",
-        "--reports-dir", str(directory / "reports"),
-        "--expectations-dir", str(directory / "expectations"),
-        "-rA", "-q", *extra,
+        sys.executable,
+        "-m",
+        "pytest",
+        "test_inner.py",
+        "-c",
+        str(REPO / "pyproject.toml"),
+        "--rootdir",
+        str(directory),
+        "-p",
+        "harness.plugin",
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "--reports-dir",
+        str(directory / "reports"),
+        "--expectations-dir",
+        str(directory / "expectations"),
+        "-rA",
+        "-q",
+        *extra,
         *[arg for backend in backends for arg in ("--backend", backend)],
     ]
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     try:
         return subprocess.run(
-            command, cwd=directory, env={**os.environ, "PYTHONPATH": python_path}, text=True,
-            capture_output=True, timeout=timeout_s,
+            command,
+            cwd=directory,
+            env={**os.environ, "PYTHONPATH": python_path},
+            text=True,
+            capture_output=True,
+            timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the inner session hung for {timeout_s}s:\n{expired.stdout}")

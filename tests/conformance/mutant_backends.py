@@ -216,8 +216,7 @@ def _stale_view(adapter: Any, model: nn.Module) -> Iterator[None]:
     did not change, so only the view is stale (writeback does not persist the stale values)."""
     shown = {declared_fqn(adapter, n): p for n, p in model.named_parameters()}
     stale = {
-        name: value for name, value in adapter._as_sharded.items()
-        if name in shown and shown[name].shape == value.shape
+        name: value for name, value in adapter._as_sharded.items() if name in shown and shown[name].shape == value.shape
     }
     real = {name: shown[name].detach().clone() for name in stale}
     with torch.no_grad():

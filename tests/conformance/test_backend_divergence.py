@@ -27,7 +27,7 @@ BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
 COLLECTIVE_TIMEOUT_S = 10
 SESSION_TIMEOUT_S = 300
 
-INNER_TESTS = '''
+INNER_TESTS = """
 import pytest
 from conformance.test_divergence import training_step
 
@@ -40,7 +40,7 @@ def test_crossed_step(backend, rank, device):
 def test_agreeing_step(backend, rank, device):
     for form in backend.forms():
         training_step(backend, form, rank, device, crossed=False)
-'''
+"""
 
 DIVERGENCE_DIFF = re.compile(
     r"ranks issued divergent collectives: collective #\d+ on group \[0, 1\]: "
@@ -55,13 +55,27 @@ def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (directory / "test_inner.py").write_text(INNER_TESTS)
     (directory / "expectations").mkdir()  # no expected failures: see the raw outcome
     command = [
-        sys.executable, "-m", "pytest", "test_inner.py",
-        "-c", str(REPO / "pyproject.toml"), "--rootdir", str(directory),
-        "-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider",
+        sys.executable,
+        "-m",
+        "pytest",
+        "test_inner.py",
+        "-c",
+        str(REPO / "pyproject.toml"),
+        "--rootdir",
+        str(directory),
+        "-p",
+        "harness.plugin",
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
         f"--collective-timeout={COLLECTIVE_TIMEOUT_S}",
-        "--reports-dir", str(directory / "reports"),
-        "--expectations-dir", str(directory / "expectations"),
-        "-rA", "-q",
+        "--reports-dir",
+        str(directory / "reports"),
+        "--expectations-dir",
+        str(directory / "expectations"),
+        "-rA",
+        "-q",
         *[arg for backend in BACKENDS for arg in ("--backend", backend)],
     ]
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -69,7 +83,11 @@ def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # FSDP1 must run without its DETAIL-only check
     try:
         result = subprocess.run(
-            command, cwd=directory, env=env, text=True, capture_output=True,
+            command,
+            cwd=directory,
+            env=env,
+            text=True,
+            capture_output=True,
             timeout=SESSION_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as expired:
@@ -84,9 +102,7 @@ def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 # Not named `backend`: the conformance plugin parametrizes every test taking that argument.
 @pytest.mark.parametrize("backend_name", ["torch-fsdp1", "torch-fsdp2"])
-def test_unchecked_backend_is_failed_by_the_trace_diff(
-    inner_report: dict[str, str], backend_name: str
-) -> None:
+def test_unchecked_backend_is_failed_by_the_trace_diff(inner_report: dict[str, str], backend_name: str) -> None:
     """No order check: the step completes, and only the harness's diff stops it passing."""
     failure = inner_report.get(f"test_crossed_step[{backend_name}]")
     assert failure is not None, f"the crossed step passed on {backend_name}: {sorted(inner_report)}"

@@ -33,6 +33,7 @@ def proves(backend: str, capability: Capability) -> Callable[[Proof], Proof]:
     def register(proof: Proof) -> Proof:
         PROOFS[backend, capability] = proof
         return proof
+
     return register
 
 
@@ -56,9 +57,7 @@ def _local_numel(value: torch.Tensor) -> int:
     return local.numel()
 
 
-def _no_strategy_shards_only_optimizer_state(
-    backend_name: str, list_strategies: Callable[[], set[str]]
-) -> Proof:
+def _no_strategy_shards_only_optimizer_state(backend_name: str, list_strategies: Callable[[], set[str]]) -> Proof:
     """A proof that ``backend_name`` has no ZeRO-1 layout: ``list_strategies`` reads the
     backend's own list of strategies (its enum or options) from the real library and fails
     on one the proof does not know; every strategy the adapter maps is run through one Adam
@@ -75,8 +74,7 @@ def _no_strategy_shards_only_optimizer_state(
         assert strategies, f"{backend_name}: found no strategies in the library"
         backend = registry.load(backend_name)(BackendEnv(rank, world_size, device))
         observed = []
-        for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
-                         ShardingStrategy.NO_SHARD):
+        for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
             model = _two_linears(device)
             full = sum(p.numel() for p in model.parameters())
             names = [name for name, _ in model.named_parameters()]
@@ -85,12 +83,12 @@ def _no_strategy_shards_only_optimizer_state(
             backend.zero_grad(sharded, optimizer)
             backend.backward(sharded, sharded(torch.ones(2, 4, device=device)).sum())
             backend.step(sharded, optimizer)
-            stored = sum(
-                backend.local_shard(sharded, name).numel() for name in names
-            )
+            stored = sum(backend.local_shard(sharded, name).numel() for name in names)
             moments = sum(  # Adam's elementwise states (exp_avg, exp_avg_sq): 2 per element
-                _local_numel(value) for state in optimizer.state.values()
-                for value in state.values() if torch.is_tensor(value) and value.dim() > 0
+                _local_numel(value)
+                for state in optimizer.state.values()
+                for value in state.values()
+                if torch.is_tensor(value) and value.dim() > 0
             )
             observed.append(f"{strategy.name}: parameters {stored}/{full}, Adam state {moments}/{2 * full}")
             assert stored < full or moments >= 2 * full, (
@@ -126,9 +124,7 @@ for _backend, _strategies in (
     ("torch-fsdp1", _fsdp1_strategies),
     ("torch-fsdp2", _fsdp2_strategies),
 ):
-    proves(_backend, Capability.SHARD_OPTIM_STATE)(
-        _no_strategy_shards_only_optimizer_state(_backend, _strategies)
-    )
+    proves(_backend, Capability.SHARD_OPTIM_STATE)(_no_strategy_shards_only_optimizer_state(_backend, _strategies))
 
 
 # -- DeepSpeed (optional: proven where it is installed) -------------------------------------------
@@ -145,7 +141,8 @@ def _deepspeed(rank: int, world_size: int, device: torch.device) -> tuple[Backen
 
 def _ds_engine(deepspeed: Any, model: nn.Module, stage: int, **zero: Any) -> Any:
     config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
@@ -214,7 +211,8 @@ def _deepspeed_manages_every_parameter(rank: int, world_size: int, device: torch
     model = fixtures.build(_RootWithOwnParameter, current_seed(), device)
     ds_engine = _ds_engine(deepspeed, model, stage=3)
     not_partitioned = [
-        name for name, p in ds_engine.module.named_parameters()
+        name
+        for name, p in ds_engine.module.named_parameters()
         if getattr(p, "ds_status", None) != deepspeed.zero.ZeroParamStatus.NOT_AVAILABLE
     ]
     assert not not_partitioned, f"left unpartitioned: {not_partitioned}"
@@ -237,8 +235,7 @@ def _deepspeed_partitions_each_parameter(rank: int, world_size: int, device: tor
 def _deepspeed_has_no_fetch_events(rank: int, world_size: int, device: torch.device) -> None:
     _, deepspeed = _deepspeed(rank, world_size, device)
     engine_only = {
-        name for name in dir(deepspeed.DeepSpeedEngine)
-        if not name.startswith("_") and name not in dir(nn.Module)
+        name for name in dir(deepspeed.DeepSpeedEngine) if not name.startswith("_") and name not in dir(nn.Module)
     }
     hooks = sorted(n for n in engine_only if any(w in n for w in ("hook", "event", "callback")))
     assert not hooks, f"DeepSpeedEngine has public hooks now: {hooks}"
@@ -288,6 +285,7 @@ def _deepspeed_gather_lacks(option: str) -> Proof:
         ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=3)
         with pytest.raises(TypeError, match=option):
             deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters()), **{option: True})
+
     return proof
 
 
@@ -310,11 +308,16 @@ def _deepspeed_stage0_ignores_offload(rank: int, world_size: int, device: torch.
     _, deepspeed = _deepspeed(rank, world_size, device)
     model = _two_linears(device)
     client = torch.optim.SGD(model.parameters(), lr=0.1)
-    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=client, config={
-        "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
-    })
+    ds_engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=client,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+        },
+    )
     assert ds_engine.zero_cpu_offload(), "the offload setting was not taken"
     assert ds_engine.optimizer is client, type(ds_engine.optimizer).__name__
 
@@ -354,9 +357,11 @@ def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: t
     # Flat parameters raise; with use_orig_params=True the views point at freed memory and the
     # process may crash instead, so only the flat case is shown here.
     model = FSDP(_two_linears(device), device_id=device, use_orig_params=False)
-    with pytest.raises(RuntimeError, match=r"setStorage: .* out of bounds for storage of size 0"):
-        with FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False):
-            pass
+    with (
+        pytest.raises(RuntimeError, match=r"setStorage: .* out of bounds for storage of size 0"),
+        FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
+    ):
+        pass
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------
@@ -421,6 +426,7 @@ def _fsdp2_unshard_lacks(option: str) -> Proof:
         fully_shard(model)
         with pytest.raises(TypeError, match=option):
             model.unshard(**{option: True})
+
     return proof
 
 
@@ -437,10 +443,14 @@ for _option, _capability in (
 
 def _installed_builtins() -> list[str]:
     """The built-ins, and the optional built-ins whose library is installed here."""
-    return [*registry.BUILTIN, *(
-        name for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
-        if importlib.util.find_spec(library) is not None
-    )]
+    return [
+        *registry.BUILTIN,
+        *(
+            name
+            for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
+            if importlib.util.find_spec(library) is not None
+        ),
+    ]
 
 
 def test_every_declared_absence_has_a_proof() -> None:
@@ -451,9 +461,7 @@ def test_every_declared_absence_has_a_proof() -> None:
         for capability in _declared_missing(backend, device)
     }
     missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
-    leftover_proofs = sorted(
-        f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins()
-    )
+    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins())
     assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
     assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
 
@@ -473,7 +481,8 @@ def test_every_declared_combination_has_a_proof() -> None:
     declared = _declared_combinations()
     missing = sorted(f"{b}: {sorted(c.name for c in cs)}" for b, cs in declared - COMBINATION_PROOFS.keys())
     leftover = sorted(
-        f"{b}: {sorted(c.name for c in cs)}" for b, cs in COMBINATION_PROOFS.keys() - declared
+        f"{b}: {sorted(c.name for c in cs)}"
+        for b, cs in COMBINATION_PROOFS.keys() - declared
         if b in _installed_builtins()
     )
     assert not missing, f"combinations declared unsupported without a proof here: {missing}"
@@ -489,7 +498,10 @@ def test_every_declared_combination_has_a_proof() -> None:
     ],
 )
 def test_declared_combination_absence_is_real(
-    backend_name: str, combination: frozenset[Capability], rank: int, world_size: int,
+    backend_name: str,
+    combination: frozenset[Capability],
+    rank: int,
+    world_size: int,
     device: torch.device,
 ) -> None:
     if backend_name not in _installed_builtins():

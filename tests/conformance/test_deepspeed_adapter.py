@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
+from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 
 import fixtures
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy, StateDictKind
-from adapter_testing import ops_labelled, run_inner_session, traced_tables, train_steps
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)", allow_module_level=True)
@@ -78,17 +78,18 @@ def square_step(backend, sharded, optim, device) -> None:
 def test_each_strategy_is_its_zero_stage_and_trains_like_the_oracle(strategy, rank, world_size, device):
     backend = adapter(rank, world_size, device)
     plan = fixtures.TrainingPlan(seed=0, iterations=4, batch_size=2, make_optimizer=ADAM)
-    oracle = fixtures.train_oracle(fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan,
-                                   world_size=world_size, device=device)
+    oracle = fixtures.train_oracle(
+        fixtures.build(fixtures.CompositeModel, 0, device, dim=8), plan, world_size=world_size, device=device
+    )
     model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
-    sharded = backend.shard(model, ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,)),
-                            ApiForm.WRAPPER)
+    sharded = backend.shard(model, ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,)), ApiForm.WRAPPER)
     optim = backend.make_optimizer(sharded, plan.make_optimizer)
     assert sharded.engine.zero_optimization_stage() == STAGES[strategy]
     assert sharded.engine.gradient_clipping() == 0.0  # DeepSpeed's default would clip to 1.0
     losses = train_steps(backend, sharded, model, optim, plan.iterations, rank, device)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]),
-                               **LOSS_TOLERANCE)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor([r[rank] for r in oracle.rank_losses]), **LOSS_TOLERANCE
+    )
     state = backend.state_dict(sharded, StateDictKind.FULL)
     assert state.keys() == oracle.state_dict.keys()
     for name, expected in oracle.state_dict.items():
@@ -103,7 +104,10 @@ def test_rank_environment_and_engine_lifetime(rank, world_size, device):
     engine with a placeholder so backward works."""
     backend = adapter(rank, world_size, device)
     assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == (
-        str(rank), str(rank), str(world_size))
+        str(rank),
+        str(rank),
+        str(world_size),
+    )
     model = fixtures.build(fixtures.CompositeModel, 0, device, dim=4)
     sharded = backend.shard(model, ShardingSpec(), ApiForm.WRAPPER)
     inputs = fixtures.local_batch(model, seed=0, iteration=0, rank=rank, batch_size=2, device=device)
@@ -206,8 +210,9 @@ def test_optimizer_state_round_trips_keyed_by_fqn(strategy, rank, world_size, de
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("strategy", [ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.FULL_SHARD],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "strategy", [ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.FULL_SHARD], ids=lambda s: s.name
+)
 def test_deepspeed_cannot_load_optimizer_state_before_its_first_step(strategy, rank, world_size, device):
     """ZeRO creates its optimizer state lazily at the first step; safe_set_full_optimizer_state
     before that fails (ZeRO-3: KeyError 'exp_avg'; ZeRO-1/2: TypeError on the not yet linked
@@ -216,8 +221,11 @@ def test_deepspeed_cannot_load_optimizer_state_before_its_first_step(strategy, r
     _, sharded, optim = trained(backend, strategy, 1, rank, device)
     saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
     _, fresh, fresh_optim = trained(backend, strategy, 0, rank, device)
-    expected = (KeyError, "exp_avg") if strategy is ShardingStrategy.FULL_SHARD else (
-        TypeError, "argument of type 'NoneType' is not iterable")
+    expected = (
+        (KeyError, "exp_avg")
+        if strategy is ShardingStrategy.FULL_SHARD
+        else (TypeError, "argument of type 'NoneType' is not iterable")
+    )
     with pytest.raises(expected[0], match=expected[1]):
         backend.load_optim_state_dict(fresh, fresh_optim, saved, StateDictKind.FULL)
 
@@ -233,8 +241,11 @@ def test_zero3_full_optimizer_state_load_fails_on_the_last_rank_for_uneven_sizes
     optim = backend.make_optimizer(sharded, ADAM)
     square_step(backend, sharded, optim, device)
     saved = backend.optim_state_dict(sharded, optim, StateDictKind.FULL)
-    message = (re.escape("start (13) + length (13) exceeds dimension size (25)") if rank == world_size - 1
-               else "1 other rank\\(s\\) failed here")
+    message = (
+        re.escape("start (13) + length (13) exceeds dimension size (25)")
+        if rank == world_size - 1
+        else "1 other rank\\(s\\) failed here"
+    )
     with pytest.raises(RuntimeError, match=message):
         backend.load_optim_state_dict(sharded, optim, saved, StateDictKind.FULL)
 
@@ -264,7 +275,7 @@ def test_zero3_gather_inside_forward_raises_without_saying_unshard(rank, world_s
 
 # -- end to end: the registry path, the rank fixture, labels in the trace ----------------------
 
-SMOKE = '''
+SMOKE = """
 import functools
 import pytest
 import torch
@@ -281,7 +292,7 @@ def test_step(backend, rank, device):
     backend.backward(sharded, model.loss(sharded(*inputs)))
     backend.step(sharded, optim)
     assert backend.state_dict(sharded, StateDictKind.FULL).keys() == model.state_dict().keys()
-'''
+"""
 
 
 def test_runs_from_the_command_line_twice_in_one_warm_pool(tmp_path):

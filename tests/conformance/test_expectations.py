@@ -73,13 +73,17 @@ def test_unlisted_scenarios_and_skips_are_untouched(outcome: str) -> None:
 
 
 def test_load_reads_entries(tmp_path: Path) -> None:
-    write(tmp_path, "torch-fsdp1", f'''
+    write(
+        tmp_path,
+        "torch-fsdp1",
+        f'''
 [[expected_failure]]
 scenario = "{ENTRY.scenario}"
 failure = "{ENTRY.failure}"
 reason = "{ENTRY.reason}"
 link = "https://example.invalid/issue/1"
-''')
+''',
+    )
     loaded = expectations.load("torch-fsdp1", tmp_path)
     assert loaded.entries == [ExpectedFailure(**{**vars(ENTRY), "link": "https://example.invalid/issue/1"})]
     assert loaded.matching(ENTRY.scenario, CPU2) == loaded.entries
@@ -87,7 +91,10 @@ link = "https://example.invalid/issue/1"
 
 
 def test_when_limits_an_entry_to_the_runs_it_describes(tmp_path: Path) -> None:
-    write(tmp_path, "torch-fsdp2", f'''
+    write(
+        tmp_path,
+        "torch-fsdp2",
+        f'''
 [[expected_failure]]
 scenario = "{ENTRY.scenario}"
 failure = "fp16"
@@ -99,7 +106,8 @@ scenario = "{ENTRY.scenario}"
 failure = "other text"
 reason = "on CPU"
 when = {{ device = "cpu" }}
-''')
+''',
+    )
     loaded = expectations.load("torch-fsdp2", tmp_path)
     cuda, cpu = loaded.entries
     assert cuda.when == Condition(("cuda",), ">=2.11, <2.14", (2, 4))
@@ -141,18 +149,30 @@ def test_several_matching_entries_fail_the_test() -> None:
         ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhy = "w"\n', r"unknown \['why'\]"),
         ('[[expected_failure]]\nscenario = "a"\nfailure = ""\nreason = "r"\n', "non-empty string"),
         ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\n' * 2, "listed twice"),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "cpu" }\n' * 2,
-         r"listed twice with the same condition"),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "tpu" }\n',
-         r"when.device \['tpu'\] is not one of"),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = "2.13" }\n',
-         "not a version comparison"),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = ">=2.*" }\n',
-         r"'\.\*' only goes with == or !="),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { world_size = 0 }\n',
-         "positive int"),
-        ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { gpu = "h100" }\n',
-         r"unknown keys \['gpu'\]"),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "cpu" }\n' * 2,
+            r"listed twice with the same condition",
+        ),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { device = "tpu" }\n',
+            r"when.device \['tpu'\] is not one of",
+        ),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = "2.13" }\n',
+            "not a version comparison",
+        ),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { torch = ">=2.*" }\n',
+            r"'\.\*' only goes with == or !=",
+        ),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { world_size = 0 }\n',
+            "positive int",
+        ),
+        (
+            '[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = { gpu = "h100" }\n',
+            r"unknown keys \['gpu'\]",
+        ),
         ('[[expected_failure]]\nscenario = "a"\nfailure = "f"\nreason = "r"\nwhen = {}\n', "non-empty table"),
         ('[[expected_fail]]\nscenario = "a"\n', "entries go in"),
         ("[[expected_failure]\n", "not valid TOML"),

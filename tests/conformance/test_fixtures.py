@@ -35,13 +35,9 @@ def test_build_depends_only_on_the_seed(model_cls) -> None:
     first, second = fixtures.build(model_cls, 7, CPU), fixtures.build(model_cls, 7, CPU)
     other = fixtures.build(model_cls, 8, CPU)
     assert torch.equal(torch.get_rng_state(), rng_before), "build disturbed the global RNG"
-    for (name, a), (_, b), (_, c) in zip(
-        first.state_dict().items(), second.state_dict().items(), other.state_dict().items()
-    ):
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
-    assert any(
-        not torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters())
-    )
+    assert any(not torch.equal(a, c) for a, c in zip(first.parameters(), other.parameters()))
 
 
 def test_tied_transformer_shares_embedding_and_head() -> None:
@@ -73,7 +69,7 @@ def test_unequal_two_path_model_has_the_seeds_shapes() -> None:
 @pytest.mark.parametrize("model_cls", MODELS, ids=lambda c: c.__name__)
 def test_global_batch_is_the_rank_batches_in_order(model_cls) -> None:
     model = model_cls()
-    kwargs = dict(seed=3, iteration=1, batch_size=2, device=CPU)
+    kwargs = {"seed": 3, "iteration": 1, "batch_size": 2, "device": CPU}
     parts = [fixtures.local_batch(model, rank=r, **kwargs) for r in range(3)]
     whole = fixtures.global_batch(model, world_size=3, **kwargs)
     for position, tensor in enumerate(whole):
@@ -84,14 +80,15 @@ def test_global_batch_is_the_rank_batches_in_order(model_cls) -> None:
     assert not torch.equal(parts[0][0], again[0]), "iterations must see different data"
 
 
-@pytest.mark.parametrize("model_cls", [fixtures.CompositeModel, fixtures.TiedTransformer],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("model_cls", [fixtures.CompositeModel, fixtures.TiedTransformer], ids=lambda c: c.__name__)
 def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
     """One SGD(lr=1) oracle step moves each parameter by minus the rank-averaged gradient."""
     world_size = 2
     model = fixtures.build(model_cls, 0, CPU)
     plan = fixtures.TrainingPlan(
-        seed=5, iterations=1, batch_size=2,
+        seed=5,
+        iterations=1,
+        batch_size=2,
         make_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
     )
     run = fixtures.train_oracle(model, plan, world_size=world_size, device=CPU)
@@ -100,8 +97,7 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
     rank_losses = []
     for rank in range(world_size):
         replica = copy.deepcopy(model)
-        inputs = fixtures.local_batch(replica, seed=5, iteration=0, rank=rank, batch_size=2,
-                                      device=CPU)
+        inputs = fixtures.local_batch(replica, seed=5, iteration=0, rank=rank, batch_size=2, device=CPU)
         loss = replica.loss(replica(*inputs))
         loss.backward()
         rank_losses.append(loss.item())
@@ -110,8 +106,7 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
     assert run.rank_losses[0] == pytest.approx(rank_losses, rel=1e-5)
     assert run.losses[0] == pytest.approx(sum(rank_losses) / world_size, rel=1e-5)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(run.state_dict[name], param.detach() - grads[name],
-                                   rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(run.state_dict[name], param.detach() - grads[name], rtol=1e-4, atol=1e-5, msg=name)
         torch.testing.assert_close(run.grads[0][name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
         assert torch.equal(run.params[0][name], run.state_dict[name]), name
 
@@ -121,7 +116,9 @@ def test_differences_name_each_tensor_and_its_size() -> None:
     actual = {"a": torch.tensor([0.0, 0.5, 0.0]), "b": torch.ones(2, 2), "d": torch.ones(1)}
     problems = differences(actual, expected, Tolerance(rtol=0.0, atol=1e-3))
     assert problems == [
-        "c: missing", "d: unexpected", "a: max abs difference 0.5 at index (1,)",
+        "c: missing",
+        "d: unexpected",
+        "a: max abs difference 0.5 at index (1,)",
     ]
     assert differences(expected, expected, EXACT) == []
     close = {"b": torch.ones(2, 2) * (1 + 1e-7)}
@@ -129,9 +126,7 @@ def test_differences_name_each_tensor_and_its_size() -> None:
     scaled = Tolerance(rtol=0.0, atol=0.0, scaled_atol=1e-3)
     big = {"g": torch.tensor([100.0, 0.0])}
     assert differences({"g": torch.tensor([100.0, 0.05])}, big, scaled) == []
-    assert differences({"g": torch.tensor([100.0, 0.2])}, big, scaled) == [
-        "g: max abs difference 0.2 at index (1,)"
-    ]
+    assert differences({"g": torch.tensor([100.0, 0.2])}, big, scaled) == ["g: max abs difference 0.2 at index (1,)"]
     assert describe_difference(torch.tensor([2.0]), torch.tensor([1.0])) == (
         "max abs difference 1 (relative 1) at index (0,)"
     )

@@ -1,4 +1,5 @@
 """The conformance matrix counts every outcome in its cell and links failures to their text."""
+
 from __future__ import annotations
 
 from conformance.matrix import Matrix, classify, render_html, render_markdown
@@ -15,10 +16,20 @@ def test_outcomes_are_classified() -> None:
 def test_matrix_renders_counts_and_failure_links() -> None:
     matrix = Matrix()
     matrix.record("test_runtime.py::test_training", "reference", "t[reference-a]", "pass", "")
-    matrix.record("test_runtime.py::test_training", "torch-fsdp2", "t[torch-fsdp2-a]", "fail",
-                  "boom\nREPRO: cd /x && python -m pytest t --backend torch-fsdp2")
-    matrix.record("test_exec_order.py::test_first", "torch-fsdp2", "e[torch-fsdp2]", "unsupported",
-                  "unsupported: execution order validation: FSDP2 has none")
+    matrix.record(
+        "test_runtime.py::test_training",
+        "torch-fsdp2",
+        "t[torch-fsdp2-a]",
+        "fail",
+        "boom\nREPRO: cd /x && python -m pytest t --backend torch-fsdp2",
+    )
+    matrix.record(
+        "test_exec_order.py::test_first",
+        "torch-fsdp2",
+        "e[torch-fsdp2]",
+        "unsupported",
+        "unsupported: execution order validation: FSDP2 has none",
+    )
     markdown = render_markdown(matrix)
     assert "| `test_runtime.py::test_training` | 1 pass | **1 fail** |" in markdown
     assert "| **total** | 1 pass | 1 fail / 1 unsupported |" in markdown

@@ -15,22 +15,26 @@ import functools
 import re
 from collections.abc import Callable
 
+import mutant_backends  # tests/conformance/mutant_backends.py
 import pytest
 import torch
 import torch.distributed as dist
 
 import conformance.test_runtime as runtime  # a module, so its tests are not collected here
 import fixtures
-import mutant_backends  # tests/conformance/mutant_backends.py
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv, ShardingStrategy
 
 Scenario = Callable[..., None]
 SCENARIO_ARGS = {"wrap": "auto", "strategy": ShardingStrategy.FULL_SHARD, "param_offload": False}
-TRAINING = ("test_training[ws2-auto-FULL_SHARD-sgd]",
-            functools.partial(runtime.test_training, optimizer="sgd", **SCENARIO_ARGS))
-AFTER_TRAINING = ("test_unshard_after_training[ws2-auto-FULL_SHARD-no_param_offload]",
-                  functools.partial(runtime.test_unshard_after_training, **SCENARIO_ARGS))
+TRAINING = (
+    "test_training[ws2-auto-FULL_SHARD-sgd]",
+    functools.partial(runtime.test_training, optimizer="sgd", **SCENARIO_ARGS),
+)
+AFTER_TRAINING = (
+    "test_unshard_after_training[ws2-auto-FULL_SHARD-no_param_offload]",
+    functools.partial(runtime.test_unshard_after_training, **SCENARIO_ARGS),
+)
 # The scenarios that must catch each mutation (every one of them must fail).
 CATCHERS: dict[str, tuple[tuple[str, Scenario], ...]] = {
     "sum_grads": (TRAINING,),
@@ -79,10 +83,10 @@ def test_mutant_fails_naming_parameter_and_difference(
         assert texts, f"{name} passed on every rank for {what}"
         named = [
             (found["name"], float(found["size"]))
-            for text in texts for found in DIFFERENCE.finditer(text)
+            for text in texts
+            for found in DIFFERENCE.finditer(text)
             if found["name"] in PARAMETERS
         ]
         assert named and all(size > 0 for _, size in named), (
-            f"{name} failed for {what} without naming a parameter and its difference:\n"
-            + "\n".join(texts)[-4000:]
+            f"{name} failed for {what} without naming a parameter and its difference:\n" + "\n".join(texts)[-4000:]
         )

@@ -52,10 +52,12 @@ def test_all_selects_every_builtin(pytester: pytest.Pytester) -> None:
     known = registry.known_names()
     result = run(pytester, "all")
     result.assert_outcomes(passed=len(known) - 1, failed=1)
-    result.stdout.fnmatch_lines([
-        f"conformance backends: {', '.join(known)}",
-        "  reference: built-in conformance.adapters.reference:ReferenceAdapter; expected failures: none",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            f"conformance backends: {', '.join(known)}",
+            "  reference: built-in conformance.adapters.reference:ReferenceAdapter; expected failures: none",
+        ]
+    )
     for name in registry.missing_optional():
         result.stdout.fnmatch_lines([f"  {name}: not installed, left out of 'all' (install: *)"])
     for name in set(known) & set(registry.OPTIONAL_BUILTIN):
@@ -65,7 +67,9 @@ def test_all_selects_every_builtin(pytester: pytest.Pytester) -> None:
 def test_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = run(pytester, "torch-fsdp9")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown backend 'torch-fsdp9'; known backends: reference, torch-fsdp1, torch-fsdp2*"])
+    result.stderr.fnmatch_lines(
+        ["*unknown backend 'torch-fsdp9'; known backends: reference, torch-fsdp1, torch-fsdp2*"]
+    )
 
 
 def test_expected_failure_xfails(pytester: pytest.Pytester) -> None:
@@ -111,8 +115,7 @@ def test_case(backend, mode):
 def write_entries(pytester: pytest.Pytester, *scenarios: str) -> None:
     pytester.mkdir("expectations")
     entries = "".join(
-        f'[[expected_failure]]\nscenario = "{scenario}"\nfailure = "planned failure"\n'
-        'reason = "tracked"\n\n'
+        f'[[expected_failure]]\nscenario = "{scenario}"\nfailure = "planned failure"\nreason = "tracked"\n\n'
         for scenario in scenarios
     )
     (pytester.path / "expectations" / "torch-fsdp1.toml").write_text(entries)
@@ -127,9 +130,17 @@ def run_stale(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         "test_scenario.py::test_case[gone]",  # no such test: stale
     )
     return pytester.runpytest(
-        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--backend", "torch-fsdp1",
-        "--expectations-dir", str(pytester.path / "expectations"),
-        "--reports-dir", str(pytester.path / "reports"), *args,
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "--backend",
+        "torch-fsdp1",
+        "--expectations-dir",
+        str(pytester.path / "expectations"),
+        "--reports-dir",
+        str(pytester.path / "reports"),
+        *args,
     )
 
 
@@ -137,15 +148,17 @@ def test_stale_entries_are_reported_and_fail_a_strict_run(pytester: pytest.Pytes
     result = run_stale(pytester, "--strict-expectations")
     result.assert_outcomes(xfailed=1, skipped=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines([
-        "*stale expectations*",
-        (
-            "torch-fsdp1: test_scenario.py::test_case[[]b[]]: its test was skipped "
-            "(unsupported: planned: the backend lacks it)"
-        ),
-        "torch-fsdp1: test_scenario.py::test_case[[]gone[]]: matches no collected test",
-        "2 stale expected-failure entries: remove or fix them; --strict-expectations fails the run",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*stale expectations*",
+            (
+                "torch-fsdp1: test_scenario.py::test_case[[]b[]]: its test was skipped "
+                "(unsupported: planned: the backend lacks it)"
+            ),
+            "torch-fsdp1: test_scenario.py::test_case[[]gone[]]: matches no collected test",
+            "2 stale expected-failure entries: remove or fix them; --strict-expectations fails the run",
+        ]
+    )
     matrix = (pytester.path / "reports" / "conformance.md").read_text()
     assert "## Stale expectations" in matrix and "test_case[gone]: matches no collected test" in matrix
     assert "Stale expectations" in (pytester.path / "reports" / "conformance.html").read_text()
@@ -177,19 +190,31 @@ def test_a_node_id_selection_calls_nothing_stale(pytester: pytest.Pytester) -> N
 def test_a_test_skipped_for_lack_of_devices_is_not_stale(pytester: pytest.Pytester) -> None:
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the GPUs: nothing is skipped for lack of them")
-    pytester.makepyfile(test_scenario="""
+    pytester.makepyfile(
+        test_scenario="""
 import pytest
 import torch
 
 @pytest.mark.world_size(2)
 def test_case(backend):
     assert False, "planned failure"
-""")
+"""
+    )
     write_entries(pytester, "test_scenario.py::test_case")
     result = pytester.runpytest(
-        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--backend", "torch-fsdp1",
-        "--expectations-dir", str(pytester.path / "expectations"), "--device", "cuda",
-        "--reports-dir", str(pytester.path / "reports"), "--strict-expectations",
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "--backend",
+        "torch-fsdp1",
+        "--expectations-dir",
+        str(pytester.path / "expectations"),
+        "--device",
+        "cuda",
+        "--reports-dir",
+        str(pytester.path / "reports"),
+        "--strict-expectations",
     )
     result.assert_outcomes(skipped=1)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
@@ -221,21 +246,32 @@ def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     )
     pytester.makepyfile(test_scenario=SCENARIO.replace('"torch-fsdp2"', '"vendor_adapter:VendorAdapter"'))
     return pytester.runpytest_subprocess(
-        "-p", "conformance.plugin", "-p", "no:cacheprovider", "-rxXf", "-v",
-        "--backend-path", str(vendor), "--reports-dir", str(pytester.path / "reports"), *args,
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "-rxXf",
+        "-v",
+        "--backend-path",
+        str(vendor),
+        "--reports-dir",
+        str(pytester.path / "reports"),
+        *args,
     )
 
 
 def test_an_import_path_backend_is_shown_and_judged_by_its_name(pytester: pytest.Pytester) -> None:
     result = run_vendor(pytester, "--backend", "vendor_adapter:VendorAdapter", "--backend", "reference")
     result.assert_outcomes(passed=1, xfailed=1)
-    result.stdout.fnmatch_lines([
-        "conformance backends: vendor-fsdp, reference",
-        "  vendor-fsdp: import path vendor_adapter:VendorAdapter; expected failures: "
-        "*vendor_expectations.toml (1 entries)",
-        "*test_case[[]vendor-fsdp-a[]]*XFAIL*",
-        "*XFAIL*test_case[[]vendor-fsdp-a[]]*expected-fail: shipped with the adapter*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "conformance backends: vendor-fsdp, reference",
+            "  vendor-fsdp: import path vendor_adapter:VendorAdapter; expected failures: "
+            "*vendor_expectations.toml (1 entries)",
+            "*test_case[[]vendor-fsdp-a[]]*XFAIL*",
+            "*XFAIL*test_case[[]vendor-fsdp-a[]]*expected-fail: shipped with the adapter*",
+        ]
+    )
     matrix = (pytester.path / "reports" / "conformance.md").read_text()
     assert "| scenario | vendor-fsdp | reference |" in matrix, matrix
 
@@ -243,8 +279,11 @@ def test_an_import_path_backend_is_shown_and_judged_by_its_name(pytester: pytest
 def test_expectations_dir_overrides_the_adapters_own_file(pytester: pytest.Pytester) -> None:
     pytester.mkdir("empty")
     result = run_vendor(
-        pytester, "--backend", "vendor_adapter:VendorAdapter",
-        "--expectations-dir", str(pytester.path / "empty"),
+        pytester,
+        "--backend",
+        "vendor_adapter:VendorAdapter",
+        "--expectations-dir",
+        str(pytester.path / "empty"),
     )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["  vendor-fsdp: import path *; expected failures: none"])
@@ -255,11 +294,13 @@ def test_two_backends_of_one_name_are_refused_and_one_adapter_twice_runs_once(
 ) -> None:
     clash = run_vendor(pytester, "--backend", "torch-fsdp1", "--backend", "vendor_adapter:Renamed")
     assert clash.ret == pytest.ExitCode.USAGE_ERROR
-    clash.stderr.fnmatch_lines(["*backends 'torch-fsdp1' and 'vendor_adapter:Renamed' are both named "
-                                "'torch-fsdp1'*"])
+    clash.stderr.fnmatch_lines(["*backends 'torch-fsdp1' and 'vendor_adapter:Renamed' are both named 'torch-fsdp1'*"])
     twice = run_vendor(
-        pytester, "--backend", "torch-fsdp2",
-        "--backend", "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+        pytester,
+        "--backend",
+        "torch-fsdp2",
+        "--backend",
+        "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
     )
     twice.assert_outcomes(passed=1)
     twice.stdout.fnmatch_lines(["conformance backends: torch-fsdp2"])
@@ -289,8 +330,15 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
     (vendor / "vendor_adapter.py").write_text(VENDOR_ADAPTER.replace('EXPECTATIONS = "vendor_expectations.toml"', ""))
     inner = tmp_path / "inner"
     inner.mkdir()
-    result = run_inner_session(inner, FAILING_DISTRIBUTED, ["vendor_adapter:VendorAdapter"],
-                               "--backend-path", str(vendor), "-p", "cacheprovider")
+    result = run_inner_session(
+        inner,
+        FAILING_DISTRIBUTED,
+        ["vendor_adapter:VendorAdapter"],
+        "--backend-path",
+        str(vendor),
+        "-p",
+        "cacheprovider",
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "planned failure of vendor-fsdp on rank" in output, output
     repro = next(line for line in output.splitlines() if line.startswith("REPRO: "))
@@ -301,9 +349,12 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
     # directory, where the REPRO line cd's to); the backend's own arguments are the line's.
     session = ["-c", str(REPO / "pyproject.toml"), "-p", "harness.plugin", "-p", "conformance.plugin"]
     again = subprocess.run(
-        [*shlex.split(command.partition(" && ")[2]), *session], cwd=shlex.split(command)[1], text=True,
-        capture_output=True, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
-                                               "HOME": str(tmp_path)},
+        [*shlex.split(command.partition(" && ")[2]), *session],
+        cwd=shlex.split(command)[1],
+        text=True,
+        capture_output=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
     )
     rerun = again.stdout + again.stderr
     assert again.returncode == 1 and "planned failure of vendor-fsdp on rank" in rerun, rerun

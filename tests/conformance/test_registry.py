@@ -19,11 +19,14 @@ from conformance.protocol import BackendAdapter, Capability
 @pytest.fixture
 def optional_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two optional built-ins: one whose library is importable here, one whose library is not."""
-    monkeypatch.setattr(registry, "OPTIONAL_BUILTIN", {
-        "present-lib": ("json", "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter", "pip install present"),
-        "absent-lib": ("no_such_library_for_tests", "no_such_library_for_tests.a:A",
-                       "pip install absent-extra"),
-    })
+    monkeypatch.setattr(
+        registry,
+        "OPTIONAL_BUILTIN",
+        {
+            "present-lib": ("json", "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter", "pip install present"),
+            "absent-lib": ("no_such_library_for_tests", "no_such_library_for_tests.a:A", "pip install absent-extra"),
+        },
+    )
 
 
 @pytest.fixture
@@ -45,14 +48,16 @@ def third_party(monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture
 def adapter_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An importable module holding an adapter class and a non-adapter attribute."""
-    (tmp_path / "my_backend.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_backend.py").write_text(
+        textwrap.dedent("""
         from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 
         class MyAdapter(TorchFSDP1Adapter):
             name = "my-backend"
 
         NOT_AN_ADAPTER = 42
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_backend"
     sys.modules.pop("my_backend", None)
@@ -114,7 +119,7 @@ def test_module_attr_errors_fail_at_selection(adapter_module: str, attr: str, ex
 
 
 def test_unimportable_module_names_the_fix() -> None:
-    with pytest.raises(registry.BackendSelectionError, match="importing 'no_such_pkg.mod' failed"):
+    with pytest.raises(registry.BackendSelectionError, match=r"importing 'no_such_pkg\.mod' failed"):
         registry.select(["no_such_pkg.mod:Adapter"])
 
 

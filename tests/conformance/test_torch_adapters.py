@@ -6,9 +6,12 @@ be the backend's and not the adapter's.
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 import fixtures
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
@@ -21,8 +24,6 @@ from conformance.protocol import (
     ShardingSpec,
     StateDictKind,
 )
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
 
 ADAPTERS = [TorchFSDP1Adapter, TorchFSDP2Adapter]
 MANUAL = ShardingSpec(manual_units=("unit2",))
@@ -37,7 +38,7 @@ def make(adapter_cls: type[BackendAdapter], rank: int, world_size: int, device: 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_cls", ADAPTERS, ids=lambda c: c.name)
 def test_unit_fqns_name_original_parameters(adapter_cls, rank, world_size, device) -> None:
-    adapter, model, sharded = make(adapter_cls, rank, world_size, device)
+    adapter, _model, sharded = make(adapter_cls, rank, world_size, device)
     units = adapter.unit_fqns(sharded)
     unit2 = [f"unit2.{n}" for n, _ in fixtures.Unit(dim=8).named_parameters()]
     everything = [n for n, _ in fixtures.CompositeModel(dim=8).named_parameters()]
@@ -61,14 +62,14 @@ def test_events_and_storage_follow_forward_and_backward(adapter_cls, rank, world
     for unit in ("", "unit2"):
         kinds = [e.kind for e in events if e.unit == unit]
         assert kinds and kinds[0] == "unshard" and kinds[-1] == "reshard", (unit, events)
-        assert all(a != b for a, b in zip(kinds, kinds[1:])), f"{unit}: {kinds} do not alternate"
+        assert all(a != b for a, b in itertools.pairwise(kinds)), f"{unit}: {kinds} do not alternate"
         assert not adapter.is_unsharded(sharded, unit)
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_cls", ADAPTERS, ids=lambda c: c.name)
 def test_unshard_exposes_full_parameters(adapter_cls, rank, world_size, device) -> None:
-    adapter, model, sharded = make(adapter_cls, rank, world_size, device)
+    adapter, _model, sharded = make(adapter_cls, rank, world_size, device)
     reference = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
     with adapter.unshard(sharded, writeback=False):
         seen = {adapter.original_fqn(n): p for n, p in sharded.named_parameters()}
@@ -79,7 +80,7 @@ def test_unshard_exposes_full_parameters(adapter_cls, rank, world_size, device) 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_cls", ADAPTERS, ids=lambda c: c.name)
 def test_state_dicts_round_trip(adapter_cls, rank, world_size, device) -> None:
-    adapter, model, sharded = make(adapter_cls, rank, world_size, device)
+    adapter, _model, sharded = make(adapter_cls, rank, world_size, device)
     expected = fixtures.build(fixtures.CompositeModel, 0, device, dim=8).state_dict()
     full = adapter.state_dict(sharded, StateDictKind.FULL)
     assert full.keys() == expected.keys()
@@ -116,9 +117,11 @@ def test_missing_features_skip_with_reason(rank, world_size, device) -> None:
     model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
     with pytest.raises(pytest.skip.Exception, match="unsupported: wrapper form: fully_shard has no wrapper"):
         fsdp2.shard(model, MANUAL, ApiForm.WRAPPER)
-    with pytest.raises(pytest.skip.Exception, match="unsupported: unshard rank0_only=True"):
-        with fsdp2.unshard(model, writeback=False, rank0_only=True):
-            pass
+    with (
+        pytest.raises(pytest.skip.Exception, match="unsupported: unshard rank0_only=True"),
+        fsdp2.unshard(model, writeback=False, rank0_only=True),
+    ):
+        pass
     fsdp1 = TorchFSDP1Adapter(BackendEnv(rank, world_size, device))
     assert fsdp1.forms() == [ApiForm.WRAPPER] and fsdp2.forms() == [ApiForm.COMPOSABLE]
     offload = ShardingSpec(offload_params=True)
