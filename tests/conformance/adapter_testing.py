@@ -48,9 +48,15 @@ def train_steps(
 
 
 def run_inner_session(
-    directory: Path, tests: str, backends: list[str], *extra: str, timeout_s: float = 300
+    directory: Path,
+    tests: str,
+    backends: list[str],
+    *extra: str,
+    timeout_s: float = 300,
+    unset_env: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Write ``tests`` to ``directory/test_inner.py`` and run it once per backend selection."""
+    """Write ``tests`` to ``directory/test_inner.py`` and run it once per backend selection,
+    without the environment variables named in ``unset_env``."""
     (directory / "test_inner.py").write_text(tests)
     (directory / "expectations").mkdir(exist_ok=True)  # none: see the raw outcomes
     command = [
@@ -78,11 +84,12 @@ def run_inner_session(
         *[arg for backend in backends for arg in ("--backend", backend)],
     ]
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {key: value for key, value in os.environ.items() if key not in unset_env}
     try:
         return subprocess.run(
             command,
             cwd=directory,
-            env={**os.environ, "PYTHONPATH": python_path},
+            env={**env, "PYTHONPATH": python_path},
             text=True,
             capture_output=True,
             timeout=timeout_s,

@@ -11,17 +11,13 @@ adapter or a session that died.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from adapter_testing import run_inner_session
 
 from harness.testing import failure_sections
 
-REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
 # Short enough that a hang would show up as a timeout long before the subprocess limit.
 COLLECTIVE_TIMEOUT_S = 10
@@ -52,46 +48,14 @@ DIVERGENCE_DIFF = re.compile(
 def inner_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Run the inner session once; map each failed test id to its failure section."""
     directory = tmp_path_factory.mktemp("backend_divergence")
-    (directory / "test_inner.py").write_text(INNER_TESTS)
-    (directory / "expectations").mkdir()  # no expected failures: see the raw outcome
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "test_inner.py",
-        "-c",
-        str(REPO / "pyproject.toml"),
-        "--rootdir",
-        str(directory),
-        "-p",
-        "harness.plugin",
-        "-p",
-        "conformance.plugin",
-        "-p",
-        "no:cacheprovider",
+    result = run_inner_session(
+        directory,
+        INNER_TESTS,
+        list(BACKENDS),
         f"--collective-timeout={COLLECTIVE_TIMEOUT_S}",
-        "--reports-dir",
-        str(directory / "reports"),
-        "--expectations-dir",
-        str(directory / "expectations"),
-        "-rA",
-        "-q",
-        *[arg for backend in BACKENDS for arg in ("--backend", backend)],
-    ]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": python_path}
-    env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # FSDP1 must run without its DETAIL-only check
-    try:
-        result = subprocess.run(
-            command,
-            cwd=directory,
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=SESSION_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the inner session hung for {SESSION_TIMEOUT_S}s:\n{expired.stdout}")
+        timeout_s=SESSION_TIMEOUT_S,
+        unset_env=("TORCH_DISTRIBUTED_DEBUG",),  # FSDP1 must run without its DETAIL-only check
+    )
     output = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
     assert f"{len(BACKENDS)} failed, {len(BACKENDS)} passed" in output, output
