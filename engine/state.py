@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import weakref
 from typing import Any
 
 import torch
@@ -47,10 +46,13 @@ WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class
 # step time on CPU and cost ~10 MiB peak RSS on the benchmark transformer).
 REDUCTIONS_IN_FLIGHT = 1
 
-_unit_of_module: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
-_root_of_module: weakref.WeakKeyDictionary[nn.Module, RootState] = weakref.WeakKeyDictionary()
-# every module whose own parameters a unit manages (unit modules included)
-_managed_by: weakref.WeakKeyDictionary[nn.Module, ShardedUnit] = weakref.WeakKeyDictionary()
+# The engine's state lives on the modules themselves (instance attributes, set through __dict__
+# so nn.Module's bookkeeping never sees them): a module-level WeakKeyDictionary would keep every
+# sharded model alive forever, because its values (units, roots) reference their modules, and
+# with them their meshes and process groups (whose gloo threads then outlive the test).
+_UNIT_ATTR = "_engine_unit"  # the unit whose hooks sit on this module
+_ROOT_ATTR = "_engine_root"  # the root state, on the module the engine was last applied to
+_MANAGED_ATTR = "_engine_managed_by"  # the unit that manages this module's own parameters
 
 
 class Phase(enum.Enum):
@@ -71,22 +73,22 @@ def clean_fqn(name: str) -> str:
 
 def unit_of(module: nn.Module) -> ShardedUnit | None:
     """The unit whose hooks sit on `module`, if any."""
-    return _unit_of_module.get(module)
+    return module.__dict__.get(_UNIT_ATTR)
 
 
 def managing_unit(module: nn.Module) -> ShardedUnit | None:
     """The unit that manages `module`'s own parameters, if any."""
-    return _managed_by.get(module)
+    return module.__dict__.get(_MANAGED_ATTR)
 
 
 def mark_managed(module: nn.Module, unit: ShardedUnit) -> None:
     """Record that `unit` manages `module`'s own parameters."""
-    _managed_by[module] = unit
+    module.__dict__[_MANAGED_ATTR] = unit
 
 
 def root_of(module: nn.Module) -> RootState | None:
     """The root state created when the engine was applied to `module` (outermost only)."""
-    return _root_of_module.get(module)
+    return module.__dict__.get(_ROOT_ATTR)
 
 
 def resolve_root(module: nn.Module) -> RootState:
@@ -283,7 +285,7 @@ def register_hooks(unit: ShardedUnit) -> None:
 
     unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     unit.module.register_forward_hook(post_hook, always_call=True)  # also when forward raises
-    _unit_of_module[unit.module] = unit
+    unit.module.__dict__[_UNIT_ATTR] = unit
 
 
 def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
@@ -293,7 +295,7 @@ def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
         names.setdefault(submodule, name)
     units: list[ShardedUnit] = []
     for submodule, name in names.items():
-        unit = _unit_of_module.get(submodule)
+        unit = unit_of(submodule)
         if unit is None or unit in units:
             continue
         unit.module_fqn = clean_fqn(name)
@@ -303,11 +305,10 @@ def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
             owner = names[ref.module]
             unit.param_fqns.append(clean_fqn(f"{owner}.{ref.name}" if owner else ref.name))
         units.append(unit)
-    for submodule in list(_root_of_module.keys()):
-        if submodule in names:
-            del _root_of_module[submodule]
+    for submodule in names:
+        submodule.__dict__.pop(_ROOT_ATTR, None)
     root = RootState(units, options)
     for unit in units:
         unit.root = root
-    _root_of_module[module] = root
+    module.__dict__[_ROOT_ATTR] = root
     return root

@@ -24,6 +24,8 @@ Buffers and who owns them (see `collectives.py` for the stream invariants they r
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -272,7 +274,7 @@ class ShardedUnit:
         leaf = self.flat_leaf
         leaf.requires_grad_(any(trainable))
         if leaf.requires_grad and not self._grad_hook_registered:
-            leaf.register_post_accumulate_grad_hook(self._on_grad_ready)
+            leaf.register_post_accumulate_grad_hook(_weak_hook(self, ShardedUnit._on_grad_ready))
             self._grad_hook_registered = True
         pieces = torch.split(leaf, self._split_sizes)
         self.exposure.show_compute(
@@ -316,6 +318,25 @@ class ShardedUnit:
                 pending = collectives.all_reduce_sum(grad, topology.replicate_group, async_op=True)
         across_replicas = topology.shard_group is not None and topology.replicate_group is not None
         return GradReduction(self, reduced, pending, grad, across_replicas)
+
+
+def _weak_hook(
+    unit: ShardedUnit, method: Callable[[ShardedUnit, torch.Tensor], None]
+) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls `method` on `unit` without keeping the unit alive.
+
+    The unit holds the tensor; a hook holding the unit would close a cycle through a tensor, which
+    the garbage collector cannot break while autograd's C++ side also refers to the tensor. The
+    model, its buffers and its process groups would then outlive it for good.
+    """
+    unit_ref = weakref.ref(unit)
+
+    def hook(tensor: torch.Tensor) -> None:
+        alive = unit_ref()
+        if alive is not None:
+            method(alive, tensor)
+
+    return hook
 
 
 def _common_dtype(params: list[ParamInfo]) -> torch.dtype:

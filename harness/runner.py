@@ -124,14 +124,35 @@ class TestRunner:
             )
 
     def _run(self, task: TestTask, started: float) -> RankOutcome:
-        status: Status = "passed"
-        summary, failure = "", ""
         # Order matters. Isolation brackets everything; the trace brackets the body and the rank
         # fixtures' setup and teardown (their collectives belong to the test, and a fixture that
         # diverges is found like a body that does). Faults are read and disarmed in `finally`,
         # whatever the body did, so a fault armed but not fired never reaches the next test.
         self.isolation.enter(task.seed)
         trace.begin_test(self.trace_path)
+        try:
+            # In its own frame: by the time isolation runs, nothing of the test (its arguments,
+            # fixture values, the body's function) is referenced from here, so what it built is
+            # garbage that isolation can collect, not state that lives into the next test.
+            status, summary, failure = self._execute(task)
+        finally:
+            trace.end_test()
+            injected = faults.active_faults()
+            faults.clear()
+        sync_state, replace_reason = self.isolation.exit()
+        return RankOutcome(
+            rank=self.rank,
+            status=status,
+            duration_s=time.perf_counter() - started,
+            summary=summary,
+            traceback=failure,
+            sync_state=sync_state,
+            injected_faults=injected,
+            replace_reason=replace_reason,
+        )
+
+    def _execute(self, task: TestTask) -> tuple[Status, str, str]:
+        """Resolve the rank fixtures, run the body, tear the fixtures down: (status, summary, traceback)."""
         try:
             with ExitStack() as teardown:
                 for module in self.rank_fixture_modules:
@@ -155,28 +176,12 @@ class TestRunner:
                     self._note_raised(error)
                     raise
         except pytest.skip.Exception as skip:
-            status, summary = "skipped", str(skip.msg)
+            return "skipped", str(skip.msg), ""
         except pytest.xfail.Exception as xfail:
-            status, summary = "xfailed", str(xfail.msg)
+            return "xfailed", str(xfail.msg), ""
         except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
-            status = "failed"
-            summary = describe_exception(error)
-            failure = format_failure(error)
-        finally:
-            trace.end_test()
-            injected = faults.active_faults()
-            faults.clear()
-        sync_state, replace_reason = self.isolation.exit()
-        return RankOutcome(
-            rank=self.rank,
-            status=status,
-            duration_s=time.perf_counter() - started,
-            summary=summary,
-            traceback=failure,
-            sync_state=sync_state,
-            injected_faults=injected,
-            replace_reason=replace_reason,
-        )
+            return "failed", describe_exception(error), format_failure(error)
+        return "passed", "", ""
 
     def _note_raised(self, error: BaseException) -> None:
         if self.raised_path is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):

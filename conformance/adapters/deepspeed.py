@@ -44,6 +44,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -284,6 +285,7 @@ class DeepSpeedAdapter(BackendAdapter):
         os.environ["RANK"] = str(env.rank)
         os.environ["WORLD_SIZE"] = str(env.world_size)
         self._ds = _import_deepspeed(env.device)
+        self._engines: list[weakref.ref[Any]] = []  # destroyed in close()
         self._release_cached_groups()  # a crashed earlier test may have skipped close()
         _label_collectives()
 
@@ -308,8 +310,20 @@ class DeepSpeedAdapter(BackendAdapter):
         return tuple(dtype for dtype, present in supported.items() if present)
 
     def close(self) -> None:
+        self._destroy_engines()
         _PARAM_FQNS.clear()
         self._release_cached_groups()
+
+    def _destroy_engines(self) -> None:
+        """``DeepSpeedEngine.destroy()`` on every engine this adapter built, as DeepSpeed asks of
+        a program that is done with one: ZeRO-3 keeps its optimizer in reference cycles through
+        the parameters' hooks, which Python's collector cannot break, so without it every engine
+        (its model, buffers and process groups) would outlive the test for good."""
+        engines, self._engines = self._engines, []
+        for ref in engines:
+            engine = ref()
+            if engine is not None and hasattr(engine, "destroy"):
+                engine.destroy()
 
     def _release_cached_groups(self) -> None:
         """Forget the process groups DeepSpeed caches in ``deepspeed.utils.groups`` (its data
@@ -432,6 +446,7 @@ class DeepSpeedAdapter(BackendAdapter):
         root.param_group_fqns = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         engine, _, _, _ = self._ds.initialize(model=inner, optimizer=optimizer, config=root.config)
         root.engine = engine
+        self._engines.append(weakref.ref(engine))
         return engine
 
     # -- training loop ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import fixtures
 from conformance.protocol import BackendAdapter
+from harness.warm_pytest import run_pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,14 +87,7 @@ def run_inner_session(
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {key: value for key, value in os.environ.items() if key not in unset_env}
     try:
-        return subprocess.run(
-            command,
-            cwd=directory,
-            env={**env, "PYTHONPATH": python_path},
-            text=True,
-            capture_output=True,
-            timeout=timeout_s,
-        )
+        return run_pytest(command, cwd=directory, env={**env, "PYTHONPATH": python_path}, timeout=timeout_s)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the inner session hung for {timeout_s}s:\n{expired.stdout}")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -197,3 +199,31 @@ def test_hybrid_shard_from_explicit_2d_mesh(rank, world_size, device, use_orig_p
     assert (unit.topology.shard_size, unit.topology.dp_world_size) == (2, 4)
     train_both(local, model, rank, world_size, device)
     assert_same_params(local, model)
+
+
+@pytest.mark.world_size(4)  # shard groups of 2 and replica groups of 2: both are new groups
+@pytest.mark.parametrize("api", ["wrapper", "composable"])
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
+def test_a_trained_model_is_freed_with_its_groups(rank, world_size, device, api, use_orig_params):
+    """Dropping a sharded, trained model frees it, its buffers and its process groups: no engine
+    registry or hook keeps it alive (a HYBRID model's groups would otherwise keep gloo threads)."""
+    model = shard(
+        Net().to(device),
+        api,
+        True,
+        world_size,
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        use_orig_params=use_orig_params,
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 100, device=device)).sum().backward()
+    optim.step()
+    # The topologies hold the process groups (the harness destroys those at the test's end; its
+    # trace refers to them until then, so their own freeing is checked in tests/harness).
+    topologies = [weakref.ref(unit.topology) for unit in engine.units(model)]
+    assert any(ref().shard_group is not None for ref in topologies), "HYBRID_SHARD built no shard group"
+    freed = weakref.ref(model)
+    del model, optim
+    gc.collect()
+    assert freed() is None, "the sharded model outlived every reference to it"
+    assert all(ref() is None for ref in topologies), "a unit's topology (and its groups) outlived the model"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import xmlschema
 
+from harness.warm_pytest import run_pytest
+
 SCHEMA = xmlschema.XMLSchema(str(Path(__file__).with_name("junit.xsd")))
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,14 +160,9 @@ class InnerSession:
         return env
 
     def run(self, *args: str, timeout: float = 600, cache: bool = False) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.command(*args, cache=cache),
-            cwd=self.directory,
-            env=self.env(),
-            text=True,
-            capture_output=True,
-            timeout=timeout,
-        )
+        """The session as `subprocess.run` reports it, forked from a warm interpreter (see
+        harness.warm_pytest: only torch's import is skipped)."""
+        return run_pytest(self.command(*args, cache=cache), cwd=self.directory, env=self.env(), timeout=timeout)
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import torch
 import torch.distributed as dist
 
 import harness
+from harness.worker import LEAKED_GROUP_LIMIT
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +33,12 @@ def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     warnings.simplefilter("error")
     os.environ["HARNESS_ISOLATION_PROBE"] = "1"
+    (shared_dir / f"threads-{rank}").write_text(str(_threads()))
     group = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(1), group=group)
+    # Garbage in a reference cycle that holds the group: refcounting alone never frees it.
+    holder = types.SimpleNamespace(group=group)
+    holder.itself = holder
     torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
     os.chdir(shared_dir)
 
@@ -44,6 +54,8 @@ def test_2_state_is_back_to_fresh(rank: int, shared_dir: Path) -> None:
     assert "HARNESS_ISOLATION_PROBE" not in os.environ
     assert os.getcwd() != str(shared_dir)
     assert len(torch.distributed.distributed_c10d._world.pg_map) == 1  # only the default group is left
+    # ... and the destroyed group is freed, with its backend's threads (gloo: a loop and two workers).
+    assert _threads() == int((shared_dir / f"threads-{rank}").read_text())
     group = dist.new_group([0, 1])  # group creation still works after the cleanup
     tensor = torch.ones(1)
     dist.all_reduce(tensor, group=group)
@@ -65,6 +77,30 @@ def test_3_same_seed_on_every_rank_unless_asked(rank: int, world_size: int) -> N
 @pytest.mark.fresh_world
 def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
     assert (shared_dir / f"pid-{rank}").read_text() != str(os.getpid())
+
+
+# Groups test_5 keeps alive on purpose (a backend whose objects outlive their test does this).
+_KEPT: list[dist.ProcessGroup] = []
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.fresh_world), *range(1, LEAKED_GROUP_LIMIT + 2)])
+def test_5_leaked_groups_are_bounded_by_replacing_the_rank(rank: int, index: int, shared_dir: Path) -> None:
+    """Index 0 leaves fresh ranks behind (no earlier test's leaks); 1..LIMIT each leak a group on
+    the same ranks; once LIMIT are held the ranks are replaced, which index LIMIT+1 sees."""
+    recorded = shared_dir / f"leak-pid-{rank}"
+    if index == 0:
+        return
+    if index == 1:
+        recorded.write_text(str(os.getpid()))
+    if index <= LEAKED_GROUP_LIMIT:
+        assert recorded.read_text() == str(os.getpid()), f"replaced after {index - 1} leaked groups"
+        group = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1), group=group)
+        _KEPT.append(group)
+    else:
+        assert recorded.read_text() != str(os.getpid()), f"still the same rank after {LEAKED_GROUP_LIMIT} leaked groups"
+        assert not _KEPT
 
 
 @pytest.mark.world_size([1, 2])
