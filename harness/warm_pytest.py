@@ -284,7 +284,8 @@ def _become_session(request: _Request, fds: list[int]) -> None:
         torch = sys.modules.get("torch")
         if torch is not None:  # the intra-op threads torch would have chosen at its import here
             threads = request.env.get("OMP_NUM_THREADS", "")
-            torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _usable_cpus())
+            usable = _usable_cpus()  # torch caps OMP_NUM_THREADS there when it starts
+            torch.set_num_threads(min(int(threads), usable) if threads.isdigit() and int(threads) > 0 else usable)
         # `python -m` puts the working directory first; the rest (PYTHONPATH, site) is the server's,
         # whose start-up configuration equals the session's (see WarmPytest._unservable).
         sys.path[0] = os.getcwd()
