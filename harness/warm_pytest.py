@@ -97,7 +97,7 @@ class WarmPytest:
         reason = self._unservable(env)
         if reason:
             self.fallback_reason = reason
-            return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+            return _cold_run(command, cwd, env, timeout)
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         try:
@@ -109,7 +109,7 @@ class WarmPytest:
                 os.close(fd)
             self.fallback_reason = f"the server is gone ({error})"
             self.close()
-            return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+            return _cold_run(command, cwd, env, timeout)
         os.close(out_write)
         os.close(err_write)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -120,7 +120,7 @@ class WarmPytest:
                 self.fallback_reason = str(value)
                 os.close(out_read)
                 os.close(err_read)
-                return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+                return _cold_run(command, cwd, env, timeout)
             pid = int(value)
             stdout, stderr = _read_until_closed(out_read, err_read, deadline)
             kind, value = self._receive(deadline)
@@ -177,7 +177,7 @@ def run_pytest(
     Any other command, or ``HARNESS_WARM_PYTEST=0`` in the caller's environment, runs as a
     real subprocess."""
     if command[:3] != [sys.executable, "-m", "pytest"] or os.environ.get(DISABLE_VARIABLE) == "0":
-        return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+        return _cold_run(command, cwd, env, timeout)
     key = frozenset(_startup_config(env).items())
     server = _SERVERS.get(key)
     if server is None:
@@ -186,15 +186,21 @@ def run_pytest(
         # on the server. Only the start-up variables must be the session's.
         base = {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
         server = _SERVERS[key] = WarmPytest({**base, **_startup_config(env)})
-        if len(_SERVERS) == 1:
-            atexit.register(_close_servers)
     return server.run(command[3:], cwd=cwd, env=env, timeout=timeout)
 
 
+@atexit.register
 def _close_servers() -> None:
     for server in _SERVERS.values():
         server.close()
     _SERVERS.clear()
+
+
+def _cold_run(
+    command: list[str], cwd: str | os.PathLike[str], env: dict[str, str], timeout: float | None
+) -> subprocess.CompletedProcess[str]:
+    """The session as a real subprocess: what every warm run stands in for."""
+    return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
 
 
 class _Timeout(Exception):

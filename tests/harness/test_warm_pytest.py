@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from harness.warm_pytest import WarmPytest
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import os, sys, tempfile
 import torch
