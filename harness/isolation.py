@@ -61,12 +61,7 @@ def _clear_dtensor_caches() -> None:
     """
     if "torch.distributed.tensor" not in sys.modules:
         return  # no test of this worker used DTensor: nothing cached (and its debug module costs seconds to import)
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # older torch: no such cache to clear
-        pass
-    else:
-        _clear_sharding_prop_cache()
+    _clear_sharding_propagation_caches()
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
     if redistribute is None:
         return
@@ -80,6 +75,23 @@ def _clear_dtensor_caches() -> None:
     topology_info = getattr(getattr(collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     if hasattr(topology_info, "cache_clear"):  # lru_cache keyed by the mesh itself
         topology_info.cache_clear()
+
+
+def _clear_sharding_propagation_caches() -> None:
+    """Both of DTensor's sharding-propagation caches (its Python LRU cache and the C++ fast path).
+
+    `torch.distributed.tensor.debug._clear_sharding_prop_cache` does this too, but importing that
+    module pulls in torch._dynamo and inductor (~0.8 s of CPU on every rank that used DTensor),
+    so the two caches are reached directly, each only where this torch version has it.
+    """
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dispatcher = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+    propagate = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    if hasattr(propagate, "cache_clear"):
+        propagate.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
 
 
 class _ModuleFunctions:

@@ -17,6 +17,7 @@ environment travels with the launch (the fork message, or the spawned process's 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import select
@@ -126,12 +127,13 @@ class ZygoteUnavailable(RuntimeError):
 class _Zygote:
     """The parent's side of `harness.zygote`: fork requests out, fork and exit reports in."""
 
-    def __init__(self, directory: str, env: dict[str, str]) -> None:
+    def __init__(self, directory: str, env: dict[str, str], preload: tuple[str, ...]) -> None:
         parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = os.path.join(directory, "zygote.log")
+        preload_spec = json.dumps({"sys_path": list(sys.path), "modules": list(preload)})
         with open(self.log, "wb") as out:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid()), preload_spec],
                 pass_fds=(zygote_end.fileno(),),
                 start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
                 stdin=subprocess.DEVNULL,
@@ -214,12 +216,21 @@ class WorkerLauncher:
     pool restart after a fault costs forks and a rendezvous, not N interpreter starts and torch
     imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
     `python -m harness.worker` instead, for the rest of the session.
+
+    `preload`: modules every rank imports anyway (label providers, rank fixture modules), which
+    the zygote imports before its first fork so that each forked rank has them already.
     """
 
     def __init__(
-        self, directory: str, session_tag: str, on_spawn: Callable[[int], None] | None = None, zygote: bool = True
+        self,
+        directory: str,
+        session_tag: str,
+        on_spawn: Callable[[int], None] | None = None,
+        zygote: bool = True,
+        preload: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
+        self.preload = preload
         self.session_tag = session_tag
         self._on_spawn = on_spawn
         self._serial = 0
@@ -262,7 +273,7 @@ class WorkerLauncher:
 
     def _fork(self, serial: int, env: dict[str, str], timeout_s: float) -> WorkerProcess:
         if self._zygote is None:
-            self._zygote = _Zygote(self.directory, self._environment())
+            self._zygote = _Zygote(self.directory, self._environment(), self.preload)
             if self._on_spawn is not None:
                 self._on_spawn(self._zygote.pid)
         zygote = self._zygote

@@ -3,8 +3,11 @@ every rank worker on request, so a new rank costs a fork (tens of milliseconds) 
 interpreter start and a torch import (seconds, and CPU that a 2-core runner does not have when a
 red suite restarts its pool after every fault).
 
-Started by `harness.pool.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID`. It
-talks to the parent over a Unix SOCK_SEQPACKET socket, one pickled message per packet:
+Started by `harness.pool.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
+where PRELOAD is JSON: the parent's `sys.path` and the modules every rank imports before its first
+test (the label providers and rank fixture modules), which the zygote imports once instead of each
+rank (a second of CPU per rank for the conformance suite's). It talks to the parent over a Unix
+SOCK_SEQPACKET socket, one pickled message per packet:
 
     parent -> zygote   ("fork", serial, log path, environment, cwd)  + 2 fds: the worker's task and result pipes
     zygote -> parent   ("forked", serial, pid) | ("refused", serial, reason) | ("exited", pid, exit code)
@@ -23,12 +26,15 @@ the parent (not their parent) could not otherwise learn.
 from __future__ import annotations
 
 import faulthandler
+import importlib
+import json
 import os
 import pickle
 import select
 import signal
 import socket
 import sys
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -44,6 +50,27 @@ def send(sock: socket.socket, message: tuple[Any, ...], fds: list[int] | None = 
         socket.send_fds(sock, [data], fds)
     else:
         sock.send(data)
+
+
+def _preload(spec: str) -> str:
+    """Import what every rank will import, once; a note for refusals if that started a thread.
+
+    A module that fails here is only written to the zygote's log: each rank then imports it
+    itself and reports the error where it belongs, in the tests that need it. Import-time code
+    sees the session's environment here, not a rank's (`RANK` and the like are set after the fork).
+    """
+    wanted = json.loads(spec)
+    sys.path[:] = wanted["sys_path"]
+    imported = []
+    for module in wanted["modules"]:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # noqa: BLE001 - any failure is the rank's to report, not the zygote's
+            print(f"preloading {module} failed; each rank imports it itself:", file=sys.stderr)
+            traceback.print_exc()
+        else:
+            imported.append(module)
+    return f" (after importing {', '.join(imported)})" if imported else ""
 
 
 def _threads() -> int:
@@ -94,6 +121,7 @@ def _serve_forks() -> None:
     signal.set_wakeup_fd(wakeup[1])
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake the select below
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for pytest
+    preloaded = _preload(sys.argv[3]) if len(sys.argv) > 3 else ""
     while True:
         ready, _, _ = select.select([sock, wakeup[0]], [], [])
         if wakeup[0] in ready:
@@ -107,7 +135,7 @@ def _serve_forks() -> None:
         _, serial, log, env, cwd = pickle.loads(data)
         threads = _threads()
         if threads != 1:
-            send(sock, ("refused", serial, f"the zygote has {threads} threads; forking it is not safe"))
+            send(sock, ("refused", serial, f"the zygote has {threads} threads{preloaded}; forking it is not safe"))
             for fd in fds:
                 os.close(fd)
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import types
 import warnings
@@ -17,6 +18,21 @@ from harness.worker import LEAKED_GROUP_LIMIT
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _sharding_cache_use() -> tuple[int, int]:
+    """(hits, misses) of DTensor's sharding-propagation cache since it was last cleared.
+
+    The C++ fast path serves every op on the torch versions that have it; older ones use the
+    Python LRU cache.
+    """
+    stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+    if stats is not None:
+        return tuple(stats())
+    from torch.distributed.tensor import DTensor
+
+    info = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info()
+    return info.hits, info.misses
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +55,13 @@ def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     # Garbage in a reference cycle that holds the group: refcounting alone never frees it.
     holder = types.SimpleNamespace(group=group)
     holder.itself = holder
-    torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    for _ in range(2):
+        assert torch.equal((sharded @ sharded).full_tensor(), torch.full((4, 4), 4.0))
+    (shared_dir / f"sharding-cache-{rank}").write_text(repr(_sharding_cache_use()))
     os.chdir(shared_dir)
 
 
@@ -56,6 +78,10 @@ def test_2_state_is_back_to_fresh(rank: int, shared_dir: Path) -> None:
     assert len(torch.distributed.distributed_c10d._world.pg_map) == 1  # only the default group is left
     # ... and the destroyed group is freed, with its backend's threads (gloo: a loop and two workers).
     assert _threads() == int((shared_dir / f"threads-{rank}").read_text())
+    # DTensor's sharding decisions (cached per mesh) are forgotten with the mesh.
+    hits, misses = ast.literal_eval((shared_dir / f"sharding-cache-{rank}").read_text())
+    assert hits > 0 and misses > 0
+    assert _sharding_cache_use() == (0, 0)
     group = dist.new_group([0, 1])  # group creation still works after the cleanup
     tensor = torch.ones(1)
     dist.all_reduce(tensor, group=group)

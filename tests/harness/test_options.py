@@ -79,3 +79,32 @@ def test_non_distributed_tests_and_junitxml_are_untouched(inner: InnerSession) -
     assert "1 passed" in result.stdout
     assert (inner.directory / "parent.xml").exists()
     assert not inner.junit(0).exists()
+
+
+def test_modules_every_rank_imports_are_imported_once_by_the_zygote(inner: InnerSession) -> None:
+    """Rank fixture and label provider modules are imported before the ranks are forked; one that
+    cannot be imported there (here: it needs a rank's environment) is imported by each rank."""
+    inner.write("preloaded_fixtures.py", "import os\nIMPORTED_BY = os.getpid()\n")
+    inner.write("preloaded_labels.py", "import os\nIMPORTED_BY = os.getpid()\n\ndef label():\n    return None\n")
+    inner.write(
+        "rank_only_labels.py",
+        "import os\nIMPORTED_BY = os.getpid()\nRANK = int(os.environ['RANK'])\n\ndef label():\n    return None\n",
+    )
+    inner.write(
+        "test_preload.py",
+        "import os\n"
+        "import pytest\n"
+        "@pytest.mark.world_size(2)\n"
+        "def test_where_imported(rank):\n"
+        "    import preloaded_fixtures, preloaded_labels, rank_only_labels\n"
+        "    zygote = os.getppid()\n"
+        "    assert preloaded_fixtures.IMPORTED_BY == preloaded_labels.IMPORTED_BY == zygote\n"
+        "    assert rank_only_labels.IMPORTED_BY == os.getpid() and rank_only_labels.RANK == rank\n",
+    )
+    inner.write(
+        "pytest.ini",
+        "[pytest]\ncollective_label_providers =\n    preloaded_labels:label\n    rank_only_labels:label\n",
+    )
+    result = inner.run("-q", "-o", "rank_fixture_modules=preloaded_fixtures")
+    assert "1 passed" in result.stdout, result.stdout[-3000:]
+    assert "spawned, not forked" not in result.stdout
