@@ -92,6 +92,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="modules that register rank-side fixtures with harness.rank_fixture",
     )
     parser.addini(
+        "rank_preload_modules",
+        type="linelist",
+        default=[],
+        help="modules the session's zygote imports once before forking ranks (besides the rank fixture "
+        "and label provider modules), so that no rank pays their import; their import-time code sees "
+        "the session's environment, not a rank's",
+    )
+    parser.addini(
         "collective_label_providers",
         type="linelist",
         default=[],

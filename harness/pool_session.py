@@ -40,13 +40,12 @@ class PoolSession(HarnessSession):
         self.pool_starts = 0
         self.interrupted = False
         self._reaper: Reaper | None = None
-        # What every rank imports before its first test is imported once, by the zygote.
+        # What every rank imports before its first test, and what the project asks for, is
+        # imported once, by the zygote.
         provider_modules = tuple(spec.partition(":")[0] for spec in self.label_providers)
+        preload = (*config.getini("rank_preload_modules"), *provider_modules, *rank_fixture_modules)
         self.launcher = WorkerLauncher(
-            self.run_dir,
-            self.tag,
-            on_spawn=self._on_spawn,
-            preload=tuple(dict.fromkeys((*provider_modules, *rank_fixture_modules))),
+            self.run_dir, self.tag, on_spawn=self._on_spawn, preload=tuple(dict.fromkeys(preload))
         )
         self._interrupted_results: dict[int, RankResult] | None = None
         self._closed = False

@@ -413,24 +413,28 @@ class _Replacement:
     original: Callable
     wrapper: Callable
     names: set[str]
-    """Attribute names under which the original is published (its own name and aliases)."""
+    """Attribute names under which torch publishes the original (its own name and aliases)."""
 
 
 def _rebind_everywhere(replacements: dict[int, _Replacement]) -> None:
-    """Replace every module-level reference to an original, under any of its published names, with
-    its wrapper, so early `from torch.distributed... import name` bindings are traced too."""
-    by_name: dict[str, list[_Replacement]] = {}
-    for replacement in replacements.values():
-        for name in replacement.names:
-            by_name.setdefault(name, []).append(replacement)
-    for module in list(sys.modules.values()):
+    """Replace module-level references to an original with its wrapper, so that bindings made
+    before `install` are traced too.
+
+    In torch's own modules only the names torch publishes it under are rebound (an early
+    `from torch.distributed import all_gather_single`): torch keeps some originals under internal
+    aliases on purpose (`funcol.legacy_allgather` is a Dynamo remapping key). Elsewhere every
+    name is, whatever it is: a module the zygote imported before this rank installed the trace
+    may hold a private alias, such as the reference engine's `_all_gather_single`.
+    """
+    by_identity = {id(replacement.original): replacement for replacement in replacements.values()}
+    for module_name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        for name, candidates in by_name.items():
-            current = namespace.get(name)
-            if current is None:
+        in_torch = module_name == "torch" or module_name.startswith("torch.")
+        for name, value in list(namespace.items()):
+            replacement = by_identity.get(id(value))
+            if replacement is None or value is not replacement.original:
                 continue
-            for replacement in candidates:
-                if current is replacement.original:
-                    namespace[name] = replacement.wrapper
+            if not in_torch or name in replacement.names:
+                namespace[name] = replacement.wrapper

@@ -82,9 +82,15 @@ def test_non_distributed_tests_and_junitxml_are_untouched(inner: InnerSession) -
 
 
 def test_modules_every_rank_imports_are_imported_once_by_the_zygote(inner: InnerSession) -> None:
-    """Rank fixture and label provider modules are imported before the ranks are forked; one that
-    cannot be imported there (here: it needs a rank's environment) is imported by each rank."""
-    inner.write("preloaded_fixtures.py", "import os\nIMPORTED_BY = os.getpid()\n")
+    """Rank fixture and label provider modules, and those of `rank_preload_modules`, are imported
+    before the ranks are forked; one that cannot be imported there (here: it needs a rank's
+    environment) is imported by each rank. Collectives such a module bound early, under any
+    name, are still the traced ones."""
+    inner.write(
+        "preloaded_fixtures.py",
+        "import os\nimport torch.distributed as dist\nIMPORTED_BY = os.getpid()\n_all_reduce = dist.all_reduce\n",
+    )
+    inner.write("preloaded_extra.py", "import os\nIMPORTED_BY = os.getpid()\n")
     inner.write("preloaded_labels.py", "import os\nIMPORTED_BY = os.getpid()\n\ndef label():\n    return None\n")
     inner.write(
         "rank_only_labels.py",
@@ -94,16 +100,23 @@ def test_modules_every_rank_imports_are_imported_once_by_the_zygote(inner: Inner
         "test_preload.py",
         "import os\n"
         "import pytest\n"
+        "import torch.distributed\n"
         "@pytest.mark.world_size(2)\n"
         "def test_where_imported(rank):\n"
-        "    import preloaded_fixtures, preloaded_labels, rank_only_labels\n"
+        "    import preloaded_extra, preloaded_fixtures, preloaded_labels, rank_only_labels\n"
         "    zygote = os.getppid()\n"
         "    assert preloaded_fixtures.IMPORTED_BY == preloaded_labels.IMPORTED_BY == zygote\n"
-        "    assert rank_only_labels.IMPORTED_BY == os.getpid() and rank_only_labels.RANK == rank\n",
+        "    assert preloaded_extra.IMPORTED_BY == zygote\n"
+        "    assert rank_only_labels.IMPORTED_BY == os.getpid() and rank_only_labels.RANK == rank\n"
+        "    # bound before the rank wrapped the collectives, under a private name: traced all the same\n"
+        "    assert preloaded_fixtures._all_reduce is torch.distributed.all_reduce\n"
+        "    assert hasattr(preloaded_fixtures._all_reduce, '__trace_original__')\n",
     )
     inner.write(
         "pytest.ini",
-        "[pytest]\ncollective_label_providers =\n    preloaded_labels:label\n    rank_only_labels:label\n",
+        "[pytest]\n"
+        "collective_label_providers =\n    preloaded_labels:label\n    rank_only_labels:label\n"
+        "rank_preload_modules = preloaded_extra\n",
     )
     result = inner.run("-q", "-o", "rank_fixture_modules=preloaded_fixtures")
     assert "1 passed" in result.stdout, result.stdout[-3000:]
