@@ -8,7 +8,8 @@ once; each `run` forks it, and the child becomes what `python -m pytest <args>` 
 caller's pipes, its working directory, environment, `sys.path` and `sys.argv`, atexit handlers
 run at its end. Only imports differ: torch and pytest are already loaded (torch imported in the
 caller's environment with the session's PYTHON* variables, and one OpenMP thread; each session
-then gets the intra-op thread count its OMP_NUM_THREADS or the usable CPUs give). Nothing that pytest
+then gets the intra-op thread count its OMP_NUM_THREADS or the usable CPUs give), and their
+objects are out of the garbage collector's reach (`gc.freeze`, so that sessions never copy them). Nothing that pytest
 would rewrite (plugins, conftests, test modules) is preloaded, so assertion rewriting and its
 warnings are those of a fresh process.
 
@@ -357,6 +358,12 @@ def main() -> None:
 
     for module in sys.argv[4:]:
         importlib.import_module(module)
+    # Sessions share this heap copy-on-write; frozen, their collections never traverse (and so
+    # never write to and copy) it. `harness.zygote` does the same for rank workers.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     _serve(sock)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import types
 import warnings
@@ -103,6 +104,9 @@ def test_3_same_seed_on_every_rank_unless_asked(rank: int, world_size: int) -> N
 @pytest.mark.fresh_world
 def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
     assert (shared_dir / f"pid-{rank}").read_text() != str(os.getpid())
+    # A new rank's first test: what it inherited from the zygote (torch and the preloaded
+    # modules) is frozen, so its collections never traverse, and so never copy, that heap.
+    assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()
 
 
 # Groups test_5 keeps alive on purpose (a backend whose objects outlive their test does this).
