@@ -74,6 +74,17 @@ def _preload(spec: str) -> str:
     return f" (after importing {', '.join(imported)})" if imported else ""
 
 
+def _unsafe_to_fork() -> str:
+    """Why a fork of this process would not be what a fresh worker is, or "" if it would be."""
+    threads = _threads()
+    if threads != 1:
+        return f"the zygote has {threads} threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a preloaded module initialised CUDA
+        return "the zygote initialised CUDA, which a forked child cannot use"
+    return ""
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -139,9 +150,9 @@ def _serve_forks() -> None:
         if not data:
             return  # the parent closed its end: the session is over
         _, serial, log, env, cwd = pickle.loads(data)
-        threads = _threads()
-        if threads != 1:
-            send(sock, ("refused", serial, f"the zygote has {threads} threads{preloaded}; forking it is not safe"))
+        unsafe = _unsafe_to_fork()
+        if unsafe:
+            send(sock, ("refused", serial, f"{unsafe}{preloaded}; forking it is not safe"))
             for fd in fds:
                 os.close(fd)
             continue

@@ -121,3 +121,19 @@ def test_modules_every_rank_imports_are_imported_once_by_the_zygote(inner: Inner
     result = inner.run("-q", "-o", "rank_fixture_modules=preloaded_fixtures")
     assert "1 passed" in result.stdout, result.stdout[-3000:]
     assert "spawned, not forked" not in result.stdout
+
+
+def test_the_zygote_refuses_to_fork_with_threads_or_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preloaded module that started a thread or initialised CUDA makes forks unsafe: the
+    zygote refuses (the launcher then spawns workers and the summary says why)."""
+    import torch
+
+    from harness import zygote
+
+    monkeypatch.setattr(zygote, "_threads", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert zygote._unsafe_to_fork() == ""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "initialised CUDA" in zygote._unsafe_to_fork()
+    monkeypatch.setattr(zygote, "_threads", lambda: 3)
+    assert zygote._unsafe_to_fork() == "the zygote has 3 threads"
