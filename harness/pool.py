@@ -217,8 +217,9 @@ class WorkerLauncher:
     imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
     `python -m harness.worker` instead, for the rest of the session.
 
-    `preload`: modules every rank imports anyway (label providers, rank fixture modules), which
-    the zygote imports before its first fork so that each forked rank has them already.
+    `preload`: modules every rank imports anyway (label providers, rank fixture modules, the
+    `rank_preload_modules` ini option), which the zygote imports before its first fork so that
+    each forked rank has them already.
     """
 
     def __init__(

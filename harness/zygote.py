@@ -5,8 +5,9 @@ red suite restarts its pool after every fault).
 
 Started by `harness.pool.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
 where PRELOAD is JSON: the parent's `sys.path` and the modules every rank imports before its first
-test (the label providers and rank fixture modules), which the zygote imports once instead of each
-rank (a second of CPU per rank for the conformance suite's). It talks to the parent over a Unix
+test (the label providers and rank fixture modules) or that the project lists in
+`rank_preload_modules`, which the zygote imports once instead of each rank (seconds of CPU per
+rank for the conformance suite's). It talks to the parent over a Unix
 SOCK_SEQPACKET socket, one pickled message per packet:
 
     parent -> zygote   ("fork", serial, log path, environment, cwd)  + 2 fds: the worker's task and result pipes
