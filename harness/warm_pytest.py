@@ -9,9 +9,9 @@ caller's pipes, its working directory, environment, `sys.path` and `sys.argv`, a
 run at its end. Only imports differ: torch and pytest are already loaded (torch imported in the
 caller's environment with the session's PYTHON* variables, and one OpenMP thread; each session
 then gets the intra-op thread count its OMP_NUM_THREADS or the usable CPUs give), and their
-objects are out of the garbage collector's reach (`gc.freeze`, so that sessions never copy them). Nothing that pytest
-would rewrite (plugins, conftests, test modules) is preloaded, so assertion rewriting and its
-warnings are those of a fresh process.
+objects are out of the garbage collector's reach (`gc.freeze`, so that sessions never copy them).
+Nothing that pytest would rewrite (plugins, conftests, test modules) is preloaded, so assertion
+rewriting and its warnings are those of a fresh process.
 
 Semantics follow `subprocess.run(..., capture_output=True, text=True, timeout=...)`: the output is
 read until every holder of the pipes has closed them, a timeout kills the session and raises

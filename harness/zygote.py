@@ -55,7 +55,8 @@ def send(sock: socket.socket, message: tuple[Any, ...], fds: list[int] | None = 
 
 
 def _preload(spec: str) -> str:
-    """Import what every rank will import, once; a note for refusals if that started a thread.
+    """Import what every rank will import, once; what was imported, for the note on a refusal
+    (`_unsafe_to_fork`) should one of those modules have started a thread or initialised CUDA.
 
     A module that fails here is only written to the zygote's log: each rank then imports it
     itself and reports the error where it belongs, in the tests that need it. Import-time code
@@ -134,7 +135,7 @@ def _serve_forks() -> None:
     signal.set_wakeup_fd(wakeup[1])
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake the select below
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for pytest
-    preloaded = _preload(sys.argv[3]) if len(sys.argv) > 3 else ""
+    preloaded = _preload(sys.argv[3])
     # Every worker starts with this heap, copy-on-write. Frozen, it is never traversed by their
     # collections: a full collection writes to every object it scans, which would copy each
     # page of the shared heap into each worker (seconds of system time, and its memory).
