@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from datetime import timedelta
 
 import pytest
@@ -93,6 +94,7 @@ class LockstepSession(HarnessSession):
             raise WorldUnusable(
                 f"the torchrun world is unusable since {self.unusable_since}; relaunch to run the remaining tests"
             )
+        started = time.monotonic()
         outcome = self.runner.run(task)
         records = read_trace_or_empty(self.trace_path)
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
@@ -101,7 +103,9 @@ class LockstepSession(HarnessSession):
         except RuntimeError as error:
             self.unusable_since = f"{item.nodeid} did not reach the end on every rank"
             lost = f"did not reach the end of the test within --collective-timeout ({error})"
-            results: dict[int, RankResult] = {r: RankLoss(r, lost) for r in range(self.world_size)}
+            # What this process knows of a peer's duration: the test ran here until the exchange gave up.
+            elapsed = time.monotonic() - started
+            results: dict[int, RankResult] = {r: RankLoss(r, lost, duration_s=elapsed) for r in range(self.world_size)}
             results[self.rank] = outcome
             return Execution(results, {}, {self.rank: records})
         results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}

@@ -93,9 +93,12 @@ class RankLoss:
     """The exception the test raised on this rank before it was lost (e.g. a Python error followed
     by gloo's SIGABRT during teardown): `Type: message` on the first line, then the traceback;
     else empty."""
+    duration_s: float = 0.0
+    """How long the rank ran the test until it was found lost (its death seen, or the parent gave
+    up on it: hung, interrupted), as the parent measured it from sending the task; 0.0 when it
+    never got the task."""
 
     status: ClassVar[Status] = "failed"
-    duration_s: ClassVar[float] = 0.0
 
     @property
     def summary(self) -> str:

@@ -41,6 +41,12 @@ from harness.text import describe_exception, read_tail
 SESSION_ENV = processes.SESSION_ENV
 _HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
 _POLL_S = 0.1  # how often exit status is polled where the kernel gives no pidfd to wait on
+# How long a hung rank gets to answer SIGUSR1 with its stacks. A rank answers in milliseconds
+# (faulthandler writes from its C signal handler, whatever Python is doing); the bound only
+# matters for one that cannot. On Ctrl-C / SIGTERM it is shorter: the session must stop in
+# seconds, and CI's cancellation grace (often 10 s before SIGKILL) must cover the whole clean-up.
+_STACKS_WAIT_S = 2.0
+_STACKS_WAIT_ON_SIGNAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,8 @@ class _RankProcess:
         self.rank = rank
         self.worker = worker
         self.files = files
+        self.dispatched_at: float | None = None
+        """When the current task was sent (time.monotonic); a lost rank's duration counts from it."""
 
     @property
     def to_rank(self) -> Connection:
@@ -367,11 +375,13 @@ class _RankProcess:
         return self.worker.exit_code(timeout_s)
 
     def lost(self, cause: str, stacks: str = "") -> RankLoss:
-        """A RankLoss with the exception the test raised on this rank before, if it noted one."""
+        """A RankLoss with the exception the test raised on this rank before, if it noted one, and how
+        long the rank had been running the test when it was found lost (dead, or about to be killed)."""
         raised = ""
         with contextlib.suppress(OSError), open(self.files.raised, encoding="utf-8", errors="replace") as handle:
             raised = handle.read()
-        return RankLoss(self.rank, cause, stacks, raised)
+        duration_s = 0.0 if self.dispatched_at is None else time.monotonic() - self.dispatched_at
+        return RankLoss(self.rank, cause, stacks, raised, duration_s)
 
     def collect(self) -> RankResult:
         """The rank's outcome if it sent one, else how it was lost (call once it answered or exited)."""
@@ -496,10 +506,11 @@ class WorkerPool:
         usually leaves its peers blocked in a collective, and waiting for the collective
         timeout would only delay the report.
 
-        If the wait is interrupted (KeyboardInterrupt, pytest-timeout's exception), the
-        exception propagates after `interrupted_results` is set: the ranks that answered, and the
-        others as lost, with their Python stacks unless the interrupt was a KeyboardInterrupt
-        (the user wants out at once).
+        If the wait is interrupted (KeyboardInterrupt or SessionTerminated for Ctrl-C and SIGTERM,
+        pytest-timeout's exception), the exception propagates after `interrupted_results` is set:
+        the ranks that answered, and the others as lost, with their Python stacks (when a CI job
+        is cancelled because it hung, those stacks are the evidence; a signal gets a shorter wait
+        for them, so the session still stops in about a second).
         """
         # How a rank's death is noticed: the parent waits on each rank's result pipe and on the
         # process itself (its pidfd, or polling). The pipe alone is not enough: a grandchild that
@@ -510,6 +521,7 @@ class WorkerPool:
         for proc in self._ranks:
             with contextlib.suppress(OSError):
                 os.truncate(proc.files.raised, 0)
+            proc.dispatched_at = time.monotonic()
             try:
                 proc.to_rank.send(task)
                 pending[proc.rank] = proc
@@ -545,7 +557,8 @@ class WorkerPool:
                         failed_at = time.monotonic()
         except BaseException as error:
             lost = list(pending.values())
-            stacks = {} if isinstance(error, KeyboardInterrupt) else self._dump_stacks(lost)
+            wait_s = _STACKS_WAIT_ON_SIGNAL_S if isinstance(error, KeyboardInterrupt) else _STACKS_WAIT_S
+            stacks = self._dump_stacks(lost, wait_s)
             cause = f"was still running when the pytest process stopped the test ({describe_exception(error)})"
             for proc in lost:
                 results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
@@ -565,7 +578,7 @@ class WorkerPool:
                 results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
         return dict(sorted(results.items()))
 
-    def _dump_stacks(self, procs: list[_RankProcess], wait_s: float = 2.0) -> dict[int, str]:
+    def _dump_stacks(self, procs: list[_RankProcess], wait_s: float = _STACKS_WAIT_S) -> dict[int, str]:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
         for proc in procs:
             # Empty the file first: the rank holds it in append mode, so its dump starts at
@@ -574,13 +587,13 @@ class WorkerPool:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.worker.pid, signal.SIGUSR1)
         deadline = time.monotonic() + wait_s
-        stacks: dict[int, str] = {}
         for proc in procs:
             while time.monotonic() < deadline and os.path.getsize(proc.files.stacks) == 0:
                 time.sleep(0.02)
-            time.sleep(0.05)  # let faulthandler finish writing every thread
-            stacks[proc.rank] = tail(proc.files.stacks, 20000) or "(no stack: the rank did not answer SIGUSR1)"
-        return stacks
+        time.sleep(0.05)  # let faulthandler finish writing every thread (once for all ranks)
+        return {
+            proc.rank: tail(proc.files.stacks, 20000) or "(no stack: the rank did not answer SIGUSR1)" for proc in procs
+        }
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Polite shutdown (ranks leave their process group), then kill whatever remains."""

@@ -73,7 +73,7 @@ def rank_case(result: RankResult, stdout: str, stderr: str, divergence: str) -> 
     if isinstance(result, RankLoss):
         raised = f"--- raised, before the rank was lost ---\n{result.raised}\n" if result.raised else ""
         text = f"{result.summary}\n{raised}{result.stacks}\n--- stderr ---\n{stderr}"
-        return RankCase("failed", 0.0, result.summary, text, stdout, stderr)
+        return RankCase("failed", result.duration_s, result.summary, text, stdout, stderr)
     if divergence and result.status != "failed":
         return RankCase("failed", result.duration_s, divergence, divergence, stdout, stderr)
     text = "\n".join(filter(None, [result.traceback or result.summary, divergence]))

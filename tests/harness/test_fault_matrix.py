@@ -475,6 +475,31 @@ def test_each_verdict_comes_within_its_bound(matrix: MatrixRun) -> None:
     assert slow == {}, slow
 
 
+# A lost rank's time in its file: what the parent measured from sending the task until it found
+# the rank dead or gave up on it. Lower bounds where the harness waited on purpose.
+LOST_AT_LEAST = {
+    ("test_v_hang_in_python", 1): COLLECTIVE_TIMEOUT + GRACE,  # rank 0 times out, then the grace
+    ("test_w_every_rank_hangs", 0): TEST_TIMEOUT,
+    ("test_w_every_rank_hangs", 1): TEST_TIMEOUT,
+    ("test_x_pytest_timeout", 1): PYTEST_TIMEOUT - 1,  # pytest-timeout's clock starts at setup
+}
+LOST = re.compile(r"^rank \d (was killed by|exited with code|hung|was still running|closed its pipe)")
+
+
+def test_each_rank_file_has_the_rank_s_own_duration_lost_ranks_included(matrix: MatrixRun) -> None:
+    lost = set()
+    for name, case in matrix.pytest_cases.items():
+        for rank in (0, 1):
+            got = matrix.ranks[rank][name]
+            # A rank's part of a test lies within pytest's time for the whole test (ms rounding).
+            assert got.time_s <= case.time_s + 0.002, (name, rank, got.time_s, case.time_s)
+            if LOST.match(got.message):
+                lost.add((name, rank))
+                assert got.time_s >= LOST_AT_LEAST.get((name, rank), 0.001), (name, rank, got.time_s, got.message)
+    assert set(LOST_AT_LEAST) <= lost
+    assert len(lost) >= 11, sorted(lost)  # every death and hang of the matrix has a lost rank
+
+
 def test_what_each_rank_printed_survives_with_exact_cut_notices(matrix: MatrixRun) -> None:
     rank1 = matrix.ranks[1]
     assert rank1["test_a_raise"].stdout.strip() == "rank 1 about to fail"

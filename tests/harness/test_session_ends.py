@@ -3,12 +3,14 @@
 Four inner sessions run at once (each in its own directory and TMPDIR); each has a test that
 passed and one that is running (both ranks started a child process in a new session) when the
 signal arrives. Checked from outside: the exit, how long it took, the per-rank files (the finished
-test, and the interrupted one with the parent's reason), no process left and no run directory.
+test, and the interrupted one with the parent's reason, each rank's stack and its own duration), no
+process left and no run directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -60,6 +62,8 @@ class Stopped:
     output: str
     stop_s: float
     children: list[int]
+    ran_before_signal_s: float
+    """From seeing that both ranks run test_2 to the signal: a lower bound of their time in it."""
 
 
 def _start(inner: InnerSession, twice: bool) -> subprocess.Popen[str]:
@@ -94,10 +98,13 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Stopped]:
     for name, sig in plans.items():
         inner, process = inners[name], processes_[name]
         children = _wait_running(inner, process, deadline)
+        running_seen = time.monotonic()
         process.send_signal(sig)
         sent = time.monotonic()
         output, _ = process.communicate(timeout=120)
-        results[name] = Stopped(inner, process.returncode, output, time.monotonic() - sent, children)
+        results[name] = Stopped(
+            inner, process.returncode, output, time.monotonic() - sent, children, sent - running_seen
+        )
     return results
 
 
@@ -118,6 +125,11 @@ def test_an_interrupted_session_reports_what_finished_and_the_interrupted_test(
         reason = "SessionTerminated: SIGTERM received" if name == "sigterm" else "KeyboardInterrupt"
         own = f"rank {rank} was still running when the pytest process stopped the test ({reason}"
         assert interrupted.message.startswith(own), interrupted
+        # The evidence a cancelled CI job needs: where each rank was (faulthandler's dump).
+        assert re.search(r'File ".*test_stopped\.py", line \d+ in test_2_running', interrupted.text), interrupted.text
+        # The rank's own time in the test, measured by the parent up to the stop, not 0 (the file
+        # rounds to milliseconds).
+        assert interrupted.time_s > 0 and interrupted.time_s >= run.ran_before_signal_s - 0.001, (interrupted, run)
 
 
 def test_a_second_sigint_does_not_cut_the_clean_up_short(stopped: dict[str, Stopped]) -> None:
