@@ -23,6 +23,7 @@ import torch
 
 from conformance import expectations, registry
 from conformance.matrix import Matrix, classify, render_html, render_markdown
+from harness import repro
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
 
@@ -86,6 +87,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "collected test of a file collected whole, or its test was skipped"
         ),
     )
+
+
+def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
+    """What a failed test's reproduction does with each option above (tests/harness/test_repro.py
+    fails when an option is missing here); --backend-path comes first, so --backend can import."""
+    return {
+        "--backend-path": repro.Carried(_backend_path_args),
+        "--backend": repro.Carried(_backend_args),
+        "--expectations-dir": repro.Carried(_expectations_dir_args),
+        "--strict-expectations": repro.NotCarried(
+            "it judges the run's expectation entries as a whole (stale ones), not one test's verdict"
+        ),
+    }
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -271,20 +285,28 @@ def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> Non
     item.config.stash[_MATRIX].record(scenario, selection, item.nodeid, outcome, text)
 
 
-def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
-    """The backend as it was given, what makes an import-path backend importable, and the
-    expectations directory when one was given."""
+def _backend_path_args(item: pytest.Item) -> list[str]:
+    """What makes the failed test's import-path backend importable (when plain pytest would not find it)."""
     selection = _selection(item)
     if _backend_name(item) is None or selection is None:
         return []
-    args = []
-    for directory in _import_directories(selection, item.config):
-        args += ["--backend-path", directory]
-    args += ["--backend", selection]
+    return [arg for directory in _import_directories(selection, item.config) for arg in ("--backend-path", directory)]
+
+
+def _backend_args(item: pytest.Item) -> list[str]:
+    """The one backend the failed test ran with, as it was given."""
+    selection = _selection(item)
+    if _backend_name(item) is None or selection is None:
+        return []
+    return ["--backend", selection]
+
+
+def _expectations_dir_args(item: pytest.Item) -> list[str]:
+    """The expectations directory when one was given, absolute (the re-run starts in the root directory)."""
     directory = item.config.getoption("expectations_dir")
-    if directory is not None:
-        args += ["--expectations-dir", str(Path(directory).resolve())]
-    return args
+    if _backend_name(item) is None or directory is None:
+        return []
+    return ["--expectations-dir", str(Path(directory).resolve())]
 
 
 def _import_directories(selection: str, config: pytest.Config) -> list[str]:

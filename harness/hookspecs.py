@@ -14,15 +14,26 @@ from __future__ import annotations
 import pytest
 
 from harness.reports import DistributedTestResult
+from harness.repro import ReproPolicy
+
+
+def pytest_harness_repro_options() -> dict[str, ReproPolicy]:
+    """Every option this plugin registers (`--name` for command-line options, the bare name for
+    ini options) and whether a failed test's reproduction carries it (`harness.repro.Carried`,
+    optionally with the arguments for one test) or not (`harness.repro.NotCarried(reason)`).
+
+    E.g. the conformance plugin carries `--backend` as the one backend the failed test ran with.
+    The `REPRO:` line and `--repro` are built from these tables.
+    """
+    raise NotImplementedError  # a hook specification: pytest collects the implementations
 
 
 def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
-    """Extra command-line arguments the reproduction line of a failed distributed test needs.
-
-    E.g. the conformance plugin returns ["--backend", "torch-fsdp2"]. Every implementation's
-    list is appended.
+    """Extra command-line arguments the reproduction line of a failed distributed test needs,
+    beyond the declared options (`pytest_harness_repro_options`). Every implementation's list is
+    appended.
     """
-    raise NotImplementedError  # a hook specification: pytest collects the implementations
+    raise NotImplementedError
 
 
 def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:

@@ -107,6 +107,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
+    """What a failed test's reproduction does with each option above (tests/harness/test_repro.py
+    fails when an option is missing here)."""
+    return {
+        "--device": repro.Carried(),
+        "--seed": repro.Carried(),
+        "--collective-timeout": repro.Carried(),
+        "--test-timeout": repro.Carried(),
+        "--straggler-grace": repro.Carried(),
+        "--world-sizes": repro.Carried(world_sizes.repro_args),  # the failed test's own size, if chosen
+        "--repro": repro.NotCarried("it starts the reproduction; the re-run is the recorded command"),
+        "--show-traces": repro.NotCarried("it only prints traces (a --repro re-run prints them anyway)"),
+        "--reports-dir": repro.NotCarried(
+            "it only says where reports go; a --repro re-run writes to its own --reports-dir or "
+            "reports/repro, never over the reports of the run it reproduces"
+        ),
+        "rank_fixture_modules": repro.CARRIED_BY_INI,
+        "rank_preload_modules": repro.CARRIED_BY_INI,
+        "collective_label_providers": repro.CARRIED_BY_INI,
+    }
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
@@ -195,10 +217,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     world_sizes.deselect(config, items)
-
-
-def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
-    return world_sizes.repro_args(item)
 
 
 @pytest.hookimpl(tryfirst=True)
