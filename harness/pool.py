@@ -558,7 +558,12 @@ class WorkerPool:
         except BaseException as error:
             lost = list(pending.values())
             wait_s = _STACKS_WAIT_ON_SIGNAL_S if isinstance(error, KeyboardInterrupt) else _STACKS_WAIT_S
-            stacks = self._dump_stacks(lost, wait_s)
+            try:
+                stacks = self._dump_stacks(lost, wait_s)
+            except (KeyboardInterrupt, OSError):
+                # A second Ctrl-C where no signal guard holds it, or the run directory is gone:
+                # the losses are still reported, without stacks.
+                stacks = {}
             cause = f"was still running when the pytest process stopped the test ({describe_exception(error)})"
             for proc in lost:
                 results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
