@@ -7,6 +7,7 @@ from dataclasses import replace
 from test_divergence import rec
 
 from harness.messages import RankLoss, RankOutcome
+from harness.reports import rank_case
 from harness.tracefile import CollectiveRecord, last_unfinished
 from harness.verdict import decide, world_reusable
 
@@ -52,3 +53,10 @@ def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls
     }
     stuck = last_unfinished(traces)
     assert list(stuck) == [0] and stuck[0].index == 1
+
+
+def test_each_rank_case_has_that_rank_s_own_duration_lost_ranks_included() -> None:
+    lost = RankLoss(1, "hung: no result within the 120 s test deadline", stacks="Thread 0x1", duration_s=120.4)
+    cases = {rank: rank_case(result, "", "", "") for rank, result in {0: outcome(0), 1: lost}.items()}
+    assert (cases[0].time_s, cases[1].time_s) == (0.1, 120.4)
+    assert RankLoss(0, "exited with code 3").duration_s == 0.0  # never got the task
