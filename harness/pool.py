@@ -576,10 +576,10 @@ class WorkerPool:
                 if failed_at is not None and failed_at + straggler_grace_s < deadline:
                     cause = (
                         f"hung: still running {waited:.1f} s into the test, "
-                        f"{straggler_grace_s:.0f} s after another rank failed"
+                        f"{straggler_grace_s:g} s after another rank failed"
                     )
                 else:
-                    cause = f"hung: no result within the {deadline_s:.0f} s test deadline"
+                    cause = f"hung: no result within the {deadline_s:g} s test deadline"
                 results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
         return dict(sorted(results.items()))
 

@@ -110,7 +110,7 @@ def test_straggler(rank):
     time.sleep(60)  # rank 0 straggles: it is given --straggler-grace, then its stacks are taken
 """
 NODE = "test_straggler.py::test_straggler"
-CHANGED = ("--device=cpu", "--seed=5", "--collective-timeout=4", "--test-timeout=40", "--straggler-grace=1")
+CHANGED = ("--device=cpu", "--seed=5", "--collective-timeout=4", "--test-timeout=40", "--straggler-grace=0.5")
 
 
 def test_a_repro_re_runs_with_every_option_that_changed_the_verdict(inner: InnerSession) -> None:
@@ -129,10 +129,10 @@ def test_a_repro_re_runs_with_every_option_that_changed_the_verdict(inner: Inner
     junit = inner.directory / "reports" / "repro" / "junit"
     straggler = read_cases(junit / "rank-0.xml")["test_straggler"]
     # The recorded grace, not the default 5 s: the re-run's verdict and its timing are the run's.
-    assert "hung: still running" in straggler.message and "1 s after another rank failed" in straggler.message, (
+    assert "hung: still running" in straggler.message and "0.5 s after another rank failed" in straggler.message, (
         straggler.message
     )
-    assert 1 <= straggler.time_s < 5, straggler.time_s
+    assert 0.5 <= straggler.time_s < 5, straggler.time_s
     assert re.search(r"in test_straggler", straggler.text), straggler.text[-2000:]
     seeds = {
         prop.get("value") for prop in ET.parse(junit / "rank-0.xml").iter("property") if prop.get("name") == "seed"
