@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import expectations, registry
+from conformance import admission, expectations, registry
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
@@ -100,6 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
             sys.path.insert(0, path)
     try:
         config.stash[_STATE] = _select(config)
+        _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_MATRIX] = Matrix()
@@ -128,6 +129,18 @@ def _select(config: pytest.Config) -> BackendSelection:
     expected = {names[selection]: _expectations(selection, names[selection], explicit) for selection in backends}
     origins = {names[selection]: registry.origin(selection) for selection in backends}
     return BackendSelection(backends, names, expected, origins)
+
+
+def _admit(config: pytest.Config, state: BackendSelection) -> None:
+    """Refuse, before any test runs, a backend that could run nothing here (conformance.admission)."""
+    kind = plan_devices(config.getoption("device"), 1).kind
+    context = admission.SessionContext(device=torch.device(kind) if kind is not None else None)
+    refused = []
+    for selection in state.backends:
+        reasons = admission.refusals(registry.load(selection), context)
+        refused += [f"backend {state.name(selection)!r} cannot run here: {reason}" for reason in reasons]
+    if refused:
+        raise registry.BackendSelectionError("\n".join(refused))
 
 
 def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:

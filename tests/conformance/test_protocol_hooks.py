@@ -208,6 +208,7 @@ def _run_fixture(monkeypatch: pytest.MonkeyPatch, body_raises: bool) -> list[str
         assert isinstance(adapter, LabellingAdapter)
         assert adapter.env.local_rank == 0
         calls.append("body")
+        adapter.shard(nn.Linear(2, 2), ShardingSpec(), ApiForm.COMPOSABLE)  # a passing test must shard
         if body_raises:
             raise RuntimeError("the test body failed")
     assert registered and registered[0].__self__ is adapter
