@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from adapter_testing import run_inner_session
 
-from conformance.admission import SessionContext, refusals
 from conformance.adapters.template import TemplateAdapter
-from tests.conformance.adapter_testing import run_inner_session
+from conformance.admission import SessionContext, refusals
 from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter
 
 CPU = SessionContext(device=torch.device("cpu"))
