@@ -12,8 +12,10 @@ Writing an adapter: see ``docs/writing-an-adapter.md``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -180,6 +182,72 @@ class ShardingSpec:
         return needed
 
 
+class Misuse(enum.Enum):
+    """What scenarios do wrong on purpose; each backend declares how it refuses (``REFUSALS``)."""
+
+    UNSHARD_DURING_FORWARD = "unshard() entered during forward"
+    UNSHARD_DURING_BACKWARD = "unshard() entered during backward"
+    UNSHARD_RANK0_ONLY_WITH_WRITEBACK = "unshard(rank0_only=True, writeback=True)"
+    UNSHARD_OFFLOAD_TO_CPU_NO_SHARD = "unshard(offload_to_cpu=True) of a NO_SHARD unit"
+    TENSOR_PARALLEL_OUTER_MESH_DIM = "tensor parallelism over the outer dimension of a 2-D mesh"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """How a backend refuses a misuse: an exception of one of ``types`` whose message matches
+    the regular expression ``pattern`` (``re.search``)."""
+
+    types: tuple[type[BaseException], ...]
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if not self.types:
+            raise ValueError("Refusal.types names no exception type; give the type(s) the backend raises")
+        re.compile(self.pattern)  # a bad pattern fails where it is declared, not in every scenario
+
+    def mismatch(self, error: BaseException) -> str | None:
+        """What differs between ``error`` and this declaration, or None when it matches."""
+        if isinstance(error, self.types) and re.search(self.pattern, str(error)):
+            return None
+        return f"raised {type(error).__name__}: {error}; expected {self}"
+
+    def __str__(self) -> str:
+        return f"{' or '.join(t.__name__ for t in self.types)} matching {self.pattern!r}"
+
+
+_UNSHARD_IN_COMPUTE = Refusal((AssertionError,), "Cannot manually unshard parameters during forward/backward")
+_NOT_SUPPORTED = Refusal((NotImplementedError,), "is not supported")
+
+# The upstream seeds' refusals, verbatim (test_fsdp_summon_full_params.py, test_fsdp_tp_integration.py):
+# what a backend that declares no REFUSALS of its own is held to, and what the torch adapters declare.
+SEED_REFUSALS: Mapping[Misuse, Refusal] = {
+    Misuse.UNSHARD_DURING_FORWARD: _UNSHARD_IN_COMPUTE,
+    Misuse.UNSHARD_DURING_BACKWARD: _UNSHARD_IN_COMPUTE,
+    Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK: _NOT_SUPPORTED,
+    Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD: _NOT_SUPPORTED,
+    Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM: Refusal(
+        (RuntimeError,), r"Found TP device_mesh on the \d dimension of its parent mesh"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MixedPrecisionUnshard:
+    """What ``unshard()`` does under mixed precision (``ShardingSpec.param_dtype``), where the
+    seeds leave a backend the choice. The defaults are torch FSDP1's (the seeds').
+
+    ``shows_compute_dtype``: inside the context parameters are in ``param_dtype`` (FSDP2 and
+    DeepSpeed gather the low-precision copy) rather than the original float32 (FSDP1).
+    ``root_stays_unsharded``: an unshard between forward and backward leaves the root's
+    gathered low-precision parameters in place (FSDP2) rather than replacing them with the
+    full-precision view and resharding the root, so that backward gathers again (FSDP1).
+    Without mixed precision neither applies: an unshard changes nothing a strategy keeps gathered.
+    """
+
+    shows_compute_dtype: bool = False
+    root_stays_unsharded: bool = False
+
+
 @dataclass(frozen=True)
 class BackendEnv:
     """Where an adapter runs: the default process group is already initialised."""
@@ -229,6 +297,13 @@ class BackendAdapter(abc.ABC):
     # file of the module that sets it, e.g. "expectations.toml" next to the adapter module, so
     # a package registered as an entry point ships its known failures with it.
     EXPECTATIONS: ClassVar[str | None] = None
+    # Backend facts where backends legitimately differ, declared and then checked exactly
+    # (docs/writing-an-adapter.md, "Backend facts"); prove yours as test_declared_facts.py does.
+    # The name of a unit's flat parameter (with FLAT_PARAMETERS): "<unit FQN>.<name>".
+    FLAT_PARAMETER_NAME: ClassVar[str] = "_flat_param"
+    # How each misuse is refused; a misuse left out is held to the seeds' refusal.
+    REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
+    MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -448,22 +523,43 @@ class BackendAdapter(abc.ABC):
         (e.g. process groups a library keeps in module globals). Default: nothing."""
 
 
-# With ``use_orig_params=False`` the only parameter a unit shows outside the unshard context is
-# ``<unit FQN>.{FLAT_PARAM}`` (``FLAT_PARAM`` alone for the root), after removing the declared
-# wrapper components; each rank's holds ceil(N / world size) elements for a unit managing N
-# parameter elements (the flat buffer is padded at its end to split evenly).
-FLAT_PARAM = "_flat_param"
-
-
 def declared_fqn(backend: BackendAdapter, name: str) -> str:
     """``name`` without the path components ``backend`` declares in ``WRAPPER_COMPONENTS``."""
     components = type(backend).WRAPPER_COMPONENTS
     return ".".join(part for part in name.split(".") if part and part not in components)
 
 
-def flat_param_fqn(unit: str) -> str:
-    """The name a unit's flat parameter must have (see :data:`FLAT_PARAM`)."""
-    return f"{unit}.{FLAT_PARAM}" if unit else FLAT_PARAM
+def flat_param_fqn(backend: BackendAdapter, unit: str) -> str:
+    """The name a unit's flat parameter must have: with ``use_orig_params=False`` the only
+    parameter a unit shows outside the unshard context is ``<unit FQN>.<FLAT_PARAMETER_NAME>``
+    (the name alone for the root), after removing the declared wrapper components; each rank's
+    holds ceil(N / world size) elements for a unit managing N parameter elements (the flat
+    buffer is padded at its end to split evenly)."""
+    name = type(backend).FLAT_PARAMETER_NAME
+    return f"{unit}.{name}" if unit else name
+
+
+def declared_refusal(backend: BackendAdapter | type[BackendAdapter], misuse: Misuse) -> Refusal:
+    """How ``backend`` (an adapter or its class) declares it refuses ``misuse`` (the seeds'
+    refusal where it declares none)."""
+    adapter_cls = backend if isinstance(backend, type) else type(backend)
+    return adapter_cls.REFUSALS.get(misuse, SEED_REFUSALS[misuse])
+
+
+@contextlib.contextmanager
+def refused(backend: BackendAdapter, misuse: Misuse, where: str = "") -> Iterator[None]:
+    """Expect the body to raise the refusal ``backend`` declares for ``misuse``; fail with what
+    was raised (or ``DID NOT RAISE``) and what was declared otherwise."""
+    declared = declared_refusal(backend, misuse)
+    prefix = f"{where}: " if where else ""
+    try:
+        yield
+    except Exception as error:
+        problem = declared.mismatch(error)
+        if problem is not None:
+            raise AssertionError(f"{prefix}{misuse.value}: {backend.name} {problem}") from error
+        return
+    raise AssertionError(f"{prefix}{misuse.value}: DID NOT RAISE; {backend.name} declares {declared}")
 
 
 def unshard_capabilities(

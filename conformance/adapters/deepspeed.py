@@ -59,6 +59,7 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     Capability,
+    MixedPrecisionUnshard,
     OptimizerFactory,
     ShardingSpec,
     ShardingStrategy,
@@ -230,6 +231,10 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.INTROSPECT_UNSHARDED,
         }
     )
+    # Backend facts (proven in tests/conformance/test_declared_facts.py where DeepSpeed is
+    # installed): its bf16/fp16 mode casts the model's parameters to the low dtype (float32 lives
+    # only in the ZeRO optimizer's master partitions), so GatheredParameters shows that dtype.
+    MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True)
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (

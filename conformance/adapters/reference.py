@@ -19,11 +19,14 @@ import torch.nn as nn
 
 import engine
 import engine.collectives
+import engine.params
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    Misuse,
     OptimizerFactory,
+    Refusal,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
@@ -52,6 +55,27 @@ class ReferenceAdapter(BackendAdapter):
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
+    FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
+    # The engine's own refusals (engine/unshard.py, engine/topology.py): a call in the wrong state
+    # is Python's RuntimeError where FSDP1 raises AssertionError; the unsupported unshard options
+    # are the seeds' NotImplementedError. Proven in tests/conformance/test_declared_facts.py.
+    REFUSALS = {
+        Misuse.UNSHARD_DURING_FORWARD: Refusal(
+            (RuntimeError,), "Cannot manually unshard parameters during forward/backward"
+        ),
+        Misuse.UNSHARD_DURING_BACKWARD: Refusal(
+            (RuntimeError,), "Cannot manually unshard parameters during forward/backward"
+        ),
+        Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK: Refusal(
+            (NotImplementedError,), r"rank0_only=True with writeback=True is not supported"
+        ),
+        Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD: Refusal(
+            (NotImplementedError,), r"offload_to_cpu=True with NO_SHARD .* is not supported"
+        ),
+        Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM: Refusal(
+            (RuntimeError,), r"is tensor-parallel \(TP\) over mesh dimension .*; TP must be the innermost"
+        ),
+    }
 
     # -- collective labels (the engine publishes the FQNs of the unit it is gathering) ---------
     def collective_label(self) -> str | None:

@@ -36,8 +36,10 @@ from conformance.adapters._common import (
 )
 from conformance.adapters._labels import current_label, label_calls
 from conformance.protocol import (
+    SEED_REFUSALS,
     ApiForm,
     Capability,
+    Misuse,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
@@ -87,6 +89,12 @@ class TorchFSDP1Adapter(TorchAdapter):
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
     CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE, Capability.SHARD_OPTIM_STATE}
     WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
+    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDP1 is what the seeds
+    # test; it refuses the unshard misuses exactly as they require (it has no check of the TP mesh
+    # dimension: held to the seeds' refusal, see its expectations). Its mixed-precision unshard is
+    # the protocol's default (the seeds').
+    FLAT_PARAMETER_NAME = "_flat_param"
+    REFUSALS = {misuse: SEED_REFUSALS[misuse] for misuse in Misuse if misuse.name.startswith("UNSHARD_")}
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "

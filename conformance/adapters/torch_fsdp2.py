@@ -42,6 +42,7 @@ from conformance.protocol import (
     ApiForm,
     BackendEnv,
     Capability,
+    MixedPrecisionUnshard,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
@@ -85,6 +86,12 @@ class TorchFSDP2Adapter(TorchAdapter):
         Capability.UNSHARD_WITH_GRADS,
         Capability.SHARD_OPTIM_STATE,
     }
+    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDPModule.unshard()
+    # all-gathers in mp_policy.param_dtype, so under mixed precision the unsharded parameters are
+    # in the compute dtype, and a root gathered by forward stays so (the adapter leaves units it
+    # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
+    # held to the seeds' (see its expectations).
+    MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
