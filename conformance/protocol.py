@@ -94,6 +94,10 @@ class Capability(enum.Enum):
     def for_form(cls, form: ApiForm) -> Capability:
         return cls[form.name]
 
+    @classmethod
+    def for_state_dict(cls, kind: StateDictKind) -> Capability:
+        return cls.FULL_STATE_DICT if kind is StateDictKind.FULL else cls.SHARDED_STATE_DICT
+
 
 @dataclass(frozen=True)
 class ShardingSpec:
@@ -268,6 +272,23 @@ class ShardEvent:
     unit: str
 
 
+# The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
+# an older one keeps running, with one warning naming what it does not declare of what came
+# later and how many scenarios that costs (conformance.versions).
+PROTOCOL_VERSION = 3
+
+# The public methods that check the declared capabilities, then call the adapter's
+# implementation: public name -> the method an adapter implements.
+TEMPLATE_METHODS = {
+    "shard": "_shard",
+    "unshard": "_unshard",
+    "state_dict": "_state_dict",
+    "load_state_dict": "_load_state_dict",
+    "optim_state_dict": "_optim_state_dict",
+    "load_optim_state_dict": "_load_optim_state_dict",
+}
+
+
 # Builds the optimizer for an iterable of parameters, e.g. functools.partial(torch.optim.Adam, lr=1e-2).
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -282,6 +303,8 @@ class BackendAdapter(abc.ABC):
 
     name: ClassVar[str]
     CAPABILITIES: ClassVar[frozenset[Capability]]
+    # The protocol version this adapter was written for; unstated means the first.
+    PROTOCOL_VERSION: ClassVar[int] = 1
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
     # Capabilities the backend has one by one but not together (DeepSpeed: CPU offload, but not
@@ -307,6 +330,7 @@ class BackendAdapter(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _adopt_implementations(cls)
         declared = getattr(cls, "CAPABILITIES", None)
         if declared is not None and not declared & {Capability.WRAPPER, Capability.COMPOSABLE}:
             raise TypeError(
@@ -344,18 +368,54 @@ class BackendAdapter(abc.ABC):
         return (torch.float16, torch.bfloat16)
 
     # -- applying sharding ----------------------------------------------------------------
-    @abc.abstractmethod
+    # The public methods below check every capability the call exercises (a missing one skips
+    # the test as "unsupported: ...", never runs it half-supported), then call the adapter's
+    # implementation (the underscored abstract method). An adapter implements those and never
+    # repeats the checks: a forgotten refusal cannot happen.
+
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        """Shard ``model`` (already on ``env.device``) and return the module to run, after
+        checking ``spec.needed_capabilities(form)`` and the declared combinations."""
+        require_all(self, spec.needed_capabilities(form))
+        return self._shard(model, spec, form)
+
+    @abc.abstractmethod
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         """Shard ``model`` (already on ``env.device``) and return the module to run.
 
         The wrapper form returns the root wrapper; the composable form returns ``model``
         itself (sharded in place). The result's ``parameters()`` are what the optimizer gets.
-        Call ``require_all(self, spec.needed_capabilities(form))`` first.
+        Every capability the spec uses is declared (:meth:`shard` checked).
         """
 
     # -- unshard ------------------------------------------------------------------------
-    @abc.abstractmethod
+    @contextlib.contextmanager
     def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters, after
+        checking the capabilities these options exercise (:func:`unshard_capabilities`)."""
+        options = {
+            "writeback": writeback,
+            "rank0_only": rank0_only,
+            "offload_to_cpu": offload_to_cpu,
+            "recurse": recurse,
+            "with_grads": with_grads,
+        }
+        require_all(self, unshard_capabilities(**options))
+        with self._unshard(model, fqn, **options):
+            yield
+
+    @abc.abstractmethod
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -370,12 +430,12 @@ class BackendAdapter(abc.ABC):
 
         Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
         tensors under the original FQNs once the declared :attr:`WRAPPER_COMPONENTS` are
-        removed (also with flat parameters: the originals, not ``_flat_param``). ``writeback``: changes made inside
-        persist after exit. ``rank0_only``: only rank 0 materialises full parameters.
-        ``offload_to_cpu``: the full parameters live on CPU. ``recurse=False``: only the unit
-        at ``fqn`` is unsharded, not units nested in it.
+        removed (also with flat parameters: the originals, not the flat parameter).
+        ``writeback``: changes made inside persist after exit. ``rank0_only``: only rank 0
+        materialises full parameters. ``offload_to_cpu``: the full parameters live on CPU.
+        ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
         ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
-        own error (scenarios check those messages).
+        own error, declared in :attr:`REFUSALS` (scenarios check it exactly).
         """
 
     def original_fqn(self, name: str) -> str:
@@ -385,20 +445,46 @@ class BackendAdapter(abc.ABC):
         return declared_fqn(self, name)
 
     # -- state dicts ----------------------------------------------------------------------
-    @abc.abstractmethod
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+        require(self, Capability.for_state_dict(kind))
+        return self._state_dict(model, kind)
+
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+        require(self, Capability.for_state_dict(kind))
+        self._load_state_dict(model, state_dict, kind)
+
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        """Optimizer state dict keyed by parameter FQNs."""
+        require_all(self, {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)})
+        return self._optim_state_dict(model, optim, kind)
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+        require_all(self, {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)})
+        self._load_optim_state_dict(model, optim, state_dict, kind)
+
+    @abc.abstractmethod
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
 
     @abc.abstractmethod
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         """Optimizer state dict keyed by parameter FQNs."""
 
     @abc.abstractmethod
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self,
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -521,6 +607,29 @@ class BackendAdapter(abc.ABC):
         """Called once after each test body (passed or not), before the harness destroys
         the process groups the test created. Drop what the backend caches across models
         (e.g. process groups a library keeps in module globals). Default: nothing."""
+
+
+def _adopt_implementations(cls: type[BackendAdapter]) -> None:
+    """Keep the public methods the protocol's templates.
+
+    An adapter written for a protocol before version 3 implemented ``shard``, ``unshard`` and the
+    state-dict methods itself: its methods become the implementations (``_shard``, ...) behind
+    the checking templates, so it keeps running and gains the checks. From version 3 on, an
+    adapter implements the underscored methods; overriding a public one is refused, since it
+    would bypass the capability checks.
+    """
+    for public, implementation in TEMPLATE_METHODS.items():
+        if public not in vars(cls):
+            continue
+        if cls.PROTOCOL_VERSION >= 3:
+            raise TypeError(
+                f"{cls.__name__} overrides {public}(), which checks the declared capabilities before "
+                f"calling the adapter: implement {implementation}() instead (protocol version "
+                f"{cls.PROTOCOL_VERSION}; docs/writing-an-adapter.md)"
+            )
+        if implementation not in vars(cls):
+            setattr(cls, implementation, vars(cls)[public])
+        delattr(cls, public)
 
 
 def declared_fqn(backend: BackendAdapter, name: str) -> str:

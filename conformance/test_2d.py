@@ -83,10 +83,6 @@ LOCAL_BATCH = 2
 TP_DEGREE = 2
 two_d_world = pytest.mark.world_size(min=2 * TP_DEGREE, multiple_of=TP_DEGREE, default=4)
 _MODELS = {"even": fixtures.ThreeLayerMLP, "uneven": fixtures.UnevenMLP}
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
 
 
 def _mesh(device: torch.device, dim_names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
@@ -406,7 +402,7 @@ def test_2d_optim_state_dict(backend: BackendAdapter, kind: StateDictKind, rank:
     require(backend, Capability.TENSOR_PARALLEL)
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, Capability.SHARDED_STATE_DICT)
-    require(backend, _STATE_DICT_CAPABILITY[kind])
+    require(backend, Capability.for_state_dict(kind))
     model_cls = fixtures.UnevenMLP
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
     shapes = {name: p.shape for name, p in fixtures.build(model_cls, 0, device).named_parameters()}

@@ -48,10 +48,6 @@ STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
 param_offload_axis = pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
 
 
 def _layout_spec(layout: str) -> ShardingSpec:
@@ -141,7 +137,7 @@ def test_save_load_flow(
     saved state bit for bit and computes the same forward. ``param_offload``: the same flow
     with CPU-offloaded shards (saved from and loaded into the offloaded copies).
     """
-    require(backend, _STATE_DICT_CAPABILITY[kind])
+    require(backend, Capability.for_state_dict(kind))
     model_cls = fixtures.TiedTransformer
     ignored = model_cls.IGNORABLE_MODULES if ignore else ()
     spec = ShardingSpec(
@@ -220,7 +216,7 @@ def test_optim_state_dict_round_trip(
     thing SHARD_OPTIM_STATE (ZeRO-1) partitions, so each one round-trips its own layout.
     """
     require(backend, Capability.OPTIM_STATE_DICT)
-    require(backend, _STATE_DICT_CAPABILITY[kind])
+    require(backend, Capability.for_state_dict(kind))
     spec = spec_with_mesh(  # everything required before a HYBRID_SHARD mesh is built
         backend,
         world_size,

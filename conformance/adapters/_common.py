@@ -31,10 +31,10 @@ class TorchAdapter(BackendAdapter):
     """What the torch adapters share: optimizer state goes through torch.distributed.checkpoint,
     which both FSDP versions support."""
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return get_optimizer_state_dict(model, optim, options=dcp_options(kind))
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self,
         model: nn.Module,
         optim: torch.optim.Optimizer,

@@ -32,7 +32,6 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
 )
 
@@ -52,6 +51,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
@@ -88,8 +88,7 @@ class ReferenceAdapter(BackendAdapter):
         return factory(model.parameters())
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         ignored = [submodule(model, fqn) for fqn in spec.ignored_modules]
         for fqn in innermost_first(spec.manual_units):
             unit = submodule(model, fqn)
@@ -122,7 +121,7 @@ class ReferenceAdapter(BackendAdapter):
         }
 
     # -- unshard ------------------------------------------------------------------------
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -143,18 +142,18 @@ class ReferenceAdapter(BackendAdapter):
         )
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         engine.set_state_dict_type(model, _KINDS[kind])
         return {_clean(key): value for key, value in model.state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         engine.set_state_dict_type(model, _KINDS[kind])
         model.load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return engine.optim_state_dict(model, optim, sharded=kind is StateDictKind.SHARDED)
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
         engine.load_optim_state_dict(model, optim, dict(state_dict))

@@ -37,15 +37,15 @@ from conformance.protocol import (
     OptimizerFactory,
     ShardingSpec,
     StateDictKind,
-    require,
-    require_all,
-    unshard_capabilities,
 )
 
 _FULL = StateDictOptions(full_state_dict=True)
 
 
 class TemplateAdapter(BackendAdapter):
+    # The protocol version this adapter was written for: state yours, so that a later protocol
+    # can tell you (one warning) what you do not declare of what it added.
+    PROTOCOL_VERSION = 3
     # Test ids, reports and expectations use it; the expectations file is
     # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
     name = "template-ddp"
@@ -80,9 +80,7 @@ class TemplateAdapter(BackendAdapter):
         super().__init__(env)
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        # Refuse (skip) before touching the model if the spec asks for anything missing.
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -104,7 +102,7 @@ class TemplateAdapter(BackendAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -115,39 +113,25 @@ class TemplateAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         # DDP's parameters are always full: nothing to gather, and changes made inside are
         # made to the stored parameters (they persist whatever `writeback` says).
         yield
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         return {name: value.detach().clone() for name, value in _inner(model).state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         _inner(model).load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         # torch's layout keyed by parameter FQN (docs/writing-an-adapter.md, "State-dict
         # layouts"); torch.distributed.checkpoint builds it for DDP and FSDP models.
-        require(self, _STATE_DICT_CAPABILITY[kind])
         return get_optimizer_state_dict(model, optim, options=_FULL)
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
-        require(self, _STATE_DICT_CAPABILITY[kind])
         set_optimizer_state_dict(model, optim, dict(state_dict), options=_FULL)
 
     # -- storage: the defaults fit (the parameter is what a rank stores) --------------------
@@ -166,12 +150,6 @@ class TemplateAdapter(BackendAdapter):
     def close(self) -> None:
         # Drop what the backend caches across tests (process groups in module globals, ...).
         return None
-
-
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
 
 
 def _inner(model: nn.Module) -> nn.Module:

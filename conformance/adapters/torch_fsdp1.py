@@ -45,9 +45,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
-    unshard_capabilities,
 )
 
 _STRATEGIES = {
@@ -84,6 +82,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
@@ -126,8 +125,7 @@ class TorchFSDP1Adapter(TorchAdapter):
         return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         if spec.check_exec_order:
             # FSDP1 decides at construction whether to validate the forward order.
             dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -163,7 +161,7 @@ class TorchFSDP1Adapter(TorchAdapter):
         return kwargs
 
     # -- unshard ------------------------------------------------------------------------
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -174,16 +172,6 @@ class TorchFSDP1Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         return FSDP.summon_full_params(
             _wrapped_submodule(model, fqn),
             recurse=recurse,
@@ -194,12 +182,12 @@ class TorchFSDP1Adapter(TorchAdapter):
         )
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             return model.state_dict()
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             model.load_state_dict(state_dict)

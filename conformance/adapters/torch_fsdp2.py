@@ -48,9 +48,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
-    unshard_capabilities,
 )
 
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
@@ -74,6 +72,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
@@ -118,8 +117,7 @@ class TorchFSDP2Adapter(TorchAdapter):
         return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         ignored_params = {p for fqn in spec.ignored_modules for p in submodule(model, fqn).parameters()}
         for fqn in self._unit_fqns(model, spec):
             fully_shard(submodule(model, fqn), **self._kwargs(spec, fqn, ignored_params))
@@ -185,7 +183,7 @@ class TorchFSDP2Adapter(TorchAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -196,16 +194,6 @@ class TorchFSDP2Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         target = submodule(model, fqn)
         if recurse:
             units = [m for m in target.modules() if isinstance(m, FSDPModule)]
@@ -223,10 +211,10 @@ class TorchFSDP2Adapter(TorchAdapter):
                 unit.reshard()
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         return get_model_state_dict(model, options=dcp_options(kind))
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         set_model_state_dict(model, dict(state_dict), options=dcp_options(kind))
 
     # -- introspection --------------------------------------------------------------------
