@@ -15,6 +15,7 @@ import abc
 import contextlib
 import enum
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -99,6 +100,22 @@ class Capability(enum.Enum):
         return cls.FULL_STATE_DICT if kind is StateDictKind.FULL else cls.SHARDED_STATE_DICT
 
 
+class SpecCondition(enum.Enum):
+    """Values of spec fields that need no capability (every backend has them) but that a backend
+    may not support together with one: ``UNSUPPORTED_COMBINATIONS`` may name them beside
+    capabilities, e.g. ``{Capability.OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}`` for
+    "optimizer state dicts only with flat parameters". The value is the text of the skip reason."""
+
+    ORIGINAL_PARAMETERS = "use_orig_params=True (original parameters)"
+    SHARDED_ROOT = "shard_root=True (the root is a unit)"
+    FULL_PRECISION = "param_dtype=None (no mixed precision)"
+    PARAMETERS_ON_DEVICE = "offload_params=False (parameters on the device)"
+
+
+# What a combination names: capabilities, and spec-field values that are no capability.
+Requirement = Capability | SpecCondition
+
+
 @dataclass(frozen=True)
 class ShardingSpec:
     """What to shard and how, independent of any backend.
@@ -159,6 +176,16 @@ class ShardingSpec:
     def needed_capabilities(self, form: ApiForm) -> set[Capability]:
         """Every capability this spec uses, so an adapter can refuse before touching the model."""
         return {Capability.for_form(form)} | self.feature_capabilities()
+
+    def conditions(self) -> set[SpecCondition]:
+        """The spec-field values this spec has that are no capability (see :class:`SpecCondition`)."""
+        held = {
+            SpecCondition.ORIGINAL_PARAMETERS: self.use_orig_params,
+            SpecCondition.SHARDED_ROOT: self.shard_root,
+            SpecCondition.FULL_PRECISION: self.param_dtype is None,
+            SpecCondition.PARAMETERS_ON_DEVICE: not self.offload_params,
+        }
+        return {condition for condition, holds in held.items() if holds}
 
     def feature_capabilities(self) -> set[Capability]:
         """What this spec uses besides the API form: what a scenario requires before it builds
@@ -310,7 +337,9 @@ class BackendAdapter(abc.ABC):
     # Capabilities the backend has one by one but not together (DeepSpeed: CPU offload, but not
     # with NO_SHARD, its ZeRO stage 0), each with the reason. require_all() skips a scenario
     # that needs every member of one, as "unsupported: <a> with <b>: <reason>".
-    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Capability], str]] = {}
+    # Members may also be SpecConditions: spec-field values that need no capability (optimizer
+    # state dicts only with flat parameters: {OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}).
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Requirement], str]] = {}
     # Module path components the backend's *wrappers* insert between a module and its children
     # (torch FSDP1: "_fsdp_wrapped_module"). Scenarios compare parameter names after removing
     # exactly these and nothing else (see :func:`declared_fqn`): a backend that leaks any other
@@ -355,7 +384,7 @@ class BackendAdapter(abc.ABC):
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
 
-    def unsupported_combinations(self) -> Mapping[frozenset[Capability], str]:
+    def unsupported_combinations(self) -> Mapping[frozenset[Requirement], str]:
         """Override when it depends on the environment, like :meth:`capabilities`."""
         return self.UNSUPPORTED_COMBINATIONS
 
@@ -376,8 +405,23 @@ class BackendAdapter(abc.ABC):
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         """Shard ``model`` (already on ``env.device``) and return the module to run, after
         checking ``spec.needed_capabilities(form)`` and the declared combinations."""
-        require_all(self, spec.needed_capabilities(form))
-        return self._shard(model, spec, form)
+        require_all(self, spec.needed_capabilities(form) | spec.conditions())
+        sharded = self._shard(model, spec, form)
+        self._specs()[sharded] = spec
+        return sharded
+
+    def _specs(self) -> weakref.WeakKeyDictionary[nn.Module, ShardingSpec]:
+        """The spec each module :meth:`shard` returned was sharded with (for the combinations
+        a later call on it completes, e.g. an optimizer state dict of a model with original
+        parameters)."""
+        specs = self.__dict__.get("_sharded_with")
+        if specs is None:
+            specs = self.__dict__["_sharded_with"] = weakref.WeakKeyDictionary()
+        return specs
+
+    def _spec_requirements(self, model: nn.Module) -> set[Requirement]:
+        spec = self._specs().get(model)
+        return set() if spec is None else spec.feature_capabilities() | spec.conditions()
 
     @abc.abstractmethod
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
@@ -410,7 +454,7 @@ class BackendAdapter(abc.ABC):
             "recurse": recurse,
             "with_grads": with_grads,
         }
-        require_all(self, unshard_capabilities(**options))
+        require_all(self, unshard_capabilities(**options) | self._spec_requirements(model))
         with self._unshard(model, fqn, **options):
             yield
 
@@ -447,17 +491,18 @@ class BackendAdapter(abc.ABC):
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
-        require(self, Capability.for_state_dict(kind))
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
         return self._state_dict(model, kind)
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
-        require(self, Capability.for_state_dict(kind))
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
         self._load_state_dict(model, state_dict, kind)
 
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         """Optimizer state dict keyed by parameter FQNs."""
-        require_all(self, {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)})
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
         return self._optim_state_dict(model, optim, kind)
 
     def load_optim_state_dict(
@@ -468,7 +513,8 @@ class BackendAdapter(abc.ABC):
         kind: StateDictKind,
     ) -> None:
         """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
-        require_all(self, {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)})
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
         self._load_optim_state_dict(model, optim, state_dict, kind)
 
     @abc.abstractmethod
@@ -712,20 +758,25 @@ def require(backend: BackendAdapter, capability: Capability) -> None:
         pytest.skip(f"unsupported: {capability.value}: {backend.unsupported_reason(capability)}")
 
 
-def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:
-    """:func:`require` each capability (in declaration order), then skip if they include a
-    combination the backend declares unsupported (``UNSUPPORTED_COMBINATIONS``)."""
-    ordered = sorted(capabilities, key=_declaration_order)
-    for capability in ordered:
-        require(backend, capability)
+def require_all(backend: BackendAdapter, requirements: set[Requirement]) -> None:
+    """:func:`require` each capability (in declaration order), then skip if the requirements
+    (capabilities and spec conditions) include a combination the backend declares unsupported
+    (``UNSUPPORTED_COMBINATIONS``)."""
+    ordered = sorted(requirements, key=_declaration_order)
+    for requirement in ordered:
+        if isinstance(requirement, Capability):
+            require(backend, requirement)
     for combination, reason in backend.unsupported_combinations().items():
-        if combination <= set(capabilities):
+        if combination <= set(requirements):
             together = " with ".join(c.value for c in sorted(combination, key=_declaration_order))
             pytest.skip(f"unsupported: {together}: {reason}")
 
 
-def _declaration_order(capability: Capability) -> int:
-    return list(Capability).index(capability)
+def _declaration_order(requirement: Requirement) -> tuple[int, int]:
+    """Capabilities first, each kind in its declaration order."""
+    if isinstance(requirement, Capability):
+        return (0, list(Capability).index(requirement))
+    return (1, list(SpecCondition).index(requirement))
 
 
 def submodule(model: nn.Module, fqn: str) -> nn.Module:

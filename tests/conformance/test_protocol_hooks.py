@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -30,8 +30,10 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     Capability,
+    Requirement,
     ShardingSpec,
     ShardingStrategy,
+    SpecCondition,
     StateDictKind,
 )
 from harness import RankContext
@@ -501,3 +503,30 @@ def test_an_old_adapters_methods_become_the_implementations_and_gain_the_checks(
     model = nn.Linear(2, 2)
     assert backend.shard(model, ShardingSpec(), ApiForm.COMPOSABLE) is model
     assert "unsupported: wrapper form" in _skip_reason(lambda: backend.shard(model, ShardingSpec(), ApiForm.WRAPPER))
+
+
+class FlatOnlyOptimState(Counting):
+    """Optimizer state dicts only with flat parameters: a combination of a capability and a
+    spec-field value that is no capability."""
+
+    name = "flat-only-optim-state"
+    CAPABILITIES = Counting.CAPABILITIES | {Capability.FLAT_PARAMETERS, Capability.OPTIM_STATE_DICT}
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Requirement], str]] = {
+        frozenset({Capability.OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}): "gathers flat state only"
+    }
+
+
+def test_combinations_may_name_spec_field_values() -> None:
+    backend = FlatOnlyOptimState(BackendEnv(rank=0, world_size=1, device=CPU))
+    original = backend.shard(nn.Linear(2, 2), ShardingSpec(), ApiForm.COMPOSABLE)
+    flat = backend.shard(nn.Linear(2, 2), ShardingSpec(use_orig_params=False), ApiForm.COMPOSABLE)
+    optim = torch.optim.SGD(original.parameters(), lr=0.1)
+    reason = _skip_reason(lambda: backend.optim_state_dict(original, optim, StateDictKind.FULL))
+    assert reason == (
+        "unsupported: optimizer state dict with use_orig_params=True (original parameters): gathers flat state only"
+    )
+    backend.optim_state_dict(flat, optim, StateDictKind.FULL)
+    backend.state_dict(original, StateDictKind.FULL)  # the combination names the optimizer state only
+    assert backend.reached == ["shard", "shard", "optim_state_dict", "state_dict"]
+    assert ShardingSpec().conditions() == set(SpecCondition)
+    assert SpecCondition.ORIGINAL_PARAMETERS not in ShardingSpec(use_orig_params=False).conditions()
