@@ -26,6 +26,7 @@ from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.protocol import (
     PROTOCOL_VERSION,
+    TEMPLATE_METHODS,
     ApiForm,
     BackendAdapter,
     BackendEnv,
@@ -530,3 +531,21 @@ def test_combinations_may_name_spec_field_values() -> None:
     assert backend.reached == ["shard", "shard", "optim_state_dict", "state_dict"]
     assert ShardingSpec().conditions() == set(SpecCondition)
     assert SpecCondition.ORIGINAL_PARAMETERS not in ShardingSpec(use_orig_params=False).conditions()
+
+
+def test_the_template_lists_every_method_and_declaration_of_the_protocol() -> None:
+    """What an adapter author copies shows all they may implement or declare: every method of
+    BackendAdapter an adapter provides (the implementations, not the checking public methods)
+    and every class-level declaration."""
+    from conformance.adapters.template import TemplateAdapter
+
+    public_templates = set(TEMPLATE_METHODS)
+    provided = {
+        name
+        for name, value in vars(BackendAdapter).items()
+        if callable(value) and name not in public_templates and not name.startswith("__")
+        if name not in {"supports", "unsupported_reason", "forms", "named_parameter", "_specs", "_spec_requirements"}
+    }
+    declarations = {name for name in vars(BackendAdapter) if name.isupper()}
+    missing = sorted((provided | declarations) - set(vars(TemplateAdapter)) - {"EXPECTATIONS"})
+    assert missing == [], f"conformance/adapters/template.py lacks {missing}"
