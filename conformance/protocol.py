@@ -86,6 +86,10 @@ class Capability(enum.Enum):
     UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
     MIXED_STRATEGIES = "per-unit strategy overrides (several strategies in one model)"
     SHARD_OPTIM_STATE = "strategy SHARD_OPTIM_STATE"
+    # The backend's own sharded checkpoint (save / load of model and optimizer through its
+    # format, opaque to the suite): checked by round trip, for backends whose sharded state is
+    # neither DTensor nor ShardedTensor (see BackendAdapter.save_checkpoint).
+    NATIVE_CHECKPOINT = "native sharded checkpoint (save_checkpoint / load_checkpoint)"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
@@ -313,6 +317,8 @@ TEMPLATE_METHODS = {
     "load_state_dict": "_load_state_dict",
     "optim_state_dict": "_optim_state_dict",
     "load_optim_state_dict": "_load_optim_state_dict",
+    "save_checkpoint": "_save_checkpoint",
+    "load_checkpoint": "_load_checkpoint",
 }
 
 
@@ -538,6 +544,25 @@ class BackendAdapter(abc.ABC):
         kind: StateDictKind,
     ) -> None:
         """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+
+    # -- native checkpoint (optional capability) -------------------------------------------
+    def save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Save model and optimizer state in the backend's own sharded format under
+        ``directory`` (the same path on every rank; every rank calls this). The suite never
+        reads the files: it checks them by round trip (load, compare full state, train on)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._save_checkpoint(model, optim, directory)
+
+    def load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Load what :meth:`save_checkpoint` wrote into ``model`` and ``optim`` (sharded alike)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._load_checkpoint(model, optim, directory)
+
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _save_checkpoint")
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _load_checkpoint")
 
     # -- introspection (optional capabilities) ------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:

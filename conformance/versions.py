@@ -45,7 +45,10 @@ ADDED: dict[int, Additions] = {
             "close",
         ),
     ),
-    3: Additions(facts=("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD")),
+    3: Additions(
+        capabilities=frozenset({Capability.NATIVE_CHECKPOINT}),
+        facts=("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD"),
+    ),
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.versions.ADDED must describe every protocol version"
 

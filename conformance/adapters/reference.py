@@ -20,6 +20,7 @@ import torch.nn as nn
 import engine
 import engine.collectives
 import engine.params
+from conformance.adapters._common import dcp_load, dcp_save
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -157,6 +158,13 @@ class ReferenceAdapter(BackendAdapter):
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
         engine.load_optim_state_dict(model, optim, dict(state_dict))
+
+    # -- native checkpoint: torch.distributed.checkpoint over the DTensor state dicts ----------
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_save(self, model, optim, directory)
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_load(self, model, optim, directory)
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:

@@ -170,6 +170,14 @@ class TemplateAdapter(BackendAdapter):
     ) -> None:
         set_optimizer_state_dict(model, optim, dict(state_dict), options=_FULL)
 
+    # -- native checkpoint (optional, NATIVE_CHECKPOINT): your own sharded save / load --------
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        # Every rank writes its part under `directory` (one path, shared by the ranks).
+        super()._save_checkpoint(model, optim, directory)  # not declared: never called
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        super()._load_checkpoint(model, optim, directory)
+
     # -- introspection (optional): declare INTROSPECT_* only where the backend can tell --------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         # Whether the unit at FQN `unit` holds unsharded storage now (INTROSPECT_UNSHARDED).

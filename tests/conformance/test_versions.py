@@ -15,7 +15,7 @@ from tests.conformance.old_adapters import FirstProtocolAdapter
 def test_an_older_adapter_is_told_what_it_does_not_declare() -> None:
     shortfall = versions.shortfall(FirstProtocolAdapter)
     assert shortfall is not None and shortfall.version == 1
-    assert shortfall.capabilities == versions.ADDED[2].capabilities  # declares none of them
+    assert shortfall.capabilities == versions.ADDED[2].capabilities | versions.ADDED[3].capabilities  # none
     assert "make_optimizer" in shortfall.hooks and "collective_label" in shortfall.hooks
     assert shortfall.facts == ("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD")
     assert shortfall.costs(f"unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
@@ -68,8 +68,8 @@ def test_older_adapter_runs_with_one_warning_and_its_cost(tmp_path) -> None:
     assert "1 passed, 2 skipped" in output
     assert output.count("was written for protocol version 1") == 1, output
     assert (
-        "does not declare the capabilities MIXED_STRATEGIES, SHARD_OPTIM_STATE, UNITS, UNMANAGED_ROOT (2 scenarios"
-        in output
+        "does not declare the capabilities MIXED_STRATEGIES, NATIVE_CHECKPOINT, SHARD_OPTIM_STATE, UNITS, "
+        "UNMANAGED_ROOT (2 scenarios" in output
     )
 
 
