@@ -73,8 +73,12 @@ class ReferenceAdapter(BackendAdapter):
         Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD: Refusal(
             (NotImplementedError,), r"offload_to_cpu=True with NO_SHARD .* is not supported"
         ),
+        # The engine's own check, or (torch < 2.7, whose parallelize_module still checks first)
+        # torch's refusal, the seed's text.
         Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM: Refusal(
-            (RuntimeError,), r"is tensor-parallel \(TP\) over mesh dimension .*; TP must be the innermost"
+            (RuntimeError,),
+            r"is tensor-parallel \(TP\) over mesh dimension .*; TP must be the innermost"
+            r"|Found TP device_mesh on the \d dimension of its parent mesh",
         ),
     }
 
