@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import expectations, registry
+from conformance import admission, expectations, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness import repro
 from harness.devices import plan_devices
@@ -34,6 +34,7 @@ _STATE = pytest.StashKey["BackendSelection"]()
 _MATRIX = pytest.StashKey[Matrix]()
 _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
+_SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,12 @@ def pytest_configure(config: pytest.Config) -> None:
             sys.path.insert(0, path)
     try:
         config.stash[_STATE] = _select(config)
+        _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
+    config.stash[_SKIPS] = {}
 
 
 def _select(config: pytest.Config) -> BackendSelection:
@@ -142,6 +145,18 @@ def _select(config: pytest.Config) -> BackendSelection:
     expected = {names[selection]: _expectations(selection, names[selection], explicit) for selection in backends}
     origins = {names[selection]: registry.origin(selection) for selection in backends}
     return BackendSelection(backends, names, expected, origins)
+
+
+def _admit(config: pytest.Config, state: BackendSelection) -> None:
+    """Refuse, before any test runs, a backend that could run nothing here (conformance.admission)."""
+    kind = plan_devices(config.getoption("device"), 1).kind
+    context = admission.SessionContext(device=torch.device(kind) if kind is not None else None)
+    refused = []
+    for selection in state.backends:
+        reasons = admission.refusals(registry.load(selection), context)
+        refused += [f"backend {state.name(selection)!r} cannot run here: {reason}" for reason in reasons]
+    if refused:
+        raise registry.BackendSelectionError("\n".join(refused))
 
 
 def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:
@@ -262,6 +277,7 @@ def pytest_runtest_makereport(
     if report.when == "call" or report.failed or report.skipped:
         _record(item, selection, report)
     if report.skipped and not getattr(report, "wasxfail", None):
+        item.config.stash[_SKIPS].setdefault(selection, []).append(_skip_reason(report))
         context = run_context(item)
         # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
         # the entry: only skips of a test that had its devices make an entry stale.
@@ -372,6 +388,30 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    _warn_older_protocols(terminalreporter, config)
+    _summarise_stale(terminalreporter, config)
+
+
+def _warn_older_protocols(terminalreporter: Any, config: pytest.Config) -> None:
+    """One warning per backend written for an older protocol: what it does not declare of what
+    came later, and how many of this run's scenarios that cost (conformance.versions)."""
+    state = config.stash.get(_STATE, None)
+    if state is None:
+        return
+    lines = []
+    for selection in state.backends:
+        name = state.name(selection)
+        shortfall = versions.shortfall(registry.load(selection))
+        if shortfall is not None:
+            cost = sum(shortfall.costs(reason) for reason in config.stash[_SKIPS].get(name, []))
+            lines.append(shortfall.describe(name, cost))
+    if lines:
+        terminalreporter.section("protocol versions", sep="=", yellow=True)
+        for line in lines:
+            terminalreporter.write_line(line, yellow=True)
+
+
+def _summarise_stale(terminalreporter: Any, config: pytest.Config) -> None:
     stale = config.stash.get(_STALE, [])
     if not stale:
         return

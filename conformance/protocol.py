@@ -12,8 +12,11 @@ Writing an adapter: see ``docs/writing-an-adapter.md``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from collections.abc import Callable, Iterable, Mapping
+import re
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -83,6 +86,10 @@ class Capability(enum.Enum):
     UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
     MIXED_STRATEGIES = "per-unit strategy overrides (several strategies in one model)"
     SHARD_OPTIM_STATE = "strategy SHARD_OPTIM_STATE"
+    # The backend's own sharded checkpoint (save / load of model and optimizer through its
+    # format, opaque to the suite): checked by round trip, for backends whose sharded state is
+    # neither DTensor nor ShardedTensor (see BackendAdapter.save_checkpoint).
+    NATIVE_CHECKPOINT = "native sharded checkpoint (save_checkpoint / load_checkpoint)"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
@@ -91,6 +98,26 @@ class Capability(enum.Enum):
     @classmethod
     def for_form(cls, form: ApiForm) -> Capability:
         return cls[form.name]
+
+    @classmethod
+    def for_state_dict(cls, kind: StateDictKind) -> Capability:
+        return cls.FULL_STATE_DICT if kind is StateDictKind.FULL else cls.SHARDED_STATE_DICT
+
+
+class SpecCondition(enum.Enum):
+    """Values of spec fields that need no capability (every backend has them) but that a backend
+    may not support together with one: ``UNSUPPORTED_COMBINATIONS`` may name them beside
+    capabilities, e.g. ``{Capability.OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}`` for
+    "optimizer state dicts only with flat parameters". The value is the text of the skip reason."""
+
+    ORIGINAL_PARAMETERS = "use_orig_params=True (original parameters)"
+    SHARDED_ROOT = "shard_root=True (the root is a unit)"
+    FULL_PRECISION = "param_dtype=None (no mixed precision)"
+    PARAMETERS_ON_DEVICE = "offload_params=False (parameters on the device)"
+
+
+# What a combination names: capabilities, and spec-field values that are no capability.
+Requirement = Capability | SpecCondition
 
 
 @dataclass(frozen=True)
@@ -154,6 +181,16 @@ class ShardingSpec:
         """Every capability this spec uses, so an adapter can refuse before touching the model."""
         return {Capability.for_form(form)} | self.feature_capabilities()
 
+    def conditions(self) -> set[SpecCondition]:
+        """The spec-field values this spec has that are no capability (see :class:`SpecCondition`)."""
+        held = {
+            SpecCondition.ORIGINAL_PARAMETERS: self.use_orig_params,
+            SpecCondition.SHARDED_ROOT: self.shard_root,
+            SpecCondition.FULL_PRECISION: self.param_dtype is None,
+            SpecCondition.PARAMETERS_ON_DEVICE: not self.offload_params,
+        }
+        return {condition for condition, holds in held.items() if holds}
+
     def feature_capabilities(self) -> set[Capability]:
         """What this spec uses besides the API form: what a scenario requires before it builds
         anything, whichever forms the backend has."""
@@ -180,6 +217,72 @@ class ShardingSpec:
         return needed
 
 
+class Misuse(enum.Enum):
+    """What scenarios do wrong on purpose; each backend declares how it refuses (``REFUSALS``)."""
+
+    UNSHARD_DURING_FORWARD = "unshard() entered during forward"
+    UNSHARD_DURING_BACKWARD = "unshard() entered during backward"
+    UNSHARD_RANK0_ONLY_WITH_WRITEBACK = "unshard(rank0_only=True, writeback=True)"
+    UNSHARD_OFFLOAD_TO_CPU_NO_SHARD = "unshard(offload_to_cpu=True) of a NO_SHARD unit"
+    TENSOR_PARALLEL_OUTER_MESH_DIM = "tensor parallelism over the outer dimension of a 2-D mesh"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """How a backend refuses a misuse: an exception of one of ``types`` whose message matches
+    the regular expression ``pattern`` (``re.search``)."""
+
+    types: tuple[type[BaseException], ...]
+    pattern: str
+
+    def __post_init__(self) -> None:
+        if not self.types:
+            raise ValueError("Refusal.types names no exception type; give the type(s) the backend raises")
+        re.compile(self.pattern)  # a bad pattern fails where it is declared, not in every scenario
+
+    def mismatch(self, error: BaseException) -> str | None:
+        """What differs between ``error`` and this declaration, or None when it matches."""
+        if isinstance(error, self.types) and re.search(self.pattern, str(error)):
+            return None
+        return f"raised {type(error).__name__}: {error}; expected {self}"
+
+    def __str__(self) -> str:
+        return f"{' or '.join(t.__name__ for t in self.types)} matching {self.pattern!r}"
+
+
+_UNSHARD_IN_COMPUTE = Refusal((AssertionError,), "Cannot manually unshard parameters during forward/backward")
+_NOT_SUPPORTED = Refusal((NotImplementedError,), "is not supported")
+
+# The upstream seeds' refusals, verbatim (test_fsdp_summon_full_params.py, test_fsdp_tp_integration.py):
+# what a backend that declares no REFUSALS of its own is held to, and what the torch adapters declare.
+SEED_REFUSALS: Mapping[Misuse, Refusal] = {
+    Misuse.UNSHARD_DURING_FORWARD: _UNSHARD_IN_COMPUTE,
+    Misuse.UNSHARD_DURING_BACKWARD: _UNSHARD_IN_COMPUTE,
+    Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK: _NOT_SUPPORTED,
+    Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD: _NOT_SUPPORTED,
+    Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM: Refusal(
+        (RuntimeError,), r"Found TP device_mesh on the \d dimension of its parent mesh"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MixedPrecisionUnshard:
+    """What ``unshard()`` does under mixed precision (``ShardingSpec.param_dtype``), where the
+    seeds leave a backend the choice. The defaults are torch FSDP1's (the seeds').
+
+    ``shows_compute_dtype``: inside the context parameters are in ``param_dtype`` (FSDP2 and
+    DeepSpeed gather the low-precision copy) rather than the original float32 (FSDP1).
+    ``root_stays_unsharded``: an unshard between forward and backward leaves the root's
+    gathered low-precision parameters in place (FSDP2) rather than replacing them with the
+    full-precision view and resharding the root, so that backward gathers again (FSDP1).
+    Without mixed precision neither applies: an unshard changes nothing a strategy keeps gathered.
+    """
+
+    shows_compute_dtype: bool = False
+    root_stays_unsharded: bool = False
+
+
 @dataclass(frozen=True)
 class BackendEnv:
     """Where an adapter runs: the default process group is already initialised."""
@@ -200,6 +303,25 @@ class ShardEvent:
     unit: str
 
 
+# The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
+# an older one keeps running, with one warning naming what it does not declare of what came
+# later and how many scenarios that costs (conformance.versions).
+PROTOCOL_VERSION = 3
+
+# The public methods that check the declared capabilities, then call the adapter's
+# implementation: public name -> the method an adapter implements.
+TEMPLATE_METHODS = {
+    "shard": "_shard",
+    "unshard": "_unshard",
+    "state_dict": "_state_dict",
+    "load_state_dict": "_load_state_dict",
+    "optim_state_dict": "_optim_state_dict",
+    "load_optim_state_dict": "_load_optim_state_dict",
+    "save_checkpoint": "_save_checkpoint",
+    "load_checkpoint": "_load_checkpoint",
+}
+
+
 # Builds the optimizer for an iterable of parameters, e.g. functools.partial(torch.optim.Adam, lr=1e-2).
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -214,12 +336,16 @@ class BackendAdapter(abc.ABC):
 
     name: ClassVar[str]
     CAPABILITIES: ClassVar[frozenset[Capability]]
+    # The protocol version this adapter was written for; unstated means the first.
+    PROTOCOL_VERSION: ClassVar[int] = 1
     # Why a capability is missing; shown in the skip reason. Missing entries read "not provided".
     UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {}
     # Capabilities the backend has one by one but not together (DeepSpeed: CPU offload, but not
     # with NO_SHARD, its ZeRO stage 0), each with the reason. require_all() skips a scenario
     # that needs every member of one, as "unsupported: <a> with <b>: <reason>".
-    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Capability], str]] = {}
+    # Members may also be SpecConditions: spec-field values that need no capability (optimizer
+    # state dicts only with flat parameters: {OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}).
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Requirement], str]] = {}
     # Module path components the backend's *wrappers* insert between a module and its children
     # (torch FSDP1: "_fsdp_wrapped_module"). Scenarios compare parameter names after removing
     # exactly these and nothing else (see :func:`declared_fqn`): a backend that leaks any other
@@ -229,9 +355,17 @@ class BackendAdapter(abc.ABC):
     # file of the module that sets it, e.g. "expectations.toml" next to the adapter module, so
     # a package registered as an entry point ships its known failures with it.
     EXPECTATIONS: ClassVar[str | None] = None
+    # Backend facts where backends legitimately differ, declared and then checked exactly
+    # (docs/writing-an-adapter.md, "Backend facts"); prove yours as test_declared_facts.py does.
+    # The name of a unit's flat parameter (with FLAT_PARAMETERS): "<unit FQN>.<name>".
+    FLAT_PARAMETER_NAME: ClassVar[str] = "_flat_param"
+    # How each misuse is refused; a misuse left out is held to the seeds' refusal.
+    REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
+    MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _adopt_implementations(cls)
         declared = getattr(cls, "CAPABILITIES", None)
         if declared is not None and not declared & {Capability.WRAPPER, Capability.COMPOSABLE}:
             raise TypeError(
@@ -256,7 +390,7 @@ class BackendAdapter(abc.ABC):
     def forms(self) -> list[ApiForm]:
         return [f for f in ApiForm if self.supports(Capability.for_form(f))]
 
-    def unsupported_combinations(self) -> Mapping[frozenset[Capability], str]:
+    def unsupported_combinations(self) -> Mapping[frozenset[Requirement], str]:
         """Override when it depends on the environment, like :meth:`capabilities`."""
         return self.UNSUPPORTED_COMBINATIONS
 
@@ -269,18 +403,69 @@ class BackendAdapter(abc.ABC):
         return (torch.float16, torch.bfloat16)
 
     # -- applying sharding ----------------------------------------------------------------
-    @abc.abstractmethod
+    # The public methods below check every capability the call exercises (a missing one skips
+    # the test as "unsupported: ...", never runs it half-supported), then call the adapter's
+    # implementation (the underscored abstract method). An adapter implements those and never
+    # repeats the checks: a forgotten refusal cannot happen.
+
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        """Shard ``model`` (already on ``env.device``) and return the module to run, after
+        checking ``spec.needed_capabilities(form)`` and the declared combinations."""
+        require_all(self, spec.needed_capabilities(form) | spec.conditions())
+        sharded = self._shard(model, spec, form)
+        self._specs()[sharded] = spec
+        return sharded
+
+    def _specs(self) -> weakref.WeakKeyDictionary[nn.Module, ShardingSpec]:
+        """The spec each module :meth:`shard` returned was sharded with (for the combinations
+        a later call on it completes, e.g. an optimizer state dict of a model with original
+        parameters)."""
+        specs = self.__dict__.get("_sharded_with")
+        if specs is None:
+            specs = self.__dict__["_sharded_with"] = weakref.WeakKeyDictionary()
+        return specs
+
+    def _spec_requirements(self, model: nn.Module) -> set[Requirement]:
+        spec = self._specs().get(model)
+        return set() if spec is None else spec.feature_capabilities() | spec.conditions()
+
+    @abc.abstractmethod
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         """Shard ``model`` (already on ``env.device``) and return the module to run.
 
         The wrapper form returns the root wrapper; the composable form returns ``model``
         itself (sharded in place). The result's ``parameters()`` are what the optimizer gets.
-        Call ``require_all(self, spec.needed_capabilities(form))`` first.
+        Every capability the spec uses is declared (:meth:`shard` checked).
         """
 
     # -- unshard ------------------------------------------------------------------------
-    @abc.abstractmethod
+    @contextlib.contextmanager
     def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters, after
+        checking the capabilities these options exercise (:func:`unshard_capabilities`)."""
+        options = {
+            "writeback": writeback,
+            "rank0_only": rank0_only,
+            "offload_to_cpu": offload_to_cpu,
+            "recurse": recurse,
+            "with_grads": with_grads,
+        }
+        require_all(self, unshard_capabilities(**options) | self._spec_requirements(model))
+        with self._unshard(model, fqn, **options):
+            yield
+
+    @abc.abstractmethod
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -295,12 +480,12 @@ class BackendAdapter(abc.ABC):
 
         Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
         tensors under the original FQNs once the declared :attr:`WRAPPER_COMPONENTS` are
-        removed (also with flat parameters: the originals, not ``_flat_param``). ``writeback``: changes made inside
-        persist after exit. ``rank0_only``: only rank 0 materialises full parameters.
-        ``offload_to_cpu``: the full parameters live on CPU. ``recurse=False``: only the unit
-        at ``fqn`` is unsharded, not units nested in it.
+        removed (also with flat parameters: the originals, not the flat parameter).
+        ``writeback``: changes made inside persist after exit. ``rank0_only``: only rank 0
+        materialises full parameters. ``offload_to_cpu``: the full parameters live on CPU.
+        ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
         ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
-        own error (scenarios check those messages).
+        own error, declared in :attr:`REFUSALS` (scenarios check it exactly).
         """
 
     def original_fqn(self, name: str) -> str:
@@ -310,19 +495,22 @@ class BackendAdapter(abc.ABC):
         return declared_fqn(self, name)
 
     # -- state dicts ----------------------------------------------------------------------
-    @abc.abstractmethod
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
+        return self._state_dict(model, kind)
 
-    @abc.abstractmethod
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
+        self._load_state_dict(model, state_dict, kind)
 
-    @abc.abstractmethod
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         """Optimizer state dict keyed by parameter FQNs."""
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
+        return self._optim_state_dict(model, optim, kind)
 
-    @abc.abstractmethod
     def load_optim_state_dict(
         self,
         model: nn.Module,
@@ -331,6 +519,50 @@ class BackendAdapter(abc.ABC):
         kind: StateDictKind,
     ) -> None:
         """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
+        self._load_optim_state_dict(model, optim, state_dict, kind)
+
+    @abc.abstractmethod
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+
+    @abc.abstractmethod
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+
+    @abc.abstractmethod
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        """Optimizer state dict keyed by parameter FQNs."""
+
+    @abc.abstractmethod
+    def _load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+
+    # -- native checkpoint (optional capability) -------------------------------------------
+    def save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Save model and optimizer state in the backend's own sharded format under
+        ``directory`` (the same path on every rank; every rank calls this). The suite never
+        reads the files: it checks them by round trip (load, compare full state, train on)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._save_checkpoint(model, optim, directory)
+
+    def load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Load what :meth:`save_checkpoint` wrote into ``model`` and ``optim`` (sharded alike)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._load_checkpoint(model, optim, directory)
+
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _save_checkpoint")
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _load_checkpoint")
 
     # -- introspection (optional capabilities) ------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -448,11 +680,27 @@ class BackendAdapter(abc.ABC):
         (e.g. process groups a library keeps in module globals). Default: nothing."""
 
 
-# With ``use_orig_params=False`` the only parameter a unit shows outside the unshard context is
-# ``<unit FQN>.{FLAT_PARAM}`` (``FLAT_PARAM`` alone for the root), after removing the declared
-# wrapper components; each rank's holds ceil(N / world size) elements for a unit managing N
-# parameter elements (the flat buffer is padded at its end to split evenly).
-FLAT_PARAM = "_flat_param"
+def _adopt_implementations(cls: type[BackendAdapter]) -> None:
+    """Keep the public methods the protocol's templates.
+
+    An adapter written for a protocol before version 3 implemented ``shard``, ``unshard`` and the
+    state-dict methods itself: its methods become the implementations (``_shard``, ...) behind
+    the checking templates, so it keeps running and gains the checks. From version 3 on, an
+    adapter implements the underscored methods; overriding a public one is refused, since it
+    would bypass the capability checks.
+    """
+    for public, implementation in TEMPLATE_METHODS.items():
+        if public not in vars(cls):
+            continue
+        if cls.PROTOCOL_VERSION >= 3:
+            raise TypeError(
+                f"{cls.__name__} overrides {public}(), which checks the declared capabilities before "
+                f"calling the adapter: implement {implementation}() instead (protocol version "
+                f"{cls.PROTOCOL_VERSION}; docs/writing-an-adapter.md)"
+            )
+        if implementation not in vars(cls):
+            setattr(cls, implementation, vars(cls)[public])
+        delattr(cls, public)
 
 
 def declared_fqn(backend: BackendAdapter, name: str) -> str:
@@ -461,9 +709,37 @@ def declared_fqn(backend: BackendAdapter, name: str) -> str:
     return ".".join(part for part in name.split(".") if part and part not in components)
 
 
-def flat_param_fqn(unit: str) -> str:
-    """The name a unit's flat parameter must have (see :data:`FLAT_PARAM`)."""
-    return f"{unit}.{FLAT_PARAM}" if unit else FLAT_PARAM
+def flat_param_fqn(backend: BackendAdapter, unit: str) -> str:
+    """The name a unit's flat parameter must have: with ``use_orig_params=False`` the only
+    parameter a unit shows outside the unshard context is ``<unit FQN>.<FLAT_PARAMETER_NAME>``
+    (the name alone for the root), after removing the declared wrapper components; each rank's
+    holds ceil(N / world size) elements for a unit managing N parameter elements (the flat
+    buffer is padded at its end to split evenly)."""
+    name = type(backend).FLAT_PARAMETER_NAME
+    return f"{unit}.{name}" if unit else name
+
+
+def declared_refusal(backend: BackendAdapter | type[BackendAdapter], misuse: Misuse) -> Refusal:
+    """How ``backend`` (an adapter or its class) declares it refuses ``misuse`` (the seeds'
+    refusal where it declares none)."""
+    adapter_cls = backend if isinstance(backend, type) else type(backend)
+    return adapter_cls.REFUSALS.get(misuse, SEED_REFUSALS[misuse])
+
+
+@contextlib.contextmanager
+def refused(backend: BackendAdapter, misuse: Misuse, where: str = "") -> Iterator[None]:
+    """Expect the body to raise the refusal ``backend`` declares for ``misuse``; fail with what
+    was raised (or ``DID NOT RAISE``) and what was declared otherwise."""
+    declared = declared_refusal(backend, misuse)
+    prefix = f"{where}: " if where else ""
+    try:
+        yield
+    except Exception as error:
+        problem = declared.mismatch(error)
+        if problem is not None:
+            raise AssertionError(f"{prefix}{misuse.value}: {backend.name} {problem}") from error
+        return
+    raise AssertionError(f"{prefix}{misuse.value}: DID NOT RAISE; {backend.name} declares {declared}")
 
 
 def unshard_capabilities(
@@ -507,20 +783,25 @@ def require(backend: BackendAdapter, capability: Capability) -> None:
         pytest.skip(f"unsupported: {capability.value}: {backend.unsupported_reason(capability)}")
 
 
-def require_all(backend: BackendAdapter, capabilities: set[Capability]) -> None:
-    """:func:`require` each capability (in declaration order), then skip if they include a
-    combination the backend declares unsupported (``UNSUPPORTED_COMBINATIONS``)."""
-    ordered = sorted(capabilities, key=_declaration_order)
-    for capability in ordered:
-        require(backend, capability)
+def require_all(backend: BackendAdapter, requirements: set[Requirement]) -> None:
+    """:func:`require` each capability (in declaration order), then skip if the requirements
+    (capabilities and spec conditions) include a combination the backend declares unsupported
+    (``UNSUPPORTED_COMBINATIONS``)."""
+    ordered = sorted(requirements, key=_declaration_order)
+    for requirement in ordered:
+        if isinstance(requirement, Capability):
+            require(backend, requirement)
     for combination, reason in backend.unsupported_combinations().items():
-        if combination <= set(capabilities):
+        if combination <= set(requirements):
             together = " with ".join(c.value for c in sorted(combination, key=_declaration_order))
             pytest.skip(f"unsupported: {together}: {reason}")
 
 
-def _declaration_order(capability: Capability) -> int:
-    return list(Capability).index(capability)
+def _declaration_order(requirement: Requirement) -> tuple[int, int]:
+    """Capabilities first, each kind in its declaration order."""
+    if isinstance(requirement, Capability):
+        return (0, list(Capability).index(requirement))
+    return (1, list(SpecCondition).index(requirement))
 
 
 def submodule(model: nn.Module, fqn: str) -> nn.Module:

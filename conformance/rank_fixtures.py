@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
+from conformance.vacuity import ShardWatch
 from harness import RankContext, rank_fixture, register_label_provider
 
 
@@ -15,7 +17,8 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
 
     For the test's duration the adapter's ``collective_label`` names the collectives in the
     harness's trace; afterwards its ``close`` runs (before the harness destroys the test's
-    process groups) and the label provider is removed.
+    process groups) and the label provider is removed. A test that passed without making the
+    adapter shard anything fails (``conformance.vacuity``).
     """
     selection = ctx.params.get("backend")
     if selection is None:
@@ -27,11 +30,16 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     adapter = adapter_cls(
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
+    watch = ShardWatch(adapter)
     unregister = register_label_provider(adapter.collective_label)
     try:
         yield adapter
+        # The runner finalises fixtures while the body's exception (a failure, a skip) is being
+        # handled: none means the body passed.
+        body_passed = sys.exc_info()[1] is None
     finally:
         try:
             adapter.close()
         finally:
             unregister()
+    watch.verdict(body_passed)

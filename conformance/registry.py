@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 
 from conformance.protocol import BackendAdapter
@@ -157,6 +158,11 @@ def load(selection: str) -> type[BackendAdapter]:
             f"backend {selection!r} is not available: importing {module_name!r} failed "
             f"({error}); install the package that provides it or choose another --backend"
         ) from error
+    except Exception as error:
+        raise BackendSelectionError(
+            f"backend {selection!r}: importing {module_name!r} raised {type(error).__name__}: {error}; "
+            f"fix the adapter module (run `python -c 'import {module_name}'` to see the traceback)"
+        ) from error
     try:
         adapter = getattr(module, attr)
     except AttributeError:
@@ -166,6 +172,12 @@ def load(selection: str) -> type[BackendAdapter]:
     if not (isinstance(adapter, type) and issubclass(adapter, BackendAdapter)):
         raise BackendSelectionError(
             f"backend {selection!r}: {target} is {adapter!r}, not a subclass of conformance.protocol.BackendAdapter"
+        )
+    if inspect.isabstract(adapter):
+        missing = ", ".join(sorted(adapter.__abstractmethods__))
+        raise BackendSelectionError(
+            f"backend {selection!r}: {target} does not implement the protocol's abstract methods {missing}; "
+            "implement them (docs/writing-an-adapter.md; conformance/adapters/template.py lists every method)"
         )
     return adapter
 

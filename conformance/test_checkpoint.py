@@ -8,11 +8,14 @@ says why.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import itertools
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -28,6 +31,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    declared_fqn,
     require,
     require_all,
 )
@@ -48,10 +52,6 @@ STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
 param_offload_axis = pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
 
 
 def _layout_spec(layout: str) -> ShardingSpec:
@@ -141,7 +141,7 @@ def test_save_load_flow(
     saved state bit for bit and computes the same forward. ``param_offload``: the same flow
     with CPU-offloaded shards (saved from and loaded into the offloaded copies).
     """
-    require(backend, _STATE_DICT_CAPABILITY[kind])
+    require(backend, Capability.for_state_dict(kind))
     model_cls = fixtures.TiedTransformer
     ignored = model_cls.IGNORABLE_MODULES if ignore else ()
     spec = ShardingSpec(
@@ -220,7 +220,7 @@ def test_optim_state_dict_round_trip(
     thing SHARD_OPTIM_STATE (ZeRO-1) partitions, so each one round-trips its own layout.
     """
     require(backend, Capability.OPTIM_STATE_DICT)
-    require(backend, _STATE_DICT_CAPABILITY[kind])
+    require(backend, Capability.for_state_dict(kind))
     spec = spec_with_mesh(  # everything required before a HYBRID_SHARD mesh is built
         backend,
         world_size,
@@ -229,14 +229,102 @@ def test_optim_state_dict_round_trip(
         auto_wrap_classes=(fixtures.Unit,),
         offload_params=param_offload,
     )
+    _optim_round_trip(backend, spec, kind, f"{strategy.name}, param_offload={param_offload}", rank, device)
+
+
+@pytest.mark.world_size(min=2, default=2)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
+@pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
+def test_optim_state_dict_round_trip_flat_params(
+    backend: BackendAdapter,
+    kind: StateDictKind,
+    strategy: ShardingStrategy,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """test_optim_state_dict_round_trip with flat parameters (``use_orig_params=False``): the
+    optimizer holds one flat parameter per unit, so the state dict must be assembled per
+    original FQN from flat state, and gathering it must leave the live optimizer able to step
+    (the round trip steps the original pair after reading its state). A sharded and an
+    unsharded strategy; a backend that supports optimizer state dicts only with flat parameters
+    declares ``{OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}`` unsupported and is
+    checked here."""
+    require(backend, Capability.OPTIM_STATE_DICT)
+    require(backend, Capability.for_state_dict(kind))
+    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,), use_orig_params=False)
+    require_all(backend, spec.feature_capabilities())
+    _optim_round_trip(backend, spec, kind, f"{strategy.name}, flat parameters", rank, device)
+
+
+@pytest.mark.world_size(min=2, default=2)
+@pytest.mark.parametrize(
+    "strategy",
+    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.SHARD_OPTIM_STATE],
+    ids=lambda s: s.name,
+)
+def test_native_checkpoint_round_trip(
+    backend: BackendAdapter, strategy: ShardingStrategy, rank: int, device: torch.device
+) -> None:
+    """The backend's own sharded checkpoint, opaque to the suite, checked by what it must do:
+    two identical sharded models and optimizers train two steps; one saves, steps once more
+    (parameters and optimizer state move on), loads. It then holds the other's parameters bit
+    for bit (read through ``unshard``), and one more step on both gives the same parameters,
+    so the optimizer state came back too. One directory, shared by the ranks."""
+    require(backend, Capability.NATIVE_CHECKPOINT)
+    require(backend, Capability.UNSHARD)
+    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,))
+    require_all(backend, spec.feature_capabilities())
+    model_cls = fixtures.CompositeModel
+    make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {strategy.name}, native checkpoint"
+        local = fixtures.build(model_cls, current_seed(), device, dim=16)
+        saved = backend.shard(copy.deepcopy(local), spec, form)
+        twin = backend.shard(copy.deepcopy(local), spec, form)
+        saved_optim, twin_optim = backend.make_optimizer(saved, make_optim), backend.make_optimizer(twin, make_optim)
+        for iteration in range(2):
+            _train_step(backend, saved, saved_optim, local, iteration, rank, device)
+            _train_step(backend, twin, twin_optim, local, iteration, rank, device)
+        with _shared_directory() as directory:
+            backend.save_checkpoint(saved, saved_optim, directory)
+            _train_step(backend, saved, saved_optim, local, 7, rank, device)  # move on, then go back
+            backend.load_checkpoint(saved, saved_optim, directory)
+        _assert_same_state(_unsharded(backend, saved), _unsharded(backend, twin), f"{where}: parameters after loading")
+        _train_step(backend, saved, saved_optim, local, 2, rank, device)
+        _train_step(backend, twin, twin_optim, local, 2, rank, device)
+        found = differences(_unsharded(backend, saved), _unsharded(backend, twin), STEP_TOLERANCE)
+        assert not found, f"{where}: one step after loading, parameters differ from the twin never saved: {found}"
+
+
+@contextlib.contextmanager
+def _shared_directory() -> Iterator[str]:
+    """A fresh directory every rank of this host uses (rank 0 makes it and removes it)."""
+    made = [tempfile.mkdtemp(prefix="conformance-checkpoint-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    try:
+        yield str(made[0])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(str(made[0]), ignore_errors=True)
+
+
+def _unsharded(backend: BackendAdapter, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, by original FQN, read through a discarding unshard."""
+    with backend.unshard(model, writeback=False):
+        return {declared_fqn(backend, name): p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _optim_round_trip(
+    backend: BackendAdapter, spec: ShardingSpec, kind: StateDictKind, case: str, rank: int, device: torch.device
+) -> None:
+    """Train two steps, save model and optimizer state, load both into a fresh pair, read the
+    optimizer state back (equal), step both pairs once more (equal parameters)."""
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
 
     for form in backend.forms():
-        where = (
-            f"rank {rank}: {form.value}, {strategy.name}, {kind.value} optimizer state dict, "
-            f"param_offload={param_offload}"
-        )
+        where = f"rank {rank}: {form.value}, {case}, {kind.value} optimizer state dict"
         loss_model = fixtures.build(model_cls, current_seed(), device, dim=16)
         param_fqns = {name for name, _ in loss_model.named_parameters()}
         trained = backend.shard(loss_model, spec, form)

@@ -2,16 +2,19 @@
 
 Contract checked here (backend-neutral; see docs/scenarios.md):
 
-* Inside ``unshard()`` the unit's parameters are plain, full-shape, full-precision tensors with
-  the original names, equal to an unsharded copy of the model.
+* Inside ``unshard()`` the unit's parameters are plain, full-shape tensors with the original
+  names, equal to an unsharded copy of the model (float32; under mixed precision in the dtype
+  the adapter declares, see below).
 * ``writeback=True`` keeps in-place changes made inside; ``writeback=False`` discards them when
   the unit is sharded. A unit that is *not* sharded (one rank) and keeps its parameters on the
   device shows its stored parameters directly, so changes persist regardless of ``writeback``
   (documented torch FSDP1 behaviour, kept as the contract).
 * Padding a backend adds to make shards even never shows up in, or leaks into, real values.
 * Unsharding outside forward/backward does not change what the strategy keeps gathered between
-  forward and backward, except under mixed precision, where the full-precision view replaces the
-  low-precision gathered copy (so the unit is resharded and backward gathers again).
+  forward and backward. Under mixed precision the adapter declares what it does
+  (``MIXED_PRECISION_UNSHARD``): parameters inside the context are float32 or in the compute
+  dtype (``shows_compute_dtype``), and an unshard between forward and backward keeps the root
+  unsharded or reshards it (``root_stays_unsharded``); each is checked as declared.
 * Names: outside the context a unit with original parameters shows them under their original
   FQNs, one with flat parameters (``use_orig_params=False``) shows ``<unit FQN>._flat_param``;
   inside, every unshared unit shows its original parameters under their original FQNs. Names
@@ -22,12 +25,12 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
   the parts the ranks store add up to N plus at most the padding that evens them out (between
   N and ceil(N / world size) x world size). Scenarios write into a rank's part only through
   ``set_local_shard`` (under DeepSpeed ZeRO-3 the parameter itself is an empty placeholder).
-* Refusals, with the error type and text the seeds require: unsharding during forward or
-  backward raises ``AssertionError`` (FSDP1's) or ``RuntimeError`` whose message contains
-  "Cannot manually unshard parameters during forward/backward"; ``rank0_only`` with
-  ``writeback``, and ``offload_to_cpu`` with ``NO_SHARD``, raise ``NotImplementedError`` whose
-  message contains "is not supported" and names the option(s). A backend whose error differs
-  records its real text in its expectations file.
+* Refusals: unsharding during forward or backward, ``rank0_only`` with ``writeback``, and
+  ``offload_to_cpu`` with ``NO_SHARD`` each raise what the adapter declares in ``REFUSALS``
+  (exception types and a message pattern; ``conformance.protocol.Misuse``), checked exactly. A
+  backend that declares none is held to the seeds' (``SEED_REFUSALS``: ``AssertionError``
+  "Cannot manually unshard parameters during forward/backward"; ``NotImplementedError`` "is not
+  supported"), which the torch adapters declare.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    Misuse,
     ShardingSpec,
     ShardingStrategy,
     declared_fqn,
     flat_param_fqn,
     mixed_precision_dtype,
+    refused,
     require,
     require_all,
     unshard_capabilities,
@@ -66,14 +71,6 @@ EXACT = {"rtol": 0.0, "atol": 0.0}
 # bound that, while a missing or wrong reduction is off by a factor (>= 1e-1 relative).
 GRAD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 WRITEBACK_FACTOR = 2.0  # gradients are scaled by this inside the context to test writeback
-
-# The seeds require AssertionError (FSDP1 raises it through its internal assert helper);
-# RuntimeError, Python's error for a call made in the wrong state, is accepted as well. The text
-# is the seeds', verbatim.
-MISUSE_ERRORS = (AssertionError, RuntimeError)
-MISUSE_TEXT = "Cannot manually unshard parameters during forward/backward"
-REFUSAL_ERROR = NotImplementedError
-REFUSAL_TEXT = "is not supported"
 
 
 class TwoLayer(nn.Sequential):
@@ -202,25 +199,18 @@ def _fill_stored(backend: BackendAdapter, sharded: nn.Module, name: str, value: 
     backend.set_local_shard(sharded, name, torch.full_like(stored, value))
 
 
+def _shown_dtype(backend: BackendAdapter, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype parameters show inside ``unshard()``: float32, or under mixed precision the
+    compute dtype where the adapter declares so (``MIXED_PRECISION_UNSHARD``)."""
+    if param_dtype is not None and type(backend).MIXED_PRECISION_UNSHARD.shows_compute_dtype:
+        return param_dtype
+    return torch.float32
+
+
 def _full_values(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value, read through a discarding unshard."""
     with backend.unshard(sharded, writeback=False):
         return {name: p.detach().clone() for name, p in _named_params(backend, sharded).items()}
-
-
-def _assert_refusal(error: BaseException, *options: str) -> None:
-    """The seeds' refusal: NotImplementedError "... is not supported", naming the options."""
-    message = str(error)
-    missing = [text for text in (REFUSAL_TEXT, *options) if text not in message]
-    assert isinstance(error, REFUSAL_ERROR) and not missing, (
-        f"expected {REFUSAL_ERROR.__name__} whose message contains {[REFUSAL_TEXT, *options]}, "
-        f"got {type(error).__name__}: {message!r} (lacks {missing})"
-    )
-
-
-def _assert_misuse(error: BaseException, form: ApiForm) -> None:
-    message = str(error)
-    assert MISUSE_TEXT in message, f"{form.value}: {type(error).__name__} does not say {MISUSE_TEXT!r}: {message!r}"
 
 
 # -- writeback ------------------------------------------------------------------------------
@@ -289,9 +279,10 @@ def test_unshard_writeback(
 
         full = _full_values(backend, sharded)
         dtypes = {name: value.dtype for name, value in full.items()}
-        assert set(dtypes.values()) == {torch.float32}, (
-            f"{form.value}: the context shows {dtypes}; full parameters must keep the original "
-            "float32 even under mixed precision"
+        shown = _shown_dtype(backend, spec.param_dtype)
+        assert set(dtypes.values()) == {shown}, (
+            f"{form.value}: the context shows {dtypes}; full parameters must be in {shown} "
+            f"(the original float32, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
         )
         if changes_persist:
             for name, value in full.items():
@@ -304,7 +295,7 @@ def test_unshard_writeback(
             )
             torch.testing.assert_close(
                 full[other_name],
-                initial[other_name].to(full[other_name].device),
+                initial[other_name].to(full[other_name].device, shown),
                 **EXACT,
                 msg=lambda m: f"{form.value}: {other_name} kept changes made inside\n{m}",
             )
@@ -357,13 +348,14 @@ def _check_param_data(
                 managed = name not in fixtures.NestedModel.UNMANAGED_PARAMS
                 want_device = torch.device("cpu") if offload_to_cpu and managed else device
                 assert seen.device == want_device, f"{form.value}: {name} is on {seen.device}, expected {want_device}"
-                assert seen.dtype == expected.dtype, (
-                    f"{form.value}: {name} shows {seen.dtype}: full parameters must be in the "
-                    f"original {expected.dtype} even under mixed precision"
+                shown = _shown_dtype(backend, spec.param_dtype) if managed else expected.dtype
+                assert seen.dtype == shown, (
+                    f"{form.value}: {name} shows {seen.dtype}: full parameters must be in {shown} "
+                    f"(the original {expected.dtype}, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
                 )
                 torch.testing.assert_close(
                     seen.detach(),
-                    expected.detach().to(seen.device),
+                    expected.detach().to(seen.device, shown),
                     **EXACT,
                     msg=lambda m, name=name: f"{form.value}: full {name} differs\n{m}",
                 )
@@ -490,7 +482,8 @@ def test_unshard_respects_reshard(
 ) -> None:
     """FULL_SHARD: forward leaves the root unsharded and unit ``0`` resharded, backward
     reshards both; an unshard between them or after backward changes none of that, except
-    that under mixed precision the root is resharded by it (backward gathers again)."""
+    that under mixed precision an unshard between them reshards the root (backward gathers
+    again) unless the adapter declares ``MIXED_PRECISION_UNSHARD.root_stays_unsharded``."""
     writeback = _read_only_writeback(backend, rank0_only)
     _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     require(backend, Capability.INTROSPECT_UNSHARDED)
@@ -514,7 +507,8 @@ def test_unshard_respects_reshard(
         output = sharded(torch.zeros(5, device=device))
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
-        check(sharded, not mixed_precision, f"{where}: after an unshard before backward")
+        root_stays = not mixed_precision or type(backend).MIXED_PRECISION_UNSHARD.root_stays_unsharded
+        check(sharded, root_stays, f"{where}: after an unshard before backward")
         backend.backward(sharded, output.sum())
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
@@ -552,7 +546,7 @@ def _check_names_and_storage(
         if unsharded[unit] or use_orig_params:
             wanted_names.update(names)
         else:
-            wanted_names.add(flat_param_fqn(unit))
+            wanted_names.add(flat_param_fqn(backend, unit))
     assert set(params) == wanted_names, (
         f"{where}: parameters are named {sorted(params)}, expected {sorted(wanted_names)} "
         f"(unsharded units: {sorted(u for u, state in unsharded.items() if state)})"
@@ -586,12 +580,14 @@ def _check_names_and_storage(
                     f"{tuple(shapes[name])}"
                 )
         elif not use_orig_params:
-            assert flat_param_fqn(unit) in params, f"{where}: sharded unit {unit!r} shows no {flat_param_fqn(unit)}"
+            assert flat_param_fqn(backend, unit) in params, (
+                f"{where}: sharded unit {unit!r} shows no {flat_param_fqn(backend, unit)}"
+            )
             numel = sum(shapes[name].numel() for name in names)
             padded_shard = -(-numel // world_size)
-            stored = backend.local_shard(sharded, flat_param_fqn(unit)).numel()
+            stored = backend.local_shard(sharded, flat_param_fqn(backend, unit)).numel()
             assert stored == padded_shard, (
-                f"{where}: {flat_param_fqn(unit)} holds {stored} elements on this "
+                f"{where}: {flat_param_fqn(backend, unit)} holds {stored} elements on this "
                 f"rank; a unit of {numel} elements sharded {world_size} ways holds "
                 f"ceil({numel}/{world_size}) = {padded_shard}"
             )
@@ -735,7 +731,7 @@ def test_unshard_with_grads(
     _require_unshard(backend, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
     spec = ShardingSpec(strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES)
     changes_persist = writeback or (strategy is ShardingStrategy.NO_SHARD and not offload_to_cpu)
-    refused = offload_to_cpu and strategy is ShardingStrategy.NO_SHARD
+    is_refused = offload_to_cpu and strategy is ShardingStrategy.NO_SHARD
     for form, sharded in _sharded_models(backend, fixtures.TiedTransformer, spec, device):
         local = fixtures.build(fixtures.TiedTransformer, current_seed(), device)
         ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None)
@@ -753,10 +749,9 @@ def test_unshard_with_grads(
         def check_grads(when: str) -> None:
             before = _stored_grads(backend, sharded)
             context = backend.unshard(sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
-            if refused:
-                with pytest.raises(Exception) as refusal, context:
+            if is_refused:
+                with refused(backend, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD, f"{form.value}: {when}"), context:
                     pass
-                _assert_refusal(refusal.value, "offload_to_cpu")
                 return
             with context, torch.no_grad():
                 pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
@@ -908,9 +903,8 @@ def test_unshard_from_forward_raises(backend: BackendAdapter, device: torch.devi
                 pass
 
         target.during_forward = unshard_now
-        with pytest.raises(MISUSE_ERRORS) as misuse:
+        with refused(backend, Misuse.UNSHARD_DURING_FORWARD, form.value):
             sharded(torch.ones(5, device=device))
-        _assert_misuse(misuse.value, form)
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -926,9 +920,8 @@ def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.dev
                 pass
 
         output.register_hook(unshard_now)
-        with pytest.raises(MISUSE_ERRORS) as misuse:
+        with refused(backend, Misuse.UNSHARD_DURING_BACKWARD, form.value):
             backend.backward(sharded, output.sum())
-        _assert_misuse(misuse.value, form)
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -939,10 +932,12 @@ def test_unshard_rank0_only_with_writeback_raises(backend: BackendAdapter, devic
     it has writeback."""
     _require_unshard(backend, rank0_only=True)
     spec = ShardingSpec(manual_units=fixtures.NestedModel.UNIT_FQNS)
-    for _form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(Exception) as refusal, backend.unshard(sharded, rank0_only=True, writeback=True):
+    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with (
+            refused(backend, Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK, form.value),
+            backend.unshard(sharded, rank0_only=True, writeback=True),
+        ):
             pass
-        _assert_refusal(refusal.value, "rank0_only", "writeback")
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -954,7 +949,9 @@ def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, device:
     """
     _require_unshard(backend, offload_to_cpu=True)
     spec = ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS)
-    for _form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with pytest.raises(Exception) as refusal, backend.unshard(sharded, offload_to_cpu=True, writeback=False):
+    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        with (
+            refused(backend, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD, form.value),
+            backend.unshard(sharded, offload_to_cpu=True, writeback=False),
+        ):
             pass
-        _assert_refusal(refusal.value, "offload_to_cpu")

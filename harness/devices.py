@@ -12,7 +12,7 @@ import contextlib
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -72,6 +72,32 @@ def plan_devices(requested: str, world_size: int) -> DevicePlan:
     if requested == "auto":
         return DevicePlan("cuda" if gpus >= world_size else "cpu")
     raise ValueError(f"unknown device {requested!r}: use one of {', '.join(DEVICE_CHOICES)}")
+
+
+@dataclass
+class DeviceTally:
+    """How many distributed tests of a session got their devices and how many could not, so a
+    session where none could (`--device cuda` on a runner that lost its GPUs) is not green."""
+
+    requested: str
+    got: int = 0
+    lacked: dict[str, int] = field(default_factory=dict)  # skip reason -> tests
+
+    def note(self, plan: DevicePlan) -> None:
+        if plan.kind is None:
+            self.lacked[plan.skip_reason] = self.lacked.get(plan.skip_reason, 0) + 1
+        else:
+            self.got += 1
+
+    def nothing_ran(self) -> str | None:
+        """Why the session must fail, or None: only when tests needed devices and none got them."""
+        if self.got or not self.lacked:
+            return None
+        reasons = "; ".join(f"{count} {reason}" for reason, count in self.lacked.items())
+        return (
+            f"harness: --device {self.requested}: no distributed test got its devices ({reasons}); "
+            "nothing ran, so the run fails: run on a machine with the GPUs or pass --device cpu"
+        )
 
 
 def rank_device(kind: DeviceKind, local_rank: int) -> torch.device:

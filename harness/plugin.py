@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from harness import hookspecs, rank_fixtures, repro, world_sizes
-from harness.devices import DEVICE_CHOICES, visible_gpu_count
+from harness.devices import DEVICE_CHOICES, DeviceTally, plan_devices, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
 from harness.session import HarnessSession, session_properties
@@ -31,6 +31,7 @@ from harness.world_sizes import world_size_of  # also imported from here by othe
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _SIGNALS = pytest.StashKey[SignalGuard]()
+_DEVICES = pytest.StashKey[DeviceTally]()
 _JUNIT_PLUGIN = "harness-junit"
 
 
@@ -133,6 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
     world_sizes.configure(config, visible_gpu_count())
+    config.stash[_DEVICES] = DeviceTally(config.option.device)
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
     config.addinivalue_line(
         "markers",
@@ -185,11 +187,23 @@ def reports_dir(config: pytest.Config) -> str:
 
 
 def _register_placeholders(config: pytest.Config) -> None:
-    """Parent-side stand-ins for rank fixtures, so pytest's fixture resolution is satisfied."""
+    """Parent-side stand-ins for rank fixtures, so pytest's fixture resolution is satisfied.
+
+    A distributed test gets a placeholder string it never sees (its body runs in the ranks). A
+    test without a `world_size` marker would run in this process with that string as its rank
+    or device, and could pass having run nothing distributed: it errors instead, naming the fix.
+    """
     holder = types.ModuleType("harness_rank_fixture_placeholders")
     for name in rank_fixtures.registered_names():
 
-        def placeholder(_name: str = name) -> str:
+        def placeholder(request: pytest.FixtureRequest, _name: str = name) -> str:
+            if not world_sizes.is_distributed(request.node):
+                pytest.fail(
+                    f"{request.node.nodeid} asks for the rank-side fixture {_name!r} but has no world_size "
+                    f"marker, so it would run in the pytest process with a placeholder for {_name!r}: mark it "
+                    "@pytest.mark.world_size(N) to run it on N ranks",
+                    pytrace=False,
+                )
             return f"<rank-side fixture {_name}>"
 
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
@@ -225,6 +239,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     size = world_size_of(pyfuncitem)
     assert size is not None, f"{pyfuncitem.nodeid} runs at no world size: it should have been deselected"
+    pyfuncitem.config.stash[_DEVICES].note(plan_devices(pyfuncitem.config.option.device, size))
     pyfuncitem.config.stash[_SESSION].run_item(pyfuncitem, size)
     return True
 
@@ -263,6 +278,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         harness_session.interrupted = True  # no polite waits on the way out
     if guard is not None:
         guard.ending()
+    tally = session.config.stash.get(_DEVICES, None)
+    if tally is not None and tally.nothing_ran() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -283,6 +301,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    tally = config.stash.get(_DEVICES, None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if tally is not None and tally.nothing_ran() and reporter is not None:
+        reporter.write_line(tally.nothing_ran(), red=True, bold=True)  # last: after pytest's own summary
     guard = config.stash.get(_SIGNALS, None)
     if guard is not None:
         guard.ending()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,14 +28,35 @@ def dcp_options(kind: StateDictKind) -> StateDictOptions:
     return StateDictOptions(full_state_dict=kind is StateDictKind.FULL)
 
 
+def dcp_save(adapter: BackendAdapter, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+    """The native checkpoint of a backend whose sharded state dicts are DTensors or
+    ShardedTensors: torch.distributed.checkpoint over the sharded model and optimizer state."""
+    state = {
+        "model": adapter.state_dict(model, StateDictKind.SHARDED),
+        "optim": adapter.optim_state_dict(model, optim, StateDictKind.SHARDED),
+    }
+    dcp.save(state, checkpoint_id=directory)
+
+
+def dcp_load(adapter: BackendAdapter, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+    """Load what :func:`dcp_save` wrote: DCP fills this model's sharded state in place."""
+    state = {
+        "model": adapter.state_dict(model, StateDictKind.SHARDED),
+        "optim": adapter.optim_state_dict(model, optim, StateDictKind.SHARDED),
+    }
+    dcp.load(state, checkpoint_id=directory)
+    adapter.load_state_dict(model, state["model"], StateDictKind.SHARDED)
+    adapter.load_optim_state_dict(model, optim, state["optim"], StateDictKind.SHARDED)
+
+
 class TorchAdapter(BackendAdapter):
     """What the torch adapters share: optimizer state goes through torch.distributed.checkpoint,
     which both FSDP versions support."""
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return get_optimizer_state_dict(model, optim, options=dcp_options(kind))
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self,
         model: nn.Module,
         optim: torch.optim.Optimizer,
@@ -42,6 +64,12 @@ class TorchAdapter(BackendAdapter):
         kind: StateDictKind,
     ) -> None:
         set_optimizer_state_dict(model, optim, dict(state_dict), options=dcp_options(kind))
+
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_save(self, model, optim, directory)
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_load(self, model, optim, directory)
 
 
 def clean_fqn(fqn: str) -> str:

@@ -59,15 +59,13 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     Capability,
+    MixedPrecisionUnshard,
     OptimizerFactory,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require,
-    require_all,
     submodule,
-    unshard_capabilities,
 )
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -209,6 +207,7 @@ class DeepSpeedModel(nn.Module):
 
 
 class DeepSpeedAdapter(BackendAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
     CAPABILITIES = frozenset(
@@ -228,8 +227,13 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.FULL_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
             Capability.INTROSPECT_UNSHARDED,
+            Capability.NATIVE_CHECKPOINT,
         }
     )
+    # Backend facts (proven in tests/conformance/test_declared_facts.py where DeepSpeed is
+    # installed): its bf16/fp16 mode casts the model's parameters to the low dtype (float32 lives
+    # only in the ZeRO optimizer's master partitions), so GatheredParameters shows that dtype.
+    MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True)
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (
@@ -352,8 +356,7 @@ class DeepSpeedAdapter(BackendAdapter):
             getattr(groups, name, {}).clear()
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         if spec.mesh is not None:
             raise ValueError(
                 "deepspeed adapter: ZeRO shards over the whole world; it takes no DeviceMesh "
@@ -471,7 +474,7 @@ class DeepSpeedAdapter(BackendAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -482,16 +485,6 @@ class DeepSpeedAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         root = _root(model)
         if recurse:
             params = list(submodule(root.module, fqn).parameters())
@@ -508,15 +501,22 @@ class DeepSpeedAdapter(BackendAdapter):
         with self._ds.zero.GatheredParameters(params, modifier_rank=0 if writeback else None):
             yield
 
+    # -- native checkpoint: DeepSpeed's own (per-rank ZeRO partitions of model and optimizer) ---
+    def _save_checkpoint(self, model: nn.Module, optim: Any, directory: str) -> None:
+        _engine_of(model).save_checkpoint(directory, tag=_CHECKPOINT_TAG)
+
+    def _load_checkpoint(self, model: nn.Module, optim: Any, directory: str) -> None:
+        path, _client_state = _engine_of(model).load_checkpoint(directory, tag=_CHECKPOINT_TAG)
+        if path is None:
+            raise RuntimeError(f"deepspeed adapter: DeepSpeed found no checkpoint {_CHECKPOINT_TAG!r} in {directory}")
+
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         root = _root(model)
         with self._ds.zero.GatheredParameters(list(root.module.parameters())):
             return {name: value.detach().clone() for name, value in root.module.state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         root = _root(model)
         # What engine.load_checkpoint(load_module_only=True) does without the files: load
         # under a gather that rank 0 modifies, then refresh the optimizer's fp32 master copy.
@@ -526,11 +526,10 @@ class DeepSpeedAdapter(BackendAdapter):
         if hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()
 
-    def optim_state_dict(self, model: nn.Module, optim: Any, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: Any, kind: StateDictKind) -> dict[str, Any]:
         """torch's full optimizer-state layout keyed by parameter FQN (see
         docs/writing-an-adapter.md), assembled with DeepSpeed's safe_get_full_optimizer_state:
         one collective per parameter and elementwise state, on every rank."""
-        require(self, _STATE_DICT_CAPABILITY[kind])
         from deepspeed.utils import safe_get_full_optimizer_state
 
         root = _root(model)
@@ -551,13 +550,12 @@ class DeepSpeedAdapter(BackendAdapter):
         ]
         return {"state": state, "param_groups": groups}
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self, model: nn.Module, optim: Any, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
         """Load what :meth:`optim_state_dict` produced: hyperparameters into the optimizer's
         groups, elementwise state through safe_set_full_optimizer_state (which writes this
         rank's partition), scalars (Adam's step) into every flat group's state."""
-        require(self, _STATE_DICT_CAPABILITY[kind])
         from deepspeed.utils import safe_set_full_optimizer_state
 
         root = _root(model)
@@ -657,10 +655,15 @@ class DeepSpeedAdapter(BackendAdapter):
         return all(getattr(p, "ds_status", status.AVAILABLE) == status.AVAILABLE for p in params)
 
 
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
+_CHECKPOINT_TAG = "conformance"
+
+
+def _engine_of(model: nn.Module) -> Any:
+    """The DeepSpeed engine behind ``model`` (built by make_optimizer)."""
+    engine = _root(model).engine
+    if engine is None:
+        raise RuntimeError("deepspeed adapter: a checkpoint needs the engine; call make_optimizer first")
+    return engine
 
 
 def _root(model: nn.Module) -> DeepSpeedModel:

@@ -19,17 +19,20 @@ import torch.nn as nn
 
 import engine
 import engine.collectives
+import engine.params
+from conformance.adapters._common import dcp_load, dcp_save
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    Misuse,
     OptimizerFactory,
+    Refusal,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
 )
 
@@ -49,9 +52,35 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
+    FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
+    # The engine's own refusals (engine/unshard.py, engine/topology.py): a call in the wrong state
+    # is Python's RuntimeError where FSDP1 raises AssertionError; the unsupported unshard options
+    # are the seeds' NotImplementedError. Proven in tests/conformance/test_declared_facts.py.
+    REFUSALS = {
+        Misuse.UNSHARD_DURING_FORWARD: Refusal(
+            (RuntimeError,), "Cannot manually unshard parameters during forward/backward"
+        ),
+        Misuse.UNSHARD_DURING_BACKWARD: Refusal(
+            (RuntimeError,), "Cannot manually unshard parameters during forward/backward"
+        ),
+        Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK: Refusal(
+            (NotImplementedError,), r"rank0_only=True with writeback=True is not supported"
+        ),
+        Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD: Refusal(
+            (NotImplementedError,), r"offload_to_cpu=True with NO_SHARD .* is not supported"
+        ),
+        # The engine's own check, or (torch < 2.7, whose parallelize_module still checks first)
+        # torch's refusal, the seed's text.
+        Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM: Refusal(
+            (RuntimeError,),
+            r"is tensor-parallel \(TP\) over mesh dimension .*; TP must be the innermost"
+            r"|Found TP device_mesh on the \d dimension of its parent mesh",
+        ),
+    }
 
     # -- collective labels (the engine publishes the FQNs of the unit it is gathering) ---------
     def collective_label(self) -> str | None:
@@ -64,8 +93,7 @@ class ReferenceAdapter(BackendAdapter):
         return factory(model.parameters())
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         ignored = [submodule(model, fqn) for fqn in spec.ignored_modules]
         for fqn in innermost_first(spec.manual_units):
             unit = submodule(model, fqn)
@@ -98,7 +126,7 @@ class ReferenceAdapter(BackendAdapter):
         }
 
     # -- unshard ------------------------------------------------------------------------
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -119,21 +147,28 @@ class ReferenceAdapter(BackendAdapter):
         )
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         engine.set_state_dict_type(model, _KINDS[kind])
         return {_clean(key): value for key, value in model.state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         engine.set_state_dict_type(model, _KINDS[kind])
         model.load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         return engine.optim_state_dict(model, optim, sharded=kind is StateDictKind.SHARDED)
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
         engine.load_optim_state_dict(model, optim, dict(state_dict))
+
+    # -- native checkpoint: torch.distributed.checkpoint over the DTensor state dicts ----------
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_save(self, model, optim, directory)
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        dcp_load(self, model, optim, directory)
 
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:

@@ -34,18 +34,22 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     Capability,
+    MixedPrecisionUnshard,
     OptimizerFactory,
+    Requirement,
+    ShardEvent,
     ShardingSpec,
     StateDictKind,
-    require,
-    require_all,
-    unshard_capabilities,
+    declared_fqn,
 )
 
 _FULL = StateDictOptions(full_state_dict=True)
 
 
 class TemplateAdapter(BackendAdapter):
+    # The protocol version this adapter was written for: state yours, so that a later protocol
+    # can tell you (one warning) what you do not declare of what it added.
+    PROTOCOL_VERSION = 3
     # Test ids, reports and expectations use it; the expectations file is
     # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
     name = "template-ddp"
@@ -72,17 +76,47 @@ class TemplateAdapter(BackendAdapter):
         Capability.FULL_SHARD: "DDP shards nothing",
         Capability.SHARDED_STATE_DICT: "DDP shards nothing, so there is no sharded state dict",
     }
+    # Features you have one by one but not together, and spec-field values (SpecCondition) you
+    # cannot combine with a feature: {frozenset({...}): reason}. DDP: none.
+    UNSUPPORTED_COMBINATIONS = {}
+    # Backend facts (docs/writing-an-adapter.md, "Backend facts"): leave out what you do as the
+    # seeds (torch FSDP1) do. The name of a unit's flat parameter (with FLAT_PARAMETERS):
+    FLAT_PARAMETER_NAME = "_flat_param"
+    # How your backend refuses each misuse (Misuse -> Refusal(types, message regex)); a misuse
+    # left out is held to the seeds' (SEED_REFUSALS). DDP has no unshard to misuse: none.
+    REFUSALS = {}
+    # Under mixed precision: is unshard() shown in the compute dtype, does the root stay gathered?
+    MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=False, root_stays_unsharded=False)
 
     def __init__(self, env: BackendEnv) -> None:
         # Built once per test in every rank; the default process group already exists.
         # Libraries that read torchrun's variables (LOCAL_RANK, ...) get them set from `env`
-        # here: the harness restores the environment after each test.
+        # here: the harness restores the environment after each test. The session also builds
+        # one in the pytest process (rank 0 of a world of one, no process group) to ask
+        # capabilities(): keep the constructor free of collectives.
         super().__init__(env)
 
+    # -- what the backend has here: the defaults, spelled out -------------------------------
+    def capabilities(self) -> frozenset[Capability]:
+        # Override when support depends on self.env (the device): a CUDA-only backend returns
+        # no API form on CPU, and the session refuses it at start with what is missing.
+        return self.CAPABILITIES
+
+    def unsupported_combinations(self) -> Mapping[frozenset[Requirement], str]:
+        return self.UNSUPPORTED_COMBINATIONS
+
+    def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
+        # Read only where MIXED_PRECISION is declared: the low-precision dtypes you compute in
+        # on self.env.device, preferred first.
+        return (torch.float16, torch.bfloat16)
+
+    def original_fqn(self, name: str) -> str:
+        # A name on the sharded model without the WRAPPER_COMPONENTS; scenarios compare names
+        # with conformance.protocol.declared_fqn, which an override cannot widen.
+        return declared_fqn(self, name)
+
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        # Refuse (skip) before touching the model if the spec asks for anything missing.
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -104,7 +138,7 @@ class TemplateAdapter(BackendAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -115,45 +149,64 @@ class TemplateAdapter(BackendAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         # DDP's parameters are always full: nothing to gather, and changes made inside are
         # made to the stored parameters (they persist whatever `writeback` says).
         yield
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         return {name: value.detach().clone() for name, value in _inner(model).state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-        require(self, _STATE_DICT_CAPABILITY[kind])
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         _inner(model).load_state_dict(dict(state_dict))
 
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         # torch's layout keyed by parameter FQN (docs/writing-an-adapter.md, "State-dict
         # layouts"); torch.distributed.checkpoint builds it for DDP and FSDP models.
-        require(self, _STATE_DICT_CAPABILITY[kind])
         return get_optimizer_state_dict(model, optim, options=_FULL)
 
-    def load_optim_state_dict(
+    def _load_optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
-        require(self, _STATE_DICT_CAPABILITY[kind])
         set_optimizer_state_dict(model, optim, dict(state_dict), options=_FULL)
 
+    # -- native checkpoint (optional, NATIVE_CHECKPOINT): your own sharded save / load --------
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        # Every rank writes its part under `directory` (one path, shared by the ranks).
+        super()._save_checkpoint(model, optim, directory)  # not declared: never called
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        super()._load_checkpoint(model, optim, directory)
+
+    # -- introspection (optional): declare INTROSPECT_* only where the backend can tell --------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        # Whether the unit at FQN `unit` holds unsharded storage now (INTROSPECT_UNSHARDED).
+        return super().is_unsharded(model, unit)  # not declared: the base class skips
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        # Unit FQN -> FQNs of the parameters it manages (INTROSPECT_UNIT_FQNS).
+        return super().unit_fqns(model)
+
+    def record_events(self, model: nn.Module) -> contextlib.AbstractContextManager[list[ShardEvent]]:
+        # A context yielding a list that fills with ShardEvent("unshard"/"reshard", unit FQN)
+        # in the order the units change state (INTROSPECT_EVENTS).
+        return super().record_events(model)
+
     # -- storage: the defaults fit (the parameter is what a rank stores) --------------------
-    # Override local_shard / set_local_shard / local_grad_shard / set_local_grad_shard when a
-    # rank's part of a parameter lives somewhere else than `param` (DeepSpeed ZeRO-3:
-    # `param.ds_tensor`) or is also kept elsewhere (an optimizer's fp32 master copy).
+    # Override these when a rank's part of a parameter lives somewhere else than `param`
+    # (DeepSpeed ZeRO-3: `param.ds_tensor`) or is also kept elsewhere (an optimizer's fp32
+    # master copy). `fqn` is an original FQN (original_fqn of a name on the sharded model).
+    def local_shard(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        return super().local_shard(model, fqn)  # a copy of param (or its DTensor local shard)
+
+    def set_local_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        super().set_local_shard(model, fqn, value)
+
+    def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
+        return super().local_grad_shard(model, fqn)
+
+    def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        super().set_local_grad_shard(model, fqn, value)
 
     # -- labels and lifetime: the defaults fit ----------------------------------------------
     def collective_label(self) -> str | None:
@@ -166,12 +219,6 @@ class TemplateAdapter(BackendAdapter):
     def close(self) -> None:
         # Drop what the backend caches across tests (process groups in module globals, ...).
         return None
-
-
-_STATE_DICT_CAPABILITY = {
-    StateDictKind.FULL: Capability.FULL_STATE_DICT,
-    StateDictKind.SHARDED: Capability.SHARDED_STATE_DICT,
-}
 
 
 def _inner(model: nn.Module) -> nn.Module:

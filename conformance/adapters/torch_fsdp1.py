@@ -36,16 +36,16 @@ from conformance.adapters._common import (
 )
 from conformance.adapters._labels import current_label, label_calls
 from conformance.protocol import (
+    SEED_REFUSALS,
     ApiForm,
     Capability,
+    Misuse,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
-    unshard_capabilities,
 )
 
 _STRATEGIES = {
@@ -82,11 +82,18 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
     CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE, Capability.SHARD_OPTIM_STATE}
     WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
+    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDP1 is what the seeds
+    # test; it refuses the unshard misuses exactly as they require (it has no check of the TP mesh
+    # dimension: held to the seeds' refusal, see its expectations). Its mixed-precision unshard is
+    # the protocol's default (the seeds').
+    FLAT_PARAMETER_NAME = "_flat_param"
+    REFUSALS = {misuse: SEED_REFUSALS[misuse] for misuse in Misuse if misuse.name.startswith("UNSHARD_")}
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
@@ -118,8 +125,7 @@ class TorchFSDP1Adapter(TorchAdapter):
         return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         if spec.check_exec_order:
             # FSDP1 decides at construction whether to validate the forward order.
             dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -155,7 +161,7 @@ class TorchFSDP1Adapter(TorchAdapter):
         return kwargs
 
     # -- unshard ------------------------------------------------------------------------
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -166,16 +172,6 @@ class TorchFSDP1Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         return FSDP.summon_full_params(
             _wrapped_submodule(model, fqn),
             recurse=recurse,
@@ -186,12 +182,12 @@ class TorchFSDP1Adapter(TorchAdapter):
         )
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             return model.state_dict()
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         state_dict_type, config = _state_dict_type(kind)
         with FSDP.state_dict_type(model, state_dict_type, config):
             model.load_state_dict(state_dict)

@@ -42,14 +42,13 @@ from conformance.protocol import (
     ApiForm,
     BackendEnv,
     Capability,
+    MixedPrecisionUnshard,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
     innermost_first,
-    require_all,
     submodule,
-    unshard_capabilities,
 )
 
 _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
@@ -73,6 +72,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
+    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
@@ -85,6 +85,12 @@ class TorchFSDP2Adapter(TorchAdapter):
         Capability.UNSHARD_WITH_GRADS,
         Capability.SHARD_OPTIM_STATE,
     }
+    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDPModule.unshard()
+    # all-gathers in mp_policy.param_dtype, so under mixed precision the unsharded parameters are
+    # in the compute dtype, and a root gathered by forward stays so (the adapter leaves units it
+    # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
+    # held to the seeds' (see its expectations).
+    MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
@@ -111,8 +117,7 @@ class TorchFSDP2Adapter(TorchAdapter):
         return current_label()
 
     # -- applying sharding ----------------------------------------------------------------
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        require_all(self, spec.needed_capabilities(form))
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         ignored_params = {p for fqn in spec.ignored_modules for p in submodule(model, fqn).parameters()}
         for fqn in self._unit_fqns(model, spec):
             fully_shard(submodule(model, fqn), **self._kwargs(spec, fqn, ignored_params))
@@ -178,7 +183,7 @@ class TorchFSDP2Adapter(TorchAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def unshard(
+    def _unshard(
         self,
         model: nn.Module,
         fqn: str = "",
@@ -189,16 +194,6 @@ class TorchFSDP2Adapter(TorchAdapter):
         recurse: bool = True,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        require_all(
-            self,
-            unshard_capabilities(
-                writeback=writeback,
-                rank0_only=rank0_only,
-                offload_to_cpu=offload_to_cpu,
-                recurse=recurse,
-                with_grads=with_grads,
-            ),
-        )
         target = submodule(model, fqn)
         if recurse:
             units = [m for m in target.modules() if isinstance(m, FSDPModule)]
@@ -216,10 +211,10 @@ class TorchFSDP2Adapter(TorchAdapter):
                 unit.reshard()
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         return get_model_state_dict(model, options=dcp_options(kind))
 
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         set_model_state_dict(model, dict(state_dict), options=dcp_options(kind))
 
     # -- introspection --------------------------------------------------------------------

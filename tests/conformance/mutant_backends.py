@@ -184,10 +184,10 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             remove_step_hooks()
             self._as_sharded: dict[str, torch.Tensor] = {}
 
-        def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
             # The parameters before sharding: what a stale full view shows.
             self._as_sharded = {n: p.detach().clone() for n, p in model.named_parameters()}
-            sharded = super().shard(model, spec, form)
+            sharded = super()._shard(model, spec, form)
             if mutation in INTERCEPTORS:
                 trace.set_interceptor(INTERCEPTORS[mutation])
             elif mutation == "sum_grads":
@@ -198,8 +198,8 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             return sharded
 
         @contextlib.contextmanager
-        def unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
-            with super().unshard(model, fqn, **options):
+        def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
+            with super()._unshard(model, fqn, **options):
                 if mutation != "stale_unshard_view" or self.env.rank != STALE_RANK:
                     yield
                     return

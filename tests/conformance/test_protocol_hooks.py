@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -25,12 +25,16 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.protocol import (
+    PROTOCOL_VERSION,
+    TEMPLATE_METHODS,
     ApiForm,
     BackendAdapter,
     BackendEnv,
     Capability,
+    Requirement,
     ShardingSpec,
     ShardingStrategy,
+    SpecCondition,
     StateDictKind,
 )
 from harness import RankContext
@@ -208,6 +212,7 @@ def _run_fixture(monkeypatch: pytest.MonkeyPatch, body_raises: bool) -> list[str
         assert isinstance(adapter, LabellingAdapter)
         assert adapter.env.local_rank == 0
         calls.append("body")
+        adapter.shard(nn.Linear(2, 2), ShardingSpec(), ApiForm.COMPOSABLE)  # a passing test must shard
         if body_raises:
             raise RuntimeError("the test body failed")
     assert registered and registered[0].__self__ is adapter
@@ -405,3 +410,142 @@ def test_the_template_adapter_trains_and_saves_like_the_oracle(
     assert backend.local_shard(sharded, "unit1.inp.weight").shape == (8, 8)
     with pytest.raises(pytest.skip.Exception, match="unsupported: sharding units"):
         backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=("unit1",)), ApiForm.WRAPPER)
+
+
+# -- the protocol checks capabilities, then calls the adapter (template methods) ----------------
+
+
+class Counting(BackendAdapter):
+    """A current-protocol adapter that checks nothing itself and counts what reaches it."""
+
+    name = "counting"
+    PROTOCOL_VERSION = PROTOCOL_VERSION
+    CAPABILITIES = frozenset(
+        {Capability.COMPOSABLE, Capability.FULL_SHARD, Capability.UNSHARD, Capability.FULL_STATE_DICT}
+    )
+
+    def __init__(self, env: BackendEnv) -> None:
+        super().__init__(env)
+        self.reached: list[str] = []
+
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        self.reached.append("shard")
+        return model
+
+    def _unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> Any:
+        self.reached.append("unshard")
+        return contextlib.nullcontext()
+
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        self.reached.append("state_dict")
+        return model.state_dict()
+
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        self.reached.append("load_state_dict")
+
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        self.reached.append("optim_state_dict")
+        return {}
+
+    def _load_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
+    ) -> None:
+        self.reached.append("load_optim_state_dict")
+
+
+def _skip_reason(call: Any) -> str:
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        call()
+    return str(skipped.value.msg)
+
+
+def test_public_methods_refuse_what_the_adapter_does_not_declare_before_calling_it() -> None:
+    backend = Counting(BackendEnv(rank=0, world_size=1, device=CPU))
+    model = nn.Linear(2, 2)
+    assert "unsupported: wrapper form" in _skip_reason(lambda: backend.shard(model, ShardingSpec(), ApiForm.WRAPPER))
+    flat = ShardingSpec(use_orig_params=False)
+    assert "use_orig_params=False" in _skip_reason(lambda: backend.shard(model, flat, ApiForm.COMPOSABLE))
+    assert "unshard rank0_only" in _skip_reason(
+        lambda: backend.unshard(model, writeback=False, rank0_only=True).__enter__()
+    )
+    assert "sharded state dict" in _skip_reason(lambda: backend.state_dict(model, StateDictKind.SHARDED))
+    assert "sharded state dict" in _skip_reason(lambda: backend.load_state_dict(model, {}, StateDictKind.SHARDED))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert "optimizer state dict" in _skip_reason(lambda: backend.optim_state_dict(model, optim, StateDictKind.FULL))
+    assert "optimizer state dict" in _skip_reason(
+        lambda: backend.load_optim_state_dict(model, optim, {}, StateDictKind.FULL)
+    )
+    assert backend.reached == []  # nothing half-supported reached the adapter
+    backend.shard(model, ShardingSpec(), ApiForm.COMPOSABLE)
+    with backend.unshard(model, writeback=False):
+        pass
+    backend.state_dict(model, StateDictKind.FULL)
+    assert backend.reached == ["shard", "unshard", "state_dict"]
+
+
+def test_state_dict_kinds_map_to_their_capabilities() -> None:
+    assert Capability.for_state_dict(StateDictKind.FULL) is Capability.FULL_STATE_DICT
+    assert Capability.for_state_dict(StateDictKind.SHARDED) is Capability.SHARDED_STATE_DICT
+
+
+def test_a_current_adapter_cannot_override_a_checking_method() -> None:
+    with pytest.raises(TypeError, match=r"overrides shard\(\), which checks .* implement _shard\(\) instead"):
+
+        class Bypassing(Counting):
+            def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+                return model
+
+
+def test_an_old_adapters_methods_become_the_implementations_and_gain_the_checks() -> None:
+    """OldStyleAdapter (no PROTOCOL_VERSION) implemented shard() itself; it keeps working, and
+    what it does not declare is refused before its own code runs."""
+    backend = old_style()
+    assert "_shard" in vars(OldStyleAdapter) and "shard" not in vars(OldStyleAdapter)
+    model = nn.Linear(2, 2)
+    assert backend.shard(model, ShardingSpec(), ApiForm.COMPOSABLE) is model
+    assert "unsupported: wrapper form" in _skip_reason(lambda: backend.shard(model, ShardingSpec(), ApiForm.WRAPPER))
+
+
+class FlatOnlyOptimState(Counting):
+    """Optimizer state dicts only with flat parameters: a combination of a capability and a
+    spec-field value that is no capability."""
+
+    name = "flat-only-optim-state"
+    CAPABILITIES = Counting.CAPABILITIES | {Capability.FLAT_PARAMETERS, Capability.OPTIM_STATE_DICT}
+    UNSUPPORTED_COMBINATIONS: ClassVar[Mapping[frozenset[Requirement], str]] = {
+        frozenset({Capability.OPTIM_STATE_DICT, SpecCondition.ORIGINAL_PARAMETERS}): "gathers flat state only"
+    }
+
+
+def test_combinations_may_name_spec_field_values() -> None:
+    backend = FlatOnlyOptimState(BackendEnv(rank=0, world_size=1, device=CPU))
+    original = backend.shard(nn.Linear(2, 2), ShardingSpec(), ApiForm.COMPOSABLE)
+    flat = backend.shard(nn.Linear(2, 2), ShardingSpec(use_orig_params=False), ApiForm.COMPOSABLE)
+    optim = torch.optim.SGD(original.parameters(), lr=0.1)
+    reason = _skip_reason(lambda: backend.optim_state_dict(original, optim, StateDictKind.FULL))
+    assert reason == (
+        "unsupported: optimizer state dict with use_orig_params=True (original parameters): gathers flat state only"
+    )
+    backend.optim_state_dict(flat, optim, StateDictKind.FULL)
+    backend.state_dict(original, StateDictKind.FULL)  # the combination names the optimizer state only
+    assert backend.reached == ["shard", "shard", "optim_state_dict", "state_dict"]
+    assert ShardingSpec().conditions() == set(SpecCondition)
+    assert SpecCondition.ORIGINAL_PARAMETERS not in ShardingSpec(use_orig_params=False).conditions()
+
+
+def test_the_template_lists_every_method_and_declaration_of_the_protocol() -> None:
+    """What an adapter author copies shows all they may implement or declare: every method of
+    BackendAdapter an adapter provides (the implementations, not the checking public methods)
+    and every class-level declaration."""
+    from conformance.adapters.template import TemplateAdapter
+
+    public_templates = set(TEMPLATE_METHODS)
+    provided = {
+        name
+        for name, value in vars(BackendAdapter).items()
+        if callable(value) and name not in public_templates and not name.startswith("__")
+        if name not in {"supports", "unsupported_reason", "forms", "named_parameter", "_specs", "_spec_requirements"}
+    }
+    declarations = {name for name in vars(BackendAdapter) if name.isupper()}
+    missing = sorted((provided | declarations) - set(vars(TemplateAdapter)) - {"EXPECTATIONS"})
+    assert missing == [], f"conformance/adapters/template.py lacks {missing}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import InnerSession
-from harness.devices import plan_devices
+from harness.devices import DevicePlan, DeviceTally, plan_devices
 
 
 @pytest.mark.parametrize(
@@ -55,13 +55,41 @@ def test_unpicklable_argument_is_explained(inner: InnerSession) -> None:
     assert "argument 'lock' of test_lock.py::test_x" in result.stdout and "cannot be sent to the ranks" in result.stdout
 
 
-def test_cuda_demanded_without_gpus_is_a_skip_with_reason(inner: InnerSession) -> None:
-    inner.write("test_gpu.py", "import pytest\n@pytest.mark.world_size(4)\ndef test_x(rank):\n    pass\n")
+def test_cuda_demanded_without_gpus_is_a_skip_with_reason_and_a_red_run(inner: InnerSession) -> None:
+    """Each test is skipped with its reason; a session where no distributed test got its GPUs
+    (a GPU runner that lost them) is red, the reason on its last line, even with other tests passing."""
+    inner.write(
+        "test_gpu.py",
+        "import pytest\n@pytest.mark.world_size(4)\ndef test_x(rank):\n    pass\ndef test_plain():\n    pass\n",
+    )
     result = inner.run("--device", "cuda", "-rs")
     if plan_devices("cuda", 4).kind is not None:
         pytest.skip("this machine has 4 GPUs: the skip path cannot be observed here")
-    assert "1 skipped" in result.stdout
+    assert "1 passed, 1 skipped" in result.stdout
     assert "needs 4 GPUs, found" in result.stdout
+    assert result.returncode == 1, result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert "no distributed test got its devices (1 needs 4 GPUs, found" in last, last
+    assert "pass --device cpu" in last
+
+
+def test_device_tally_fails_a_session_only_when_no_test_got_its_devices() -> None:
+    tally = DeviceTally("cuda")
+    assert tally.nothing_ran() is None  # nothing distributed at all: nothing to say
+    tally.note(DevicePlan(None, "needs 4 GPUs, found 1"))
+    assert "1 needs 4 GPUs, found 1" in (tally.nothing_ran() or "")
+    tally.note(DevicePlan("cuda"))  # one world of 1 had its GPU: the run ran something
+    assert tally.nothing_ran() is None
+
+
+def test_rank_fixture_without_world_size_marker_errors_with_the_fix(inner: InnerSession) -> None:
+    """Without a marker the test would run in the parent with placeholder strings and could pass."""
+    inner.write("test_unmarked.py", "def test_x(rank, device):\n    assert rank is not None\n")
+    result = inner.run("-q")
+    assert result.returncode == 1, result.stdout
+    assert "1 error" in result.stdout
+    assert "asks for the rank-side fixture 'rank' but has no world_size marker" in result.stdout
+    assert "@pytest.mark.world_size(N)" in result.stdout
 
 
 def test_device_plan() -> None:

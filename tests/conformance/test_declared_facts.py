@@ -1,0 +1,309 @@
+"""Every backend fact a built-in adapter declares is true of its real library.
+
+A declared fact (``FLAT_PARAMETER_NAME``, ``REFUSALS``, ``MIXED_PRECISION_UNSHARD``; see
+docs/writing-an-adapter.md, "Backend facts") changes what the scenarios accept, so each is a
+claim about the backend, backed here by a proof that calls the library itself, not the adapter.
+The meta-test fails when a built-in declares a fact without a proof, or a proof outlives its
+declaration. The same pattern as test_declared_absences.py, for facts instead of gaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fixtures
+from conformance import registry
+from conformance.protocol import BackendAdapter, BackendEnv, Misuse, declared_refusal
+from harness import current_seed
+
+Proof = Callable[[int, int, torch.device], None]
+PROOFS: dict[tuple[str, str], Proof] = {}
+FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS")
+
+
+def proves(backend: str, fact: str) -> Callable[[Proof], Proof]:
+    def register(proof: Proof) -> Proof:
+        PROOFS[backend, fact] = proof
+        return proof
+
+    return register
+
+
+def declared_facts(adapter_cls: type[BackendAdapter]) -> set[str]:
+    """The facts an adapter class (or a base other than the protocol's) sets itself; a refusal
+    counts per misuse (``REFUSALS.<MISUSE>``): those it leaves out are held to the seeds'."""
+    owners = [klass for klass in adapter_cls.__mro__ if klass is not BackendAdapter]
+    declared = {fact for fact in FACTS if any(fact in vars(klass) for klass in owners)}
+    facts = declared - {"REFUSALS"}
+    if "REFUSALS" in declared:
+        facts |= {f"REFUSALS.{misuse.name}" for misuse in adapter_cls.REFUSALS}
+    return facts
+
+
+def _two_linears(device: torch.device) -> nn.Sequential:
+    return fixtures.build(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), current_seed(), device)
+
+
+class _CallsBack(nn.Module):
+    """Runs ``during_forward`` inside its forward (how a proof reaches into forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.during_forward: Callable[[], None] = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.during_forward()
+        return self.linear(x)
+
+
+def _raises_declared(backend: str, misuse: Misuse) -> contextlib.AbstractContextManager[object]:
+    """pytest.raises for exactly what ``backend`` declares for ``misuse``."""
+    refusal = declared_refusal(registry.load(backend), misuse)
+    return pytest.raises(refusal.types, match=refusal.pattern)
+
+
+# -- the reference engine ------------------------------------------------------------------------
+
+
+@proves("reference", "FLAT_PARAMETER_NAME")
+def _engine_names_its_flat_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+
+    model = engine.fully_shard(_two_linears(device), use_orig_params=False, device=device)
+    name = registry.load("reference").FLAT_PARAMETER_NAME
+    assert [n for n, _ in model.named_parameters()] == [name]
+
+
+def _engine_refuses_in_compute(misuse: Misuse) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        import engine
+
+        model = engine.fully_shard(fixtures.build(_CallsBack, current_seed(), device), device=device)
+
+        def unshard_now() -> None:
+            with engine.unshard_params(model, writeback=False):
+                pass
+
+        if misuse is Misuse.UNSHARD_DURING_FORWARD:
+            model.during_forward = unshard_now
+            with _raises_declared("reference", misuse):
+                model(torch.ones(1, 4, device=device))
+        else:
+            output = model(torch.ones(1, 4, device=device))
+            output.register_hook(lambda grad: unshard_now())
+            with _raises_declared("reference", misuse):
+                output.sum().backward()
+
+    return proof
+
+
+for _misuse in (Misuse.UNSHARD_DURING_FORWARD, Misuse.UNSHARD_DURING_BACKWARD):
+    proves("reference", f"REFUSALS.{_misuse.name}")(_engine_refuses_in_compute(_misuse))
+
+
+@proves("reference", "REFUSALS.UNSHARD_RANK0_ONLY_WITH_WRITEBACK")
+def _engine_refuses_rank0_only_writeback(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+
+    model = engine.fully_shard(_two_linears(device), device=device)
+    with (
+        _raises_declared("reference", Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK),
+        engine.unshard_params(model, rank0_only=True, writeback=True),
+    ):
+        pass
+
+
+@proves("reference", "REFUSALS.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD")
+def _engine_refuses_offload_no_shard(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+
+    model = engine.fully_shard(_two_linears(device), strategy=engine.ShardingStrategy.NO_SHARD, device=device)
+    with (
+        _raises_declared("reference", Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD),
+        engine.unshard_params(model, offload_to_cpu=True, writeback=False),
+    ):
+        pass
+
+
+@proves("reference", "REFUSALS.TENSOR_PARALLEL_OUTER_MESH_DIM")
+def _engine_refuses_tp_on_the_outer_dim(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+    from conformance.test_2d import _mesh, _tensor_parallel
+
+    mesh = _mesh(device, ("tp", "dp"))
+    with _raises_declared("reference", Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM):  # either step may refuse
+        model = _tensor_parallel(fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device), mesh["tp"])
+        engine.fully_shard(model, mesh=mesh["dp"], device=device)
+
+
+# -- torch FSDP1 ---------------------------------------------------------------------------------
+
+
+@proves("torch-fsdp1", "FLAT_PARAMETER_NAME")
+def _fsdp1_names_its_flat_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), use_orig_params=False, device_id=device)
+    adapter_cls = registry.load("torch-fsdp1")
+    names = [n for n, _ in model.named_parameters()]
+    # The wrapper's own path component is what the adapter declares in WRAPPER_COMPONENTS.
+    assert names == [f"{component}.{adapter_cls.FLAT_PARAMETER_NAME}" for component in adapter_cls.WRAPPER_COMPONENTS]
+
+
+def _fsdp1_refuses_in_compute(misuse: Misuse) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        inner = fixtures.build(_CallsBack, current_seed(), device)
+        model = FSDP(inner, device_id=device)
+
+        def unshard_now() -> None:
+            with FSDP.summon_full_params(model, writeback=False):
+                pass
+
+        if misuse is Misuse.UNSHARD_DURING_FORWARD:
+            inner.during_forward = unshard_now
+            with _raises_declared("torch-fsdp1", misuse):
+                model(torch.ones(1, 4, device=device))
+        else:
+            output = model(torch.ones(1, 4, device=device))
+            output.register_hook(lambda grad: unshard_now())
+            with _raises_declared("torch-fsdp1", misuse):
+                output.sum().backward()
+
+    return proof
+
+
+for _misuse in (Misuse.UNSHARD_DURING_FORWARD, Misuse.UNSHARD_DURING_BACKWARD):
+    proves("torch-fsdp1", f"REFUSALS.{_misuse.name}")(_fsdp1_refuses_in_compute(_misuse))
+
+
+@proves("torch-fsdp1", "REFUSALS.UNSHARD_RANK0_ONLY_WITH_WRITEBACK")
+def _fsdp1_refuses_rank0_only_writeback(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), device_id=device)
+    with (
+        _raises_declared("torch-fsdp1", Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK),
+        FSDP.summon_full_params(model, rank0_only=True, writeback=True),
+    ):
+        pass
+
+
+@proves("torch-fsdp1", "REFUSALS.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD")
+def _fsdp1_refuses_offload_no_shard(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    model = FSDP(_two_linears(device), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=device)
+    with (
+        _raises_declared("torch-fsdp1", Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD),
+        FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
+    ):
+        pass
+
+
+# -- torch FSDP2 ---------------------------------------------------------------------------------
+
+
+@proves("torch-fsdp2", "MIXED_PRECISION_UNSHARD")
+def _fsdp2_unshards_in_the_compute_dtype_and_keeps_the_root(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    declared = registry.load("torch-fsdp2").MIXED_PRECISION_UNSHARD
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    model = _two_linears(device)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=True)
+    model.unshard()
+    shown = {p.dtype for p in model[1].parameters()}
+    model.reshard()
+    assert shown == {torch.float16 if declared.shows_compute_dtype else torch.float32}, shown
+    # The root is not resharded after forward (backward needs it at once), so it holds the
+    # low-precision parameters gathered; FSDPModule.unshard() then gathers nothing new and the
+    # root stays unsharded into backward (torch's private group state: no public accessor).
+    output = model(torch.ones(1, 4, device=device))
+    model.unshard()
+    state = model._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    assert all(group.is_unsharded for group in groups) == declared.root_stays_unsharded
+    assert {p.dtype for p in model[1].parameters()} == {torch.float16}
+    output.sum().backward()
+
+
+# -- DeepSpeed -----------------------------------------------------------------------------------
+
+
+@proves("deepspeed", "MIXED_PRECISION_UNSHARD")
+def _deepspeed_gathers_the_low_precision_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    import deepspeed
+
+    declared = registry.load("deepspeed").MIXED_PRECISION_UNSHARD
+    config = {
+        "train_batch_size": world_size,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_allow_untested_optimizer": True,
+    }
+    model = _two_linears(device)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    try:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            shown = {p.dtype for p in engine.module.parameters()}
+        assert shown == {torch.bfloat16 if declared.shows_compute_dtype else torch.float32}, shown
+    finally:
+        engine.destroy()
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+def _installed_builtins() -> list[str]:
+    return [
+        *registry.BUILTIN,
+        *(
+            name
+            for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
+            if importlib.util.find_spec(library) is not None
+        ),
+    ]
+
+
+def test_every_declared_fact_has_a_proof_and_every_proof_a_fact() -> None:
+    declared = {(backend, fact) for backend in _installed_builtins() for fact in declared_facts(registry.load(backend))}
+    proven = {key for key in PROOFS if key[0] in _installed_builtins()}
+    assert declared - proven == set(), "declared facts without a proof here"
+    assert proven - declared == set(), "proofs of facts no adapter declares any more: delete them"
+
+
+def test_declared_refusals_are_checked_exactly() -> None:
+    """A declaration is a type list and a pattern: another type, or a text the pattern misses, is
+    a mismatch (what the scenarios report), a subclass of a declared type is not."""
+    refusal = declared_refusal(registry.load("torch-fsdp1"), Misuse.UNSHARD_DURING_FORWARD)
+    seed_text = "Cannot manually unshard parameters during forward/backward"
+    assert refusal.mismatch(AssertionError(seed_text)) is None
+    assert "raised RuntimeError" in (refusal.mismatch(RuntimeError(seed_text)) or "")
+    assert refusal.mismatch(AssertionError("cannot unshard now")) is not None
+    tp = declared_refusal(registry.load("torch-fsdp2"), Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM)
+    assert tp.mismatch(RuntimeError("Found TP device_mesh on the 0 dimension of its parent mesh")) is None
+    assert tp.mismatch(RuntimeError("TP must be the innermost dimension")) is not None
+    assert re.search(tp.pattern, "Found TP device_mesh on the 1 dimension of its parent mesh")
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(("backend_name", "fact"), sorted(PROOFS), ids=[f"{b}-{f}" for b, f in sorted(PROOFS)])
+def test_declared_fact_is_real(backend_name: str, fact: str, rank: int, world_size: int, device: torch.device) -> None:
+    if backend_name not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
+        pytest.skip(f"{library} is not installed here ({install}): its facts are proven where it is")
+    assert isinstance(registry.load(backend_name)(BackendEnv(rank, world_size, device)), BackendAdapter)
+    PROOFS[backend_name, fact](rank, world_size, device)

@@ -1,0 +1,79 @@
+"""Protocol versioning (conformance.versions) and adapters that cannot be used at all: an older
+adapter runs with one warning naming what it misses and what that cost; an adapter module that
+fails to import, or an adapter missing abstract methods, is a usage error at selection."""
+
+from __future__ import annotations
+
+import pytest
+from adapter_testing import run_inner_session
+
+from conformance import registry, versions
+from conformance.protocol import PROTOCOL_VERSION, Capability
+from tests.conformance.old_adapters import FirstProtocolAdapter
+
+
+def test_an_older_adapter_is_told_what_it_does_not_declare() -> None:
+    shortfall = versions.shortfall(FirstProtocolAdapter)
+    assert shortfall is not None and shortfall.version == 1
+    assert shortfall.capabilities == versions.ADDED[2].capabilities | versions.ADDED[3].capabilities  # none
+    assert "make_optimizer" in shortfall.hooks and "collective_label" in shortfall.hooks
+    assert shortfall.facts == ("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD")
+    assert shortfall.costs(f"unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
+    assert not shortfall.costs(f"unsupported: {Capability.WRAPPER.value}: no wrapper")  # a version-1 capability
+    text = shortfall.describe("first-protocol", 3)
+    assert "written for protocol version 1 (current: 3)" in text and "(3 scenarios skipped" in text
+    assert f"set PROTOCOL_VERSION = {PROTOCOL_VERSION}" in text
+
+
+def test_the_builtins_are_written_for_the_current_protocol() -> None:
+    for name in registry.BUILTIN:
+        assert versions.shortfall(registry.load(name)) is None, name
+
+
+def test_an_adapter_module_failing_at_import_is_one_selection_error() -> None:
+    with pytest.raises(registry.BackendSelectionError) as error:
+        registry.select(["tests.conformance.raising_adapter_module:Adapter"])
+    message = str(error.value)
+    assert "raised RuntimeError: CUDA driver initialization failed" in message
+    assert "fix the adapter module" in message
+
+
+def test_an_adapter_missing_abstract_methods_is_refused_at_selection() -> None:
+    with pytest.raises(
+        registry.BackendSelectionError, match=r"does not implement .* _load_optim_state_dict, _optim_state_dict"
+    ):
+        registry.select(["tests.conformance.old_adapters:Incomplete"])
+
+
+USES_UNITS = f"""
+import pytest
+
+# Not distributed (no rank pool to start): the skip a rank would report for a missing UNITS.
+@pytest.mark.parametrize("case", ["a", "b"])
+def test_units(backend, case):
+    pytest.skip("unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
+
+def test_plain(backend):
+    pass
+"""
+
+
+def test_older_adapter_runs_with_one_warning_and_its_cost(tmp_path) -> None:
+    result = run_inner_session(tmp_path, USES_UNITS, ["tests.conformance.old_adapters:FirstProtocolAdapter"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "1 passed, 2 skipped" in output
+    assert output.count("was written for protocol version 1") == 1, output
+    assert (
+        "does not declare the capabilities MIXED_STRATEGIES, NATIVE_CHECKPOINT, SHARD_OPTIM_STATE, UNITS, "
+        "UNMANAGED_ROOT (2 scenarios" in output
+    )
+
+
+def test_an_adapter_module_failing_at_import_exits_4_with_one_message(tmp_path) -> None:
+    """Not a 30-line INTERNALERROR: one usage error (the abstract-method refusal takes the same
+    path, registry.load -> BackendSelectionError -> pytest.UsageError)."""
+    result = run_inner_session(tmp_path, USES_UNITS, ["tests.conformance.raising_adapter_module:Adapter"])
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "raised RuntimeError: CUDA driver initialization failed" in result.stderr
+    assert "INTERNALERROR" not in result.stderr + result.stdout
