@@ -1,14 +1,17 @@
 """Diff per-rank collective traces and name the first collective where ranks disagree.
 
 Collectives are compared per group (same global ranks): the k-th collective each member issued on
-that group must agree on op, label, dtypes and (unless the op allows uneven sizes) shapes, and every
-member must have issued it. Point-to-point ops are matched per direction instead: the k-th send from
-a to b against the k-th receive on b from a (element count and dtype). Calls a fault skipped were
-never issued: they are left out of the comparison and named in the report. Collectives are numbered
-from 1 in reports (record fields `index`/`seq` are 0-based). Of all disagreements, the one reached
-first is reported: the one no other precedes, where A precedes B when a rank involved in both
-reached A earlier in its own trace (a rank-local order is all there is; later disagreements are
-usually consequences of the first).
+that group must agree on op, label, dtypes, (unless the op allows uneven sizes) shapes and the
+arguments that must agree (root rank, reduction), and every member must have issued it. Outside
+regions marked `harness.asymmetric()` they must also agree on the tensors' names and the call site
+(`harness.tensor_names`, `harness.call_sites`): the same-shaped collective issued on another tensor
+or from another line is a mispairing torch cannot see. Point-to-point ops are matched per direction
+instead: the k-th send from a to b against the k-th receive on b from a (element count and dtype).
+Calls a fault skipped were never issued: they are left out of the comparison and named in the report.
+Collectives are numbered from 1 in reports (record fields `index`/`seq` are 0-based).
+Of all disagreements, the one reached first is reported: the one no other precedes, where A precedes B
+when a rank involved in both reached A earlier in its own trace (a rank-local order is all there
+is; later disagreements are usually consequences of the first).
 """
 
 from __future__ import annotations
@@ -59,13 +62,18 @@ class Divergence:
                 f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}" for rank in sorted(self.issued)
             )
             return f"{self.where}: {stopped} ({issued})"
+        # One shared call site is said once; different ones are the clue, so each rank shows its own.
+        sites = {record.site for record in records}
+        where = self.where
+        if len(sites) == 1 and "" not in sites:
+            where += f" at {sites.pop()}"
         classes: dict[str, list[int]] = {}
         for rank in sorted(self.issued):
-            classes.setdefault(self._describe_issued(rank, show_shapes), []).append(rank)
-        return f"{self.where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
+            classes.setdefault(self._describe_issued(rank, show_shapes, where == self.where), []).append(rank)
+        return f"{where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
 
-    def _describe_issued(self, rank: int, show_shapes: bool) -> str:
-        text = _describe(self.issued[rank], show_shapes)
+    def _describe_issued(self, rank: int, show_shapes: bool, show_site: bool = True) -> str:
+        text = _describe(self.issued[rank], show_shapes, show_site)
         skipped = self.skipped.get(rank)
         if skipped is not None:
             text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
@@ -111,7 +119,20 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
 
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     """A human-readable dump of every rank's trace, one section per rank (numbers from 1)."""
-    header = ("#", "group/peer", "group #", "op", "label", "numel", "dtypes", "shapes", "status")
+    header = (
+        "#",
+        "group/peer",
+        "group #",
+        "op",
+        "label",
+        "numel",
+        "dtypes",
+        "shapes",
+        "args",
+        "tensors",
+        "site",
+        "status",
+    )
     sections = []
     for rank in sorted(traces):
         rows = [header]
@@ -136,6 +157,10 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
                     str(record.numel),
                     ",".join(record.dtypes) or "-",
                     " ".join(_shape(s) for s in record.shapes) or "-",
+                    " ".join([*(f"{name}={value}" for name, value in record.args), *(["async"] * record.async_op)])
+                    or "-",
+                    ",".join(name or "?" for name in record.tensors) or "-",
+                    record.site + (" (asymmetric)" if record.asymmetric else "") or "-",
                     status,
                 )
             )
@@ -184,7 +209,7 @@ def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, k
     for position in range(longest):
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
         stopped = len(present) < len(sequences)
-        if stopped or len({key(record) for record in present.values()}) > 1:
+        if stopped or _records_differ(present.values(), key):
             last = {
                 rank: (records[-1] if records else None)
                 for rank, records in sequences.items()
@@ -209,14 +234,29 @@ def _skipped_before(
 
 
 def _collective_key(record: CollectiveRecord) -> tuple:
-    return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes)
+    return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes, record.args)
+
+
+def _identity_key(record: CollectiveRecord) -> tuple:
+    return (record.tensors, record.site)
+
+
+def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:
+    records = list(records)
+    if len({key(record) for record in records}) > 1:
+        return True
+    # Identity only where no rank declared the region asymmetric, and never for p2p ops (a send
+    # and its receive are different lines by nature).
+    if key is _p2p_key or any(record.asymmetric for record in records):
+        return False
+    return len({_identity_key(record) for record in records}) > 1
 
 
 def _p2p_key(record: CollectiveRecord) -> tuple:
     return (record.numel, record.dtypes)
 
 
-def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
+def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = True) -> str:
     text = record.op
     if record.label:
         text += f" [{record.label}]"
@@ -224,6 +264,14 @@ def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
         text += f" {record.numel} {','.join(sorted(set(record.dtypes)))}"
     if show_shapes:
         text += " shapes " + " ".join(_shape(s) for s in record.shapes)
+    if record.args:
+        text += " " + " ".join(f"{name}={value}" for name, value in record.args)
+    if record.async_op:
+        text += " async"
+    if any(record.tensors):
+        text += " of " + ", ".join(name or "?" for name in record.tensors)
+    if record.site and show_site:
+        text += f" at {record.site}"
     if record.fault:
         text += f" (injected fault: {record.fault})"
     return text

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.modules.module as nn_module
 
+from harness import tensor_names
+
 LabelProvider = Callable[[], "str | None"]
 
 # Segments that wrappers insert into module paths; dropped so labels read like the user's FQNs.
@@ -95,9 +97,10 @@ def current_label() -> str:
 
 
 def reset() -> None:
-    """Forget this thread's module stack and the cached module paths (between tests)."""
+    """Forget this thread's module stack, the cached module paths and tensor names (between tests)."""
     _stack.modules.clear()
     _child_paths.clear()
+    tensor_names.reset()
 
 
 def module_label(modules: list[torch.nn.Module]) -> str:
@@ -125,6 +128,8 @@ def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
 
 
 def _push_module(module: torch.nn.Module, _inputs: object) -> None:
+    if not _stack.modules:  # an outermost forward: its tensors can be named in the trace
+        tensor_names.note_outermost_module(module)
     _stack.modules.append(module)
 
 

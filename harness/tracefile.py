@@ -9,6 +9,8 @@ of a rank killed mid-write:
 
     {"rank":0,"index":3,"seq":2,"op":"all_reduce",...}   a collective, written BEFORE it is issued
     {"done":3}                                            written when that call returned
+    {"note":"..."}                                        the trace could not record a call (the
+                                                          call itself ran as if untraced)
 
 Completeness rule: because a record is on disk before its collective starts, a rank that hangs,
 aborts (gloo's SIGABRT) or is SIGKILLed inside a collective still shows that collective, without
@@ -38,6 +40,12 @@ class CollectiveRecord:
          `harness.collective_ops`).
     uneven: the op legitimately lets shapes differ across ranks (all_to_all with splits).
     fault: description of a fault injected on this call; skipped: the call was never issued.
+    tensors: the name of each input tensor ("" for an unnamed one; empty when none is named), see
+         `harness.tensor_names`.  site: the user's `file:line` that issued it (`harness.call_sites`).
+    args: the non-tensor arguments every member must agree on, as (name, value) text pairs
+         (root: the global rank of src/dst; op: the reduction).  async_op: issued with async_op=True.
+    asymmetric: issued inside `harness.asymmetric()`, where ranks run different code on purpose:
+         tensors and sites are not compared.
     completed: the call returned (false for the call a rank was stuck in or died in).
     """
 
@@ -54,6 +62,11 @@ class CollectiveRecord:
     uneven: bool = False
     fault: str = ""
     skipped: bool = False
+    tensors: tuple[str, ...] = ()
+    site: str = ""
+    args: tuple[tuple[str, str], ...] = ()
+    async_op: bool = False
+    asymmetric: bool = False
     completed: bool = False
 
     @property
@@ -85,6 +98,16 @@ class CollectiveRecord:
             data["fault"] = self.fault
         if self.skipped:
             data["skipped"] = True
+        if self.tensors:
+            data["tensors"] = self.tensors
+        if self.site:
+            data["site"] = self.site
+        if self.args:
+            data["args"] = self.args
+        if self.async_op:
+            data["async"] = True
+        if self.asymmetric:
+            data["asymmetric"] = True
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -103,6 +126,11 @@ class CollectiveRecord:
             uneven=data.get("uneven", False),
             fault=data.get("fault", ""),
             skipped=data.get("skipped", False),
+            tensors=tuple(data.get("tensors", ())),
+            site=data.get("site", ""),
+            args=tuple((str(name), str(value)) for name, value in data.get("args", ())),
+            async_op=data.get("async", False),
+            asymmetric=data.get("asymmetric", False),
         )
 
 
@@ -116,8 +144,14 @@ def done_line(index: int) -> bytes:
     return b'{"done":%d}\n' % index
 
 
-def read_trace(path: str) -> list[CollectiveRecord]:
-    """Records of one rank's trace file; a last line cut short by a killed rank is ignored."""
+def note_line(text: str) -> bytes:
+    """The bytes to append for a note: something the trace could not record, and why."""
+    return (json.dumps({"note": text}) + "\n").encode()
+
+
+def read_trace(path: str, notes: list[str] | None = None) -> list[CollectiveRecord]:
+    """Records of one rank's trace file; a last line cut short by a killed rank is ignored.
+    The file's notes are appended to `notes` when given."""
     with open(path, encoding="utf-8") as handle:
         lines = handle.read().split("\n")
     records: dict[int, CollectiveRecord] = {}
@@ -133,6 +167,9 @@ def read_trace(path: str) -> list[CollectiveRecord]:
         if "done" in data:
             if data["done"] in records:
                 records[data["done"]].completed = True
+        elif "note" in data:
+            if notes is not None:
+                notes.append(str(data["note"]))
         else:
             record = CollectiveRecord.from_json(data)
             records[record.index] = record

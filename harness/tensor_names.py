@@ -1,0 +1,180 @@
+"""Tensor identity for the collective trace: which parameter, buffer, gradient or user-named tensor a
+collective carries (rank side).
+
+Why: two same-shape collectives issued outside any module forward (a hand-written gradient sync
+that reduces `fc1.weight.grad` then `fc2.weight.grad` on one rank and the other order on another)
+carry no module label, so op, shape and dtype agree and the swap would pass. Naming the tensors
+makes them differ.
+
+How a tensor is named, first wins:
+  1. a name the user gave with `name_tensor(tensor, "metrics/loss_sum")` (the tensor or any view
+     sharing its storage);
+  2. a parameter, buffer or `.grad` of a module this rank has seen: every module whose forward ran
+     as the outermost one (found by `harness.labels`' forward hooks), and every module passed to
+     `name_tensor(module)`. Names are FQNs relative to that module, wrapper segments dropped;
+     a tensor that only shares the storage (a view, a flat parameter's shard) is `<name>[view]`.
+
+Tensors are matched by storage address, and a match is only trusted after checking that the named
+tensor is still alive and still uses that storage, so a recycled address never names a stranger.
+The map from storage to names is rebuilt when a lookup misses (gradients appear after the
+forward), at most `_REBUILDS_PER_FORWARD` times between two outermost forwards: collectives on
+fresh buffers (FSDP2's all-gather outputs) miss every time and must not cost a walk of the model
+each. The rebuild pattern depends only on the sequence of calls, so ranks running the same code
+name the same tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["name_tensor", "names_of", "note_outermost_module", "reset"]
+
+_REBUILDS_PER_FORWARD = 2
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+# storage address -> (weak ref to the named tensor, its name); user names and module names apart,
+# user names first.
+_user_names: dict[int, tuple[weakref.ref, str]] = {}
+_module_names: dict[int, tuple[weakref.ref, str]] = {}
+_roots: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> (weak module, prefix)
+_generation = 0
+_built_generation = -1
+_rebuilds = 0
+
+
+def name_tensor(value: torch.Tensor | torch.nn.Module, name: str | None = None) -> None:
+    """Name a tensor in this rank's collective trace (rank side; forgotten at the end of the test).
+
+    `name_tensor(total, "metrics/loss_sum")`: collectives on `total`, or on a view of it, show and
+    compare that name. `name_tensor(model)` (optionally with a prefix): name the parameters,
+    buffers and gradients of `model` before its first forward (e.g. for a parameter broadcast at
+    initialisation); modules whose forward ran are named without this.
+    """
+    if isinstance(value, torch.nn.Module):
+        _add_root(value, name or "")
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"name_tensor() takes a tensor or a module, not {type(value).__name__}; pass the tensor")
+    if not name:
+        raise ValueError("name_tensor(tensor, name) needs a non-empty name to show in the trace")
+    tensor = _local(value)
+    _user_names[_storage(tensor)] = (weakref.ref(tensor), name)
+
+
+def note_outermost_module(module: torch.nn.Module) -> None:
+    """An outermost module forward starts (called by `harness.labels`): a new naming generation."""
+    global _generation
+    _generation += 1
+    if id(module) not in _roots:
+        _add_root(module, "")
+
+
+def names_of(tensors: list[torch.Tensor]) -> tuple[str, ...]:
+    """The name of each tensor ("" when it has none); empty when none is named (the common case
+    of no module seen and no user names costs nothing)."""
+    if not (_user_names or _roots) or not tensors:
+        return ()
+    names = tuple(_name(tensor) for tensor in tensors)
+    return names if any(names) else ()
+
+
+def reset() -> None:
+    """Forget every name and module (between tests)."""
+    global _built_generation, _rebuilds
+    _user_names.clear()
+    _module_names.clear()
+    _roots.clear()
+    _built_generation, _rebuilds = -1, 0
+
+
+# ------------------------------------------------------------------------------------ internals
+
+
+def _add_root(module: torch.nn.Module, prefix: str) -> None:
+    global _built_generation
+    _roots[id(module)] = (weakref.ref(module), prefix)
+    _built_generation = -1  # the next miss rebuilds, whatever the budget
+
+
+def _name(tensor: torch.Tensor) -> str:
+    tensor = _local(tensor)
+    try:
+        storage = _storage(tensor)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake, sparse)
+        return ""
+    found = _lookup(_user_names, storage, tensor)
+    if found is None:
+        found = _lookup(_module_names, storage, tensor)
+        if found is None and _may_rebuild():
+            _rebuild()
+            found = _lookup(_module_names, storage, tensor)
+    return found or ""
+
+
+def _lookup(table: dict[int, tuple[weakref.ref, str]], storage: int, tensor: torch.Tensor) -> str | None:
+    entry = table.get(storage)
+    if entry is None:
+        return None
+    owner = entry[0]()
+    if owner is None or _storage(owner) != storage:  # gone or moved: the address was recycled
+        del table[storage]
+        return None
+    if owner.data_ptr() == tensor.data_ptr() and owner.shape == tensor.shape:
+        return entry[1]
+    return f"{entry[1]}[view]"
+
+
+def _may_rebuild() -> bool:
+    global _built_generation, _rebuilds
+    if not _roots:
+        return False
+    if _built_generation != _generation:
+        _built_generation, _rebuilds = _generation, 0
+    if _rebuilds >= _REBUILDS_PER_FORWARD:
+        return False
+    _rebuilds += 1
+    return True
+
+
+def _rebuild() -> None:
+    _module_names.clear()
+    for key, (module_ref, prefix) in list(_roots.items()):
+        module = module_ref()
+        if module is None:
+            del _roots[key]
+            continue
+        for fqn, parameter in module.named_parameters():
+            name = _clean(prefix, fqn)
+            _remember(parameter, name)
+            if parameter.grad is not None:
+                _remember(parameter.grad, f"{name}.grad")
+        for fqn, buffer in module.named_buffers():
+            _remember(buffer, _clean(prefix, fqn))
+
+
+def _remember(tensor: Any, name: str) -> None:
+    tensor = _local(tensor)
+    try:
+        storage = _storage(tensor)
+    except (RuntimeError, NotImplementedError):
+        return
+    if storage and storage not in _module_names:  # the first (outermost) name of a shared storage wins
+        _module_names[storage] = (weakref.ref(tensor), name)
+
+
+def _clean(prefix: str, fqn: str) -> str:
+    parts = [segment for segment in fqn.split(".") if segment not in _WRAPPER_SEGMENTS]
+    return ".".join([prefix, *parts] if prefix else parts)
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """A DTensor's local shard (its own storage is not where the bytes live)."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

@@ -1,0 +1,183 @@
+"""A collective's identity beyond op, shape and dtype: tensor names, call sites, the arguments that
+must agree, asymmetric regions, and a trace that never raises into the code it wraps.
+
+The real-rank cases run in ONE 2-rank spawn: each scenario records into its own trace files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_trace import spawn_ranks
+
+from harness import asymmetric, name_tensor, trace
+from harness.collective_ops import C10D_SPECS
+from harness.divergence import first_divergence
+from harness.tracefile import read_trace
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8, bias=False)
+        self.fc2 = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x))
+
+
+def _swapped_gradients(rank: int) -> None:
+    """A hand-written gradient sync: two [8,8] gradients reduced in swapped order, one line."""
+    model = TwoLayers()
+    model(torch.ones(2, 8)).sum().backward()
+    order = [model.fc1, model.fc2] if rank == 0 else [model.fc2, model.fc1]
+    for layer in order:
+        dist.all_reduce(layer.weight.grad)
+
+
+def _swapped_parameters_before_forward(rank: int) -> None:
+    """A parameter broadcast at initialisation (no forward yet): the module is named by the user."""
+    model = TwoLayers()
+    name_tensor(model, "model")
+    order = [model.fc1, model.fc2] if rank == 0 else [model.fc2, model.fc1]
+    for layer in order:
+        dist.broadcast(layer.weight.data, src=0)
+
+
+def _swapped_bare_tensors(rank: int) -> None:
+    """Two bare metric tensors reduced in swapped order, from different lines."""
+    loss_sum, correct = torch.ones(8, 8), torch.ones(8, 8)
+    if rank == 0:
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(correct)
+    else:
+        dist.all_reduce(correct)
+        dist.all_reduce(loss_sum)
+
+
+def _swapped_named_tensors(rank: int) -> None:
+    """Bare tensors reduced in swapped order from one line: only the user's names tell them apart."""
+    loss_sum, correct = torch.ones(8, 8), torch.ones(8, 8)
+    name_tensor(loss_sum, "metrics/loss_sum")
+    name_tensor(correct, "metrics/correct")
+    for tensor in [loss_sum, correct] if rank == 0 else [correct, loss_sum]:
+        dist.all_reduce(tensor)
+
+
+def _different_reductions(rank: int) -> None:
+    dist.all_reduce(torch.ones(4), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+
+
+def _asymmetric_region(rank: int) -> None:
+    """Rank-conditional code that legitimately issues the same collective from different lines."""
+    total = torch.ones(8, 8)
+    with asymmetric():
+        if rank == 0:
+            dist.all_reduce(total)
+        else:
+            dist.all_reduce(total)
+
+
+def _agreeing_gradient_sync(rank: int) -> None:
+    model = TwoLayers()
+    model(torch.ones(2, 8)).sum().backward()
+    for layer in [model.fc1, model.fc2]:
+        dist.all_reduce(layer.weight.grad)
+    dist.broadcast(model.fc1.weight.data[0], src=0)  # a view of a parameter
+
+
+SCENARIOS = {
+    "swapped_gradients": _swapped_gradients,
+    "swapped_parameters_before_forward": _swapped_parameters_before_forward,
+    "swapped_bare_tensors": _swapped_bare_tensors,
+    "swapped_named_tensors": _swapped_named_tensors,
+    "different_reductions": _different_reductions,
+    "asymmetric_region": _asymmetric_region,
+    "agreeing_gradient_sync": _agreeing_gradient_sync,
+}
+
+
+def _run_scenarios(rank: int, world_size: int, out_dir: str) -> None:
+    for name, body in SCENARIOS.items():
+        trace.begin_test(f"{out_dir}/{name}-{rank}.jsonl")
+        body(rank)
+        trace.end_test()
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def diffs(tmp_path_factory) -> dict[str, str | None]:
+    """Each scenario's first divergence as text (None: the ranks agree), from one spawn."""
+    directory = tmp_path_factory.mktemp("identity")
+    spawn_ranks(_run_scenarios, directory)
+    found = {}
+    for name in SCENARIOS:
+        traces = {rank: read_trace(str(directory / f"{name}-{rank}.jsonl")) for rank in (0, 1)}
+        divergence = first_divergence(traces, [0, 1])
+        found[name] = divergence.describe() if divergence else None
+    return found
+
+
+SITE = r"tests/harness/test_divergence_identity.py:\d+"
+EXPECTED = {
+    "swapped_gradients": rf"collective #1 on group \[0, 1\] at {SITE}: rank 0 all_reduce 64 float32 op=SUM "
+    r"of fc1.weight.grad vs rank 1 all_reduce 64 float32 op=SUM of fc2.weight.grad",
+    "swapped_parameters_before_forward": r"collective #1 .*: rank 0 broadcast 64 float32 root=0 of "
+    r"model.fc1.weight vs rank 1 broadcast 64 float32 root=0 of model.fc2.weight",
+    "swapped_bare_tensors": rf"collective #1 on group \[0, 1\]: rank 0 all_reduce 64 float32 op=SUM at {SITE} "
+    rf"vs rank 1 all_reduce 64 float32 op=SUM at {SITE}",
+    "swapped_named_tensors": r"collective #1 .*: rank 0 all_reduce .* of metrics/loss_sum vs "
+    r"rank 1 all_reduce .* of metrics/correct",
+    "different_reductions": r"collective #1 .*: rank 0 all_reduce 4 float32 op=SUM "
+    r"vs rank 1 all_reduce 4 float32 op=MAX",
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_same_shape_mispairings_are_named(diffs, scenario):
+    assert diffs[scenario] is not None, f"{scenario}: the ranks' traces agree"
+    assert re.fullmatch(EXPECTED[scenario], diffs[scenario]), diffs[scenario]
+
+
+def test_a_marked_asymmetric_region_and_agreeing_ranks_pass(diffs):
+    assert diffs["asymmetric_region"] is None
+    assert diffs["agreeing_gradient_sync"] is None
+
+
+# ------------------------------------------------------------------- the trace never raises
+
+
+def test_a_record_that_cannot_be_built_becomes_a_note_and_the_call_runs(tmp_path):
+    """No process group exists here, so resolving the call's group raises inside the trace (as
+    torch 2.6's DeviceMesh.get_group did inside DTensor): the call must run as if untraced."""
+    calls = []
+
+    def collective(tensor, op=None, group=None, async_op=False):
+        calls.append(tensor)
+        return "result"
+
+    traced = trace.wrap(collective, C10D_SPECS["all_reduce"])
+    path = tmp_path / "trace.jsonl"
+    trace.begin_test(str(path))
+    try:
+        assert traced(torch.ones(2)) == "result"
+        assert traced(torch.ones(3)) == "result"
+    finally:
+        trace.end_test()
+    assert len(calls) == 2
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 1, lines  # one note per kind of failure, not one per call
+    assert re.match(r"all_reduce not recorded: \w+Error: .*the call ran untraced", lines[0]["note"]), lines
+    notes: list[str] = []
+    assert read_trace(str(path), notes) == [] and notes == [lines[0]["note"]]
+
+
+def test_name_tensor_refuses_what_it_cannot_name():
+    with pytest.raises(ValueError, match="needs a non-empty name"):
+        name_tensor(torch.ones(1), "")
+    with pytest.raises(TypeError, match="takes a tensor or a module"):
+        name_tensor([1, 2], "list")  # type: ignore[arg-type]
