@@ -56,10 +56,13 @@ class Divergence:
         records = self.issued.values()
         # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
         show_shapes = len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1
+        # Arguments (op=SUM, root=0) likewise: shown where they differ.
+        show_args = len({r.args for r in records}) > 1
         if self.last:
             stopped = "; ".join(self._describe_stop(rank, last) for rank, last in sorted(self.last.items()))
             issued = ", ".join(
-                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}" for rank in sorted(self.issued)
+                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
+                for rank in sorted(self.issued)
             )
             return f"{self.where}: {stopped} ({issued})"
         # One shared call site is said once; different ones are the clue, so each rank shows its own.
@@ -69,11 +72,12 @@ class Divergence:
             where += f" at {sites.pop()}"
         classes: dict[str, list[int]] = {}
         for rank in sorted(self.issued):
-            classes.setdefault(self._describe_issued(rank, show_shapes, where == self.where), []).append(rank)
+            text = self._describe_issued(rank, show_shapes, show_args, where == self.where)
+            classes.setdefault(text, []).append(rank)
         return f"{where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
 
-    def _describe_issued(self, rank: int, show_shapes: bool, show_site: bool = True) -> str:
-        text = _describe(self.issued[rank], show_shapes, show_site)
+    def _describe_issued(self, rank: int, show_shapes: bool, show_args: bool, show_site: bool = True) -> str:
+        text = _describe(self.issued[rank], show_shapes, show_site, show_args)
         skipped = self.skipped.get(rank)
         if skipped is not None:
             text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
@@ -256,7 +260,7 @@ def _p2p_key(record: CollectiveRecord) -> tuple:
     return (record.numel, record.dtypes)
 
 
-def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = True) -> str:
+def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = True, show_args: bool = False) -> str:
     text = record.op
     if record.label:
         text += f" [{record.label}]"
@@ -264,7 +268,7 @@ def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = Tru
         text += f" {record.numel} {','.join(sorted(set(record.dtypes)))}"
     if show_shapes:
         text += " shapes " + " ".join(_shape(s) for s in record.shapes)
-    if record.args:
+    if record.args and show_args:
         text += " " + " ".join(f"{name}={value}" for name, value in record.args)
     if record.async_op:
         text += " async"

@@ -245,16 +245,17 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             try:
                 params = _Params(args, kwargs, positions)
                 record = _build_record(spec, params)
-                # The record goes to disk before the collective is issued: a rank that hangs or
-                # dies inside it still shows it, without a "done" line (the completeness rule).
-                if record is not None and test is not None:
-                    os.write(test.fd, record_line(record))
             except Exception as error:  # noqa: BLE001 - whatever broke, the call must still run
                 _note(test, spec, error)
                 return original(*args, **kwargs)
             if record is None:
                 return original(*args, **kwargs)
             runner = _interceptor(record) if _interceptor is not None else None
+            # The record goes to disk before the collective is issued: a rank that hangs or dies
+            # inside it still shows it, without a "done" line (the trace file's completeness rule).
+            if test is not None:
+                with contextlib.suppress(OSError):
+                    os.write(test.fd, record_line(record))
             if runner is None:
                 result = original(*args, **kwargs)
             else:

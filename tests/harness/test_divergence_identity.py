@@ -124,12 +124,12 @@ def diffs(tmp_path_factory) -> dict[str, str | None]:
 
 SITE = r"tests/harness/test_divergence_identity.py:\d+"
 EXPECTED = {
-    "swapped_gradients": rf"collective #1 on group \[0, 1\] at {SITE}: rank 0 all_reduce 64 float32 op=SUM "
-    r"of fc1.weight.grad vs rank 1 all_reduce 64 float32 op=SUM of fc2.weight.grad",
-    "swapped_parameters_before_forward": r"collective #1 .*: rank 0 broadcast 64 float32 root=0 of "
-    r"model.fc1.weight vs rank 1 broadcast 64 float32 root=0 of model.fc2.weight",
-    "swapped_bare_tensors": rf"collective #1 on group \[0, 1\]: rank 0 all_reduce 64 float32 op=SUM at {SITE} "
-    rf"vs rank 1 all_reduce 64 float32 op=SUM at {SITE}",
+    "swapped_gradients": rf"collective #1 on group \[0, 1\] at {SITE}: rank 0 all_reduce 64 float32 "
+    r"of fc1.weight.grad vs rank 1 all_reduce 64 float32 of fc2.weight.grad",
+    "swapped_parameters_before_forward": r"collective #1 .*: rank 0 broadcast 64 float32 of "
+    r"model.fc1.weight vs rank 1 broadcast 64 float32 of model.fc2.weight",
+    "swapped_bare_tensors": rf"collective #1 on group \[0, 1\]: rank 0 all_reduce 64 float32 at {SITE} "
+    rf"vs rank 1 all_reduce 64 float32 at {SITE}",
     "swapped_named_tensors": r"collective #1 .*: rank 0 all_reduce .* of metrics/loss_sum vs "
     r"rank 1 all_reduce .* of metrics/correct",
     "different_reductions": r"collective #1 .*: rank 0 all_reduce 4 float32 op=SUM "
