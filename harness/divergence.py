@@ -59,7 +59,10 @@ class Divergence:
         # Arguments (op=SUM, root=0) likewise: shown where they differ.
         show_args = len({r.args for r in records}) > 1
         if self.last:
-            stopped = "; ".join(self._describe_stop(rank, last) for rank, last in sorted(self.last.items()))
+            by_text: dict[str, list[int]] = {}
+            for rank, last in sorted(self.last.items()):
+                by_text.setdefault(self._describe_stop(last, self.skipped.get(rank)), []).append(rank)
+            stopped = "; ".join(f"{_ranks(ranks)} {text}" for text, ranks in by_text.items())
             issued = ", ".join(
                 f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
                 for rank in sorted(self.issued)
@@ -83,13 +86,12 @@ class Divergence:
             text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
         return text
 
-    def _describe_stop(self, rank: int, last: CollectiveRecord | None) -> str:
-        skipped = self.skipped.get(rank)
+    def _describe_stop(self, last: CollectiveRecord | None, skipped: CollectiveRecord | None) -> str:
         if skipped is not None:
-            return f"rank {rank} did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
+            return f"did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
         if last is None:
-            return f"rank {rank} issued none"
-        text = f"rank {rank} stopped early after #{self.number - 1} {_describe(last, False)}"
+            return "issued none"
+        text = f"stopped early after #{self.number - 1} {_describe(last, False)}"
         if not last.completed:
             text += ", which never returned"
         return text

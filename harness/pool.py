@@ -41,6 +41,7 @@ from harness.text import describe_exception, read_tail
 SESSION_ENV = processes.SESSION_ENV
 _HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
 _POLL_S = 0.1  # how often exit status is polled where the kernel gives no pidfd to wait on
+_HOPELESS_POLL_S = 0.25  # how often the traces are checked for a wait that can never end
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,13 @@ class WorkerPool:
                     ) from None
                 assert isinstance(message, WorkerReady), message
 
-    def run(self, task: TestTask, deadline_s: float, straggler_grace_s: float) -> dict[int, RankResult]:
+    def run(
+        self,
+        task: TestTask,
+        deadline_s: float,
+        straggler_grace_s: float,
+        hopeless: Callable[[set[int], set[int]], str | None] | None = None,
+    ) -> dict[int, RankResult]:
         """Run `task` on every rank; ranks that neither answer nor die in time are reported hung.
 
         Once a rank has failed, the others get only `straggler_grace_s` more: a failed rank
@@ -500,6 +507,9 @@ class WorkerPool:
         exception propagates after `interrupted_results` is set: the ranks that answered, and the
         others as lost, with their Python stacks unless the interrupt was a KeyboardInterrupt
         (the user wants out at once).
+
+        `hopeless(finished ranks, waiting ranks)`, polled while ranks are pending, may end the wait
+        early with the reason the waiting ranks can never finish (`harness.one_sided`).
         """
         # How a rank's death is noticed: the parent waits on each rank's result pipe and on the
         # process itself (its pidfd, or polling). The pipe alone is not enough: a grandchild that
@@ -518,8 +528,9 @@ class WorkerPool:
         started = time.monotonic()
         deadline = started + deadline_s
         failed_at: float | None = time.monotonic() if results else None
+        gave_up: str | None = None
         try:
-            while pending:
+            while pending and gave_up is None:
                 limit = deadline if failed_at is None else min(deadline, failed_at + straggler_grace_s)
                 waitables: dict[object, _RankProcess] = {}
                 polled = False
@@ -530,10 +541,14 @@ class WorkerPool:
                     else:
                         polled = True
                 timeout = max(0.0, limit - time.monotonic())
-                ready = wait(list(waitables), timeout=min(timeout, _POLL_S) if polled else timeout)
+                if polled or hopeless is not None:
+                    timeout = min(timeout, _POLL_S if polled else _HOPELESS_POLL_S)
+                ready = wait(list(waitables), timeout=timeout)
                 answered = {waitables[obj].rank for obj in ready}
                 if polled:
                     answered |= {rank for rank, proc in pending.items() if proc.worker.exited()}
+                if not answered and hopeless is not None:
+                    gave_up = hopeless(set(results), set(pending))
                 if not answered:
                     if time.monotonic() >= limit:
                         break
@@ -555,7 +570,9 @@ class WorkerPool:
             stacks = self._dump_stacks(list(pending.values()))
             waited = time.monotonic() - started
             for proc in pending.values():
-                if failed_at is not None and failed_at + straggler_grace_s < deadline:
+                if gave_up is not None:
+                    cause = f"stopped by the harness {waited:.1f} s into the test: {gave_up}"
+                elif failed_at is not None and failed_at + straggler_grace_s < deadline:
                     cause = (
                         f"hung: still running {waited:.1f} s into the test, "
                         f"{straggler_grace_s:.0f} s after another rank failed"
