@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
-from harness import RankContext, rank_fixture, register_label_provider
+from harness import RankContext, rank_fixture, register_label_provider, skip_call_sites_in
 
 
 @rank_fixture
@@ -27,6 +27,10 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     adapter = adapter_cls(
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
+    # Call sites in the trace name the scenario's line, not the adapter's (the same on every rank).
+    skip_call_sites_in(adapter_cls.__module__)
+    if adapter_cls.__module__.startswith("conformance.adapters."):
+        skip_call_sites_in("conformance.adapters")
     unregister = register_label_provider(adapter.collective_label)
     try:
         yield adapter

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["asymmetric", "call_site", "in_asymmetric_region", "skip_call_sites_in"]
 
-_skipped_dirs: list[str] = [
+_skipped_dirs: list[str] = [  # directories (ending in a separator) and single files
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,  # the harness
 ]
@@ -63,21 +63,24 @@ def in_asymmetric_region() -> bool:
 
 
 def skip_call_sites_in(*packages: str) -> None:
-    """Leave the frames of these importable packages (e.g. a backend's) out of call sites.
+    """Leave the frames of these importable packages or modules (e.g. a backend's) out of call sites.
 
-    The site then names the line that called into the package, which differs between ranks when
-    they issued a collective from different places in their own code.
+    The site then names the line that called into them, which differs between ranks when they
+    issued a collective from different places in their own code. A package skips its whole
+    directory, a module only its own file.
     """
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or not (spec.origin or spec.submodule_search_locations):
-            raise ValueError(f"skip_call_sites_in({package!r}): no such importable package; pass its import name")
-        locations = list(spec.submodule_search_locations or [os.path.dirname(spec.origin or "")])
-        for location in locations:
-            directory = os.path.join(os.path.abspath(location), "")
-            if directory not in _skipped_dirs:
-                _skipped_dirs.append(directory)
-    _code_files.clear()
+            raise ValueError(f"skip_call_sites_in({package!r}): nothing importable by that name; pass an import name")
+        if spec.submodule_search_locations:
+            prefixes = [os.path.join(os.path.abspath(location), "") for location in spec.submodule_search_locations]
+        else:
+            prefixes = [os.path.abspath(spec.origin or "")]
+        for prefix in prefixes:
+            if prefix not in _skipped_dirs:
+                _skipped_dirs.append(prefix)
+                _code_files.clear()  # verdicts cached before may have changed
 
 
 def call_site(depth: int = 2) -> str:

@@ -243,10 +243,6 @@ def _collective_key(record: CollectiveRecord) -> tuple:
     return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes, record.args)
 
 
-def _identity_key(record: CollectiveRecord) -> tuple:
-    return (record.tensors, record.site)
-
-
 def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:
     records = list(records)
     if len({key(record) for record in records}) > 1:
@@ -255,7 +251,16 @@ def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:
     # and its receive are different lines by nature).
     if key is _p2p_key or any(record.asymmetric for record in records):
         return False
-    return len({_identity_key(record) for record in records}) > 1
+    if len({record.site for record in records}) > 1:
+        return True
+    # A tensor one rank could not name (a fresh buffer, an empty shard) is no evidence either way:
+    # names differ only where two ranks gave the same position different names.
+    width = max(len(record.tensors) for record in records)
+    for position in range(width):
+        names = {record.tensors[position] for record in records if position < len(record.tensors)} - {""}
+        if len(names) > 1:
+            return True
+    return False
 
 
 def _p2p_key(record: CollectiveRecord) -> tuple:

@@ -101,6 +101,8 @@ def _add_root(module: torch.nn.Module, prefix: str) -> None:
 
 def _name(tensor: torch.Tensor) -> str:
     tensor = _local(tensor)
+    if tensor.numel() == 0:  # an empty shard has no storage to match: unnamed on every rank
+        return ""
     try:
         storage = _storage(tensor)
     except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake, sparse)

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from test_trace import spawn_ranks
 
-from harness import asymmetric, name_tensor, trace
+from harness import asymmetric, call_sites, name_tensor, skip_call_sites_in, trace
 from harness.collective_ops import C10D_SPECS
 from harness.divergence import first_divergence
-from harness.tracefile import read_trace
+from harness.tracefile import CollectiveRecord, read_trace
 
 
 class TwoLayers(torch.nn.Module):
@@ -181,3 +181,43 @@ def test_name_tensor_refuses_what_it_cannot_name():
         name_tensor(torch.ones(1), "")
     with pytest.raises(TypeError, match="takes a tensor or a module"):
         name_tensor([1, 2], "list")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ call sites, fabricated diffs
+
+
+def _issue_from_here() -> str:
+    return call_sites.call_site(1)
+
+
+def test_call_site_is_the_innermost_frame_outside_skipped_code():
+    assert re.fullmatch(r"tests/harness/test_divergence_identity.py:\d+", _issue_from_here())
+    here = _issue_from_here()
+    skip_call_sites_in("test_divergence_identity")  # this module: now its caller's line (pytest's)
+    try:
+        assert _issue_from_here() != here and "test_divergence_identity" not in _issue_from_here()
+    finally:
+        call_sites._skipped_dirs.pop()
+        call_sites._code_files.clear()
+    with pytest.raises(ValueError, match="nothing importable by that name"):
+        skip_call_sites_in("no_such_package_anywhere")
+
+
+def _record(rank: int, **fields) -> CollectiveRecord:
+    base = {"index": 0, "seq": 0, "op": "all_reduce", "group": (0, 1), "shapes": ((8, 8),)}
+    base.update(dtypes=("float32",), numel=64, label="", site="train.py:10")
+    base.update(fields)
+    return CollectiveRecord(rank=rank, **base)
+
+
+def test_a_tensor_one_rank_could_not_name_is_no_evidence_but_two_names_are():
+    unnamed = {0: [_record(0, tensors=("fc1.weight",))], 1: [_record(1)]}
+    assert first_divergence(unnamed, [0, 1]) is None
+    swapped = {0: [_record(0, tensors=("fc1.weight",))], 1: [_record(1, tensors=("fc2.weight",))]}
+    assert first_divergence(swapped, [0, 1]) is not None
+    other_line = {0: [_record(0)], 1: [_record(1, site="train.py:12")]}
+    assert first_divergence(other_line, [0, 1]) is not None
+    marked = {0: [_record(0, asymmetric=True)], 1: [_record(1, site="train.py:12", asymmetric=True)]}
+    assert first_divergence(marked, [0, 1]) is None
+    other_root = {0: [_record(0, asymmetric=True, args=(("root", "0"),))], 1: [_record(1, args=(("root", "1"),))]}
+    assert "root=0 vs rank 1" in first_divergence(other_root, [0, 1]).describe()
