@@ -9,7 +9,9 @@ only differ in their label, so the trace diff is as good as the labels. Sources,
      collectives outside any module forward (FSDP's backward gathers and reduce-scatters) name
      them this way;
   2. the FQN of the innermost running module forward, relative to the outermost one, from a
-     per-thread stack kept by global forward hooks (`track_module_forwards`).
+     per-thread stack kept by global forward hooks (`track_module_forwards`);
+  3. outside any forward (or in the outermost one), the torch FSDP1 / FSDP2 unit being gathered or
+     reduced, from `harness.torch_fsdp_labels`, for any test that uses torch FSDP.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.modules.module as nn_module
 
-from harness import tensor_names
+from harness import tensor_names, torch_fsdp_labels
 
 LabelProvider = Callable[[], "str | None"]
 
@@ -93,7 +95,9 @@ def current_label() -> str:
         label = provider()
         if label is not None:
             return label
-    return module_label(_stack.modules)
+    # A running forward names its own collectives (FSDP's pre-forward gathers included); outside
+    # one (FSDP's backward), the unit FSDP is working on.
+    return module_label(_stack.modules) or torch_fsdp_labels.current_label() or ""
 
 
 def reset() -> None:
@@ -130,6 +134,7 @@ def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
 def _push_module(module: torch.nn.Module, _inputs: object) -> None:
     if not _stack.modules:  # an outermost forward: its tensors can be named in the trace
         tensor_names.note_outermost_module(module)
+        torch_fsdp_labels.maybe_install()  # before FSDP's own pre-forward hooks gather anything
     _stack.modules.append(module)
 
 

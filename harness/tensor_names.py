@@ -11,8 +11,11 @@ How a tensor is named, first wins:
      sharing its storage);
   2. a parameter, buffer or `.grad` of a module this rank has seen: every module whose forward ran
      as the outermost one (found by `harness.labels`' forward hooks), and every module passed to
-     `name_tensor(module)`. Names are FQNs relative to that module, wrapper segments dropped;
-     a tensor that only shares the storage (a view, a flat parameter's shard) is `<name>[view]`.
+     `name_tensor(module)`. Names are FQNs relative to that module, wrapper segments dropped.
+A tensor is named after its storage, whatever part of it it covers: a view or a shard of a
+parameter has the parameter's name. (Where a shard starts differs by rank, so "the whole tensor
+or a view" would differ between ranks issuing the same collective.) A storage several parameters
+share (a flat parameter) is named after the first of them, `<name>+<how many more>`.
 
 Tensors are matched by storage address, and a match is only trusted after checking that the named
 tensor is still alive and still uses that storage, so a recycled address never names a stranger.
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["name_tensor", "names_of", "note_outermost_module", "reset"]
+__all__ = ["module_path", "name_tensor", "names_of", "note_outermost_module", "reset"]
 
 _REBUILDS_PER_FORWARD = 2
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -81,6 +84,18 @@ def names_of(tensors: list[torch.Tensor]) -> tuple[str, ...]:
     return names if any(names) else ()
 
 
+def module_path(module: torch.nn.Module) -> str:
+    """`module`'s FQN under a module this rank has seen (wrapper segments dropped), or ""."""
+    for module_ref, prefix in list(_roots.values()):
+        root = module_ref()
+        if root is None:
+            continue
+        for fqn, candidate in root.named_modules():
+            if candidate is module:
+                return _clean(prefix, fqn)
+    return ""
+
+
 def reset() -> None:
     """Forget every name and module (between tests)."""
     global _built_generation, _rebuilds
@@ -124,9 +139,7 @@ def _lookup(table: dict[int, tuple[weakref.ref, str]], storage: int, tensor: tor
     if owner is None or _storage(owner) != storage:  # gone or moved: the address was recycled
         del table[storage]
         return None
-    if owner.data_ptr() == tensor.data_ptr() and owner.shape == tensor.shape:
-        return entry[1]
-    return f"{entry[1]}[view]"
+    return entry[1]
 
 
 def _may_rebuild() -> bool:
@@ -143,6 +156,7 @@ def _may_rebuild() -> bool:
 
 def _rebuild() -> None:
     _module_names.clear()
+    owners: dict[int, tuple[torch.Tensor, str, int]] = {}  # storage -> (first tensor, its name, sharers)
     for key, (module_ref, prefix) in list(_roots.items()):
         module = module_ref()
         if module is None:
@@ -150,21 +164,28 @@ def _rebuild() -> None:
             continue
         for fqn, parameter in module.named_parameters():
             name = _clean(prefix, fqn)
-            _remember(parameter, name)
-            if parameter.grad is not None:
-                _remember(parameter.grad, f"{name}.grad")
+            _remember(owners, parameter, name)
+            # A non-leaf parameter (a view into a flat parameter) has no .grad; asking warns.
+            grad = parameter.grad if parameter.is_leaf else None
+            if grad is not None:
+                _remember(owners, grad, f"{name}.grad")
         for fqn, buffer in module.named_buffers():
-            _remember(buffer, _clean(prefix, fqn))
+            _remember(owners, buffer, _clean(prefix, fqn))
+    for storage, (tensor, name, sharers) in owners.items():
+        _module_names[storage] = (weakref.ref(tensor), name if sharers == 1 else f"{name}+{sharers - 1}")
 
 
-def _remember(tensor: Any, name: str) -> None:
+def _remember(owners: dict[int, tuple[torch.Tensor, str, int]], tensor: Any, name: str) -> None:
     tensor = _local(tensor)
     try:
         storage = _storage(tensor)
     except (RuntimeError, NotImplementedError):
         return
-    if storage and storage not in _module_names:  # the first (outermost) name of a shared storage wins
-        _module_names[storage] = (weakref.ref(tensor), name)
+    if not storage:
+        return
+    known = owners.get(storage)
+    # The first (outermost, in registration order) name of a shared storage names it.
+    owners[storage] = (tensor, name, 1) if known is None else (known[0], known[1], known[2] + 1)
 
 
 def _clean(prefix: str, fqn: str) -> str:
