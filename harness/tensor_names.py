@@ -12,10 +12,12 @@ How a tensor is named, first wins:
   2. a parameter, buffer or `.grad` of a module this rank has seen: every module whose forward ran
      as the outermost one (found by `harness.labels`' forward hooks), and every module passed to
      `name_tensor(module)`. Names are FQNs relative to that module, wrapper segments dropped.
-A tensor is named after its storage, whatever part of it it covers: a view or a shard of a
-parameter has the parameter's name. (Where a shard starts differs by rank, so "the whole tensor
-or a view" would differ between ranks issuing the same collective.) A storage several parameters
-share (a flat parameter) is named after the first of them, `<name>+<how many more>`.
+A tensor is named after its storage, whatever part of it it covers: a view of a parameter (or
+of a gradient) has the parameter's name. Only storages that one parameter, buffer or gradient owns
+whole are named: a storage that holds several (a flat parameter), or of which a tensor is only a
+part (a shard of a flat parameter, padded), or a parameter a sharding wrapper flattened, would be
+named differently on different ranks issuing the same collective, since which parameters a shard
+covers depends on the rank. Those collectives are told apart by their labels instead.
 
 Tensors are matched by storage address, and a match is only trusted after checking that the named
 tensor is still alive and still uses that storage, so a recycled address never names a stranger.
@@ -172,7 +174,8 @@ def _rebuild() -> None:
         for fqn, buffer in module.named_buffers():
             _remember(owners, buffer, _clean(prefix, fqn))
     for storage, (tensor, name, sharers) in owners.items():
-        _module_names[storage] = (weakref.ref(tensor), name if sharers == 1 else f"{name}+{sharers - 1}")
+        if sharers == 1 and _owns_whole_storage(tensor):
+            _module_names[storage] = (weakref.ref(tensor), name)
 
 
 def _remember(owners: dict[int, tuple[torch.Tensor, str, int]], tensor: Any, name: str) -> None:
@@ -186,6 +189,17 @@ def _remember(owners: dict[int, tuple[torch.Tensor, str, int]], tensor: Any, nam
     known = owners.get(storage)
     # The first (outermost, in registration order) name of a shared storage names it.
     owners[storage] = (tensor, name, 1) if known is None else (known[0], known[1], known[2] + 1)
+
+
+def _owns_whole_storage(tensor: torch.Tensor) -> bool:
+    """The tensor is its storage, and no sharding wrapper flattened it (FSDP1, DeepSpeed)."""
+    if (
+        getattr(tensor, "_fsdp_flattened", False)
+        or hasattr(tensor, "ds_id")
+        or type(tensor).__name__ == "FlatParameter"
+    ):
+        return False
+    return tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
 
 
 def _clean(prefix: str, fqn: str) -> str:
