@@ -41,10 +41,11 @@ class _Tail:
 class OneSidedWatch:
     """Reads the ranks' trace files during a test; `check` says when a wait is hopeless."""
 
-    def __init__(self, trace_paths: dict[int, str], settle_s: float = 1.0) -> None:
-        """Create before the test is dispatched: it empties the files, so that nothing of the
-        previous test is read as this one's (the ranks truncate them again when they begin)."""
-        for path in trace_paths.values():
+    def __init__(self, trace_paths: dict[int, str], settle_s: float = 1.0, truncate: bool = True) -> None:
+        """Create before the test is dispatched: unless `truncate` is false (the files are being
+        written already), it empties the files, so that nothing of the previous test is read as
+        this one's (the ranks truncate them again when they begin)."""
+        for path in trace_paths.values() if truncate else ():
             with contextlib.suppress(FileNotFoundError):
                 os.truncate(path, 0)
         self.trace_paths = trace_paths
@@ -68,7 +69,7 @@ class OneSidedWatch:
                 issued = ", ".join(f"rank {member} {self._count(member, record)}" for member in others)
                 return (
                     f"waited alone in collective #{position + 1} on group {_ranks(record.group)} "
-                    f"({_short(record)}): the other members finished the test without issuing it "
+                    f"({_short(record)}): the other members finished without issuing it "
                     f"(collectives they issued on that group: {issued})"
                 )
         return self._mismatch(stuck)
