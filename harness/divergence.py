@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from harness.tracefile import CollectiveRecord, last_unfinished
 
-__all__ = ["Divergence", "first_divergence", "format_trace_table", "unfinished_collectives"]
+__all__ = ["Divergence", "diagnosis", "first_divergence", "format_trace_table", "unfinished_collectives"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,21 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
         default=None,
         key=lambda d: (sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where),
     )
+
+
+def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> str:
+    """The first divergence (or that there is none) and where ranks were stuck, as lines of text:
+    what plain scripts (`harness.trace_script`) and Flight Recorder dumps print."""
+    divergence = first_divergence(traces, world_ranks)
+    if divergence is not None:
+        lines = [f"ranks issued divergent collectives: {divergence.describe()}"]
+    else:
+        total = sum(len(records) for records in traces.values())
+        lines = [f"no divergence between the collectives of ranks {_ranks_list(world_ranks)} ({total} recorded)"]
+    unfinished = unfinished_collectives(traces)
+    if unfinished:
+        lines.append(f"unfinished collectives: {unfinished}")
+    return "\n".join(lines)
 
 
 def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | None:

@@ -36,7 +36,7 @@ _POLL_S = 0.5
 
 def diff_directory(directory: str | Path, world_size: int | None = None, reason: str = "") -> str:
     """The diff of the traces in `directory` (`rank-<r>.jsonl`), as printed; also written to diff.txt."""
-    from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
+    from harness.divergence import diagnosis, format_trace_table
     from harness.tracefile import read_trace_or_empty
 
     directory = Path(directory)
@@ -44,16 +44,8 @@ def diff_directory(directory: str | Path, world_size: int | None = None, reason:
     if world_size is None:
         world_size = max(ranks, default=-1) + 1
     traces = {rank: read_trace_or_empty(str(directory / f"rank-{rank}.jsonl")) for rank in range(world_size)}
-    divergence = first_divergence(traces, list(range(world_size)))
     lines = [f"harness.trace_script: {reason}"] if reason else []
-    if divergence is not None:
-        lines.append(f"ranks issued divergent collectives: {divergence.describe()}")
-    else:
-        total = sum(len(records) for records in traces.values())
-        lines.append(f"no divergence between the {world_size} ranks' collectives ({total} recorded)")
-    unfinished = unfinished_collectives(traces)
-    if unfinished:
-        lines.append(f"unfinished collectives: {unfinished}")
+    lines.append(diagnosis(traces, list(range(world_size))))
     missing = [rank for rank in range(world_size) if rank not in ranks]
     if missing:
         lines.append(f"no trace from ranks {missing}: they never started the script under harness.trace_script")
