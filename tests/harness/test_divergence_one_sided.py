@@ -1,7 +1,7 @@
 """Through the real harness at the DEFAULT collective timeout (30 s): a rank that waits in a collective
 no peer will ever match gets its verdict in seconds, and the diff says who stopped where.
 
-Also the identity checks end to end: a broadcast whose src differs between ranks, and a marked
+Also end to end: a broadcast whose src differs between ranks, a dtype mismatch, and a marked
 asymmetric region that passes.
 """
 
@@ -42,6 +42,10 @@ def test_fsdp2_conditional_submodule(rank):
     x.sum().backward()
 
 @pytest.mark.world_size(2)
+def test_dtype_mismatch(rank):
+    dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64))
+
+@pytest.mark.world_size(2)
 def test_marked_asymmetric_region_passes(rank):
     total = torch.ones(8, 8)
     with harness.asymmetric():
@@ -60,6 +64,8 @@ EXPECTED = {
     "test_broadcast_from_different_sources": r"collective #1 on group \[0, 1\] at test_one_sided.py:\d+: "
     r"rank 0 broadcast 4 float32 root=0 vs rank 1 broadcast 4 float32 root=1",
     "test_fsdp2_conditional_submodule": r"ranks issued divergent collectives: collective #\d+ on group \[0, 1\]",
+    "test_dtype_mismatch": r"collective #1 on group \[0, 1\] at test_one_sided.py:\d+: "
+    r"rank 0 all_reduce 4 float32 vs rank 1 all_reduce 4 float64",
 }
 VERDICT_LIMIT_S = 10.0
 
@@ -71,7 +77,7 @@ def test_one_sided_collectives_fail_in_seconds_at_the_default_timeout(inner: Inn
     assert sorted(failures) == sorted(EXPECTED), result.stdout
     for name, pattern in EXPECTED.items():
         assert re.search(pattern, failures[name], re.S), f"{name}:\n{failures[name]}"
-    assert "3 failed, 1 passed" in result.stdout, result.stdout
+    assert "4 failed, 1 passed" in result.stdout, result.stdout
     cases = read_cases(inner.junit(0))
     for name in EXPECTED:
         duration = cases[name].time_s
