@@ -85,7 +85,10 @@ def skip_call_sites_in(*packages: str) -> None:
 
 def call_site(depth: int = 2) -> str:
     """`file:line` of the innermost frame above `depth` that is not skipped; "" if every one is."""
-    frame: FrameType | None = sys._getframe(depth)
+    try:
+        frame: FrameType | None = sys._getframe(depth)
+    except ValueError:  # fewer frames than that: called from the top level
+        return ""
     while frame is not None:
         code = frame.f_code
         try:

@@ -138,7 +138,9 @@ def _lookup(table: dict[int, tuple[weakref.ref, str]], storage: int, tensor: tor
     if entry is None:
         return None
     owner = entry[0]()
-    if owner is None or _storage(owner) != storage:  # gone or moved: the address was recycled
+    # Gone or moved: the address was recycled. (A module-named owner starts its storage, so its
+    # data_ptr is the storage's, and cheaper to get.)
+    if owner is None or (owner.data_ptr() if table is _module_names else _storage(owner)) != storage:
         del table[storage]
         return None
     return entry[1]

