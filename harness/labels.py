@@ -133,8 +133,11 @@ def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
 
 def _push_module(module: torch.nn.Module, _inputs: object) -> None:
     if not _stack.modules:  # an outermost forward: its tensors can be named in the trace
-        tensor_names.note_outermost_module(module)
-        torch_fsdp_labels.maybe_install()  # before FSDP's own pre-forward hooks gather anything
+        try:
+            tensor_names.note_outermost_module(module)
+            torch_fsdp_labels.maybe_install()  # before FSDP's own pre-forward hooks gather anything
+        except Exception:  # noqa: BLE001 - this hook runs inside the user's forward: never break it
+            pass
     _stack.modules.append(module)
 
 

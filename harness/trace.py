@@ -288,6 +288,9 @@ def _note(test: _TestState | None, spec: OpSpec, error: Exception) -> None:
     test.notes.add(text)
     with contextlib.suppress(OSError):
         os.write(test.fd, note_line(text))
+        # Also on the rank's stderr, which the test's report keeps (the trace file is the next
+        # test's once this one ends).
+        sys.stderr.write(f"[harness] {text}\n")
 
 
 class _Params:

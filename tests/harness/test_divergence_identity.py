@@ -151,7 +151,7 @@ def test_a_marked_asymmetric_region_and_agreeing_ranks_pass(diffs):
 # ------------------------------------------------------------------- the trace never raises
 
 
-def test_a_record_that_cannot_be_built_becomes_a_note_and_the_call_runs(tmp_path):
+def test_a_record_that_cannot_be_built_becomes_a_note_and_the_call_runs(tmp_path, capsys):
     """No process group exists here, so resolving the call's group raises inside the trace (as
     torch 2.6's DeviceMesh.get_group did inside DTensor): the call must run as if untraced."""
     calls = []
@@ -169,6 +169,7 @@ def test_a_record_that_cannot_be_built_becomes_a_note_and_the_call_runs(tmp_path
     finally:
         trace.end_test()
     assert len(calls) == 2
+    assert capsys.readouterr().err.count("[harness] all_reduce not recorded") == 1  # kept in the report
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 1, lines  # one note per kind of failure, not one per call
     assert re.match(r"all_reduce not recorded: \w+Error: .*the call ran untraced", lines[0]["note"]), lines
