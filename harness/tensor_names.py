@@ -82,6 +82,9 @@ def names_of(tensors: list[torch.Tensor]) -> tuple[str, ...]:
     of no module seen and no user names costs nothing)."""
     if not (_user_names or _roots) or not tensors:
         return ()
+    if len(tensors) == 1:  # the common case, without building a generator
+        name = _name(tensors[0])
+        return (name,) if name else ()
     names = tuple(_name(tensor) for tensor in tensors)
     return names if any(names) else ()
 
@@ -118,29 +121,27 @@ def _add_root(module: torch.nn.Module, prefix: str) -> None:
 
 def _name(tensor: torch.Tensor) -> str:
     tensor = _local(tensor)
-    if tensor.numel() == 0:  # an empty shard has no storage to match: unnamed on every rank
-        return ""
     try:
         storage = _storage(tensor)
     except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake, sparse)
         return ""
-    found = _lookup(_user_names, storage, tensor)
+    if not storage or tensor.numel() == 0:  # an empty shard has no storage to match: unnamed everywhere
+        return ""
+    found = _lookup(_user_names, storage) if _user_names else None
     if found is None:
-        found = _lookup(_module_names, storage, tensor)
+        found = _lookup(_module_names, storage)
         if found is None and _may_rebuild():
             _rebuild()
-            found = _lookup(_module_names, storage, tensor)
+            found = _lookup(_module_names, storage)
     return found or ""
 
 
-def _lookup(table: dict[int, tuple[weakref.ref, str]], storage: int, tensor: torch.Tensor) -> str | None:
+def _lookup(table: dict[int, tuple[weakref.ref, str]], storage: int) -> str | None:
     entry = table.get(storage)
     if entry is None:
         return None
     owner = entry[0]()
-    # Gone or moved: the address was recycled. (A module-named owner starts its storage, so its
-    # data_ptr is the storage's, and cheaper to get.)
-    if owner is None or (owner.data_ptr() if table is _module_names else _storage(owner)) != storage:
+    if owner is None or _storage(owner) != storage:  # gone or moved: the address was recycled
         del table[storage]
         return None
     return entry[1]
@@ -211,9 +212,12 @@ def _clean(prefix: str, fqn: str) -> str:
 
 def _local(tensor: Any) -> torch.Tensor:
     """A DTensor's local shard (its own storage is not where the bytes live)."""
+    if type(tensor) is torch.Tensor:  # the common case, without a failing attribute lookup
+        return tensor
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    """The address of the tensor's storage (cheaper than building its `untyped_storage()`)."""
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()

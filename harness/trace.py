@@ -254,8 +254,10 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             # The record goes to disk before the collective is issued: a rank that hangs or dies
             # inside it still shows it, without a "done" line (the trace file's completeness rule).
             if test is not None:
-                with contextlib.suppress(OSError):
+                try:
                     os.write(test.fd, record_line(record))
+                except Exception as error:  # noqa: BLE001 - an argument of an unexpected type, a closed fd
+                    _note(test, spec, error)
             if runner is None:
                 result = original(*args, **kwargs)
             else:

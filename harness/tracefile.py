@@ -21,12 +21,17 @@ async ops "done" means the call returned its Work, not that the work completed.
 from __future__ import annotations
 
 import json
+import json.encoder
 from dataclasses import dataclass
 from typing import Any
 
-# One encoder for every record: json.dumps with options builds a new one per call (a third of a
-# record's cost on the hot path).
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_quote = json.encoder.encode_basestring_ascii  # a JSON string literal, escaped (C implementation)
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"
+
+
 P2P_SEND_OPS = frozenset({"send", "isend", "send_object_list"})
 P2P_RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
 
@@ -81,37 +86,36 @@ class CollectiveRecord:
         return self.op in P2P_SEND_OPS
 
     def to_json(self) -> str:
-        """The record's line (without newline); `completed` is not part of it (see `done_line`)."""
-        data = {
-            "rank": self.rank,
-            "index": self.index,
-            "seq": self.seq,
-            "op": self.op,
-            "group": self.group,
-            "shapes": self.shapes,
-            "dtypes": self.dtypes,
-            "numel": self.numel,
-            "label": self.label,
-        }
+        """The record's line (without newline); `completed` is not part of it (see `done_line`).
+
+        Written out by hand rather than through `json.dumps` of a dict: this runs before every
+        collective, and it is twice as fast (strings still go through json's own escaping)."""
+        text = _quote
+        parts = [
+            f'{{"rank":{self.rank:d},"index":{self.index:d},"seq":{self.seq:d},"op":{text(self.op)}',
+            f',"group":{_ints(self.group)},"shapes":[{",".join(map(_ints, self.shapes))}]',
+            f',"dtypes":[{",".join(map(text, self.dtypes))}],"numel":{self.numel:d},"label":{text(self.label)}',
+        ]
         if self.peer is not None:
-            data["peer"] = self.peer
+            parts.append(f',"peer":{self.peer:d}')
         if self.uneven:
-            data["uneven"] = True
+            parts.append(',"uneven":true')
         if self.fault:
-            data["fault"] = self.fault
+            parts.append(f',"fault":{text(self.fault)}')
         if self.skipped:
-            data["skipped"] = True
+            parts.append(',"skipped":true')
         if self.tensors:
-            data["tensors"] = self.tensors
+            parts.append(f',"tensors":[{",".join(map(text, self.tensors))}]')
         if self.site:
-            data["site"] = self.site
+            parts.append(f',"site":{text(self.site)}')
         if self.args:
-            data["args"] = self.args
+            parts.append(f',"args":[{",".join(f"[{text(name)},{text(value)}]" for name, value in self.args)}]')
         if self.async_op:
-            data["async"] = True
+            parts.append(',"async":true')
         if self.asymmetric:
-            data["asymmetric"] = True
-        return _ENCODER.encode(data)
+            parts.append(',"asymmetric":true')
+        parts.append("}")
+        return "".join(parts)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
