@@ -41,7 +41,6 @@ from harness.text import describe_exception, read_tail
 SESSION_ENV = processes.SESSION_ENV
 _HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
 _POLL_S = 0.1  # how often exit status is polled where the kernel gives no pidfd to wait on
-_HOPELESS_POLL_S = 0.25  # how often the traces are checked for a wait that can never end
 
 
 @dataclass(frozen=True)
@@ -499,6 +498,9 @@ class WorkerPool:
     ) -> dict[int, RankResult]:
         """Run `task` on every rank; ranks that neither answer nor die in time are reported hung.
 
+        `hopeless(finished ranks, waiting ranks)`, asked every 0.25 s while ranks are pending, may
+        end the wait early with the reason the waiting ranks can never finish (`harness.one_sided`).
+
         Once a rank has failed, the others get only `straggler_grace_s` more: a failed rank
         usually leaves its peers blocked in a collective, and waiting for the collective
         timeout would only delay the report.
@@ -507,9 +509,6 @@ class WorkerPool:
         exception propagates after `interrupted_results` is set: the ranks that answered, and the
         others as lost, with their Python stacks unless the interrupt was a KeyboardInterrupt
         (the user wants out at once).
-
-        `hopeless(finished ranks, waiting ranks)`, polled while ranks are pending, may end the wait
-        early with the reason the waiting ranks can never finish (`harness.one_sided`).
         """
         # How a rank's death is noticed: the parent waits on each rank's result pipe and on the
         # process itself (its pidfd, or polling). The pipe alone is not enough: a grandchild that
@@ -542,7 +541,7 @@ class WorkerPool:
                         polled = True
                 timeout = max(0.0, limit - time.monotonic())
                 if polled or hopeless is not None:
-                    timeout = min(timeout, _POLL_S if polled else _HOPELESS_POLL_S)
+                    timeout = min(timeout, _POLL_S if polled else 0.25)
                 ready = wait(list(waitables), timeout=timeout)
                 answered = {waitables[obj].rank for obj in ready}
                 if polled:

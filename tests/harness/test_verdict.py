@@ -47,15 +47,6 @@ def test_the_pool_is_reused_only_when_nothing_can_be_in_flight() -> None:
     assert not world_reusable({0: outcome(0, "failed"), 1: outcome(1)}, stuck)
 
 
-def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls() -> None:
-    traces = {
-        0: [record(0, 0, completed=False), record(0, 1, completed=False), record(0, 2)],
-        1: [record(1, 0), record(1, 1, completed=False, skipped=True)],
-    }
-    stuck = last_unfinished(traces)
-    assert list(stuck) == [0] and stuck[0].index == 1
-
-
 def test_the_rank_that_failed_first_is_singled_out_and_harness_frames_are_dropped() -> None:
     harness_file = str(Path(verdict.__file__).with_name("worker.py"))
     own = (
@@ -76,3 +67,12 @@ def test_the_rank_that_failed_first_is_singled_out_and_harness_frames_are_droppe
     assert "worker.py" not in text and "runpy" not in text and "assert loss < 1" in text
     alike = {rank: outcome(rank, "failed", summary="AssertionError: same") for rank in (0, 1)}
     assert verdict.first_failed_rank(alike) is None  # each failed on its own
+
+
+def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls() -> None:
+    traces = {
+        0: [record(0, 0, completed=False), record(0, 1, completed=False), record(0, 2)],
+        1: [record(1, 0), record(1, 1, completed=False, skipped=True)],
+    }
+    stuck = last_unfinished(traces)
+    assert list(stuck) == [0] and stuck[0].index == 1
