@@ -36,6 +36,14 @@ class OpSpec:
     reduce_op: str | None = None
     default_reduce_op: str = "SUM"
 
+    @property
+    def same_tensor(self) -> bool:
+        """Every member passes the same logical tensor (all-reduce, broadcast, reduce,
+        reduce-scatter), so the tensors' names must agree (`harness.tensor_names`). Not gathers,
+        scatters and all-to-all, whose inputs are each rank's own piece: in a sharding engine,
+        which parameter a rank's piece belongs to depends on the rank."""
+        return self.op in SAME_TENSOR_OPS
+
 
 _GATHER_INTO_TENSOR = OpSpec("all_gather_into_tensor", ("input_tensor",), ("output_tensor",))
 _REDUCE_SCATTER_TENSOR = OpSpec("reduce_scatter_tensor", ("input",), ("output",), reduce_op="op")
@@ -124,3 +132,21 @@ KNOWN_OPS: frozenset[str] = frozenset(
     spec.op for spec in (*C10D_SPECS.values(), *FUNCOL_SPECS.values(), BROADCAST_COALESCED)
 )
 """Every op name a record can carry (canonical names; aliases are folded)."""
+
+SAME_TENSOR_OPS: frozenset[str] = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "broadcast_coalesced",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "funcol.all_reduce",
+        "funcol.all_reduce_coalesced",
+        "funcol.broadcast",
+        "funcol.reduce_scatter",
+        "funcol.reduce_scatter_coalesced",
+    }
+)
+"""Ops whose members all pass the same logical tensor (see `OpSpec.same_tensor`)."""

@@ -19,6 +19,10 @@ part (a shard of a flat parameter, padded), or a parameter a sharding wrapper fl
 named differently on different ranks issuing the same collective, since which parameters a shard
 covers depends on the rank. Those collectives are told apart by their labels instead.
 
+Only the ops whose members all pass the same logical tensor look names up
+(`OpSpec.same_tensor`: all-reduce, broadcast, reduce, reduce-scatter): a gather's or all-to-all's
+input is each rank's own piece, which in a sharding engine is a different parameter on each rank.
+
 Tensors are matched by storage address, and a match is only trusted after checking that the named
 tensor is still alive and still uses that storage, so a recycled address never names a stranger.
 The map from storage to names is rebuilt when a lookup misses (gradients appear after the

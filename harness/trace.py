@@ -333,7 +333,7 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
     uneven = spec.always_uneven or any(params.get(name) is not None for name in spec.uneven_when)
     peer = _rank_argument(spec.peer, params, group) if spec.peer else None
     label = labels.current_label()
-    names = tensor_names.names_of(tensors)
+    names = tensor_names.names_of(tensors) if spec.same_tensor else ()
     site = call_sites.call_site(3)  # above _build_record and the wrapper
     agreed = _agreed_args(spec, params, group)
     with _lock:
