@@ -131,18 +131,21 @@ def first_failed_rank(results: dict[int, RankResult]) -> int | None:
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# An injected fault's frames are part of the test's story ("hung in faults._hang"): kept.
+_KEPT_HARNESS_FILES = (os.path.join(_HARNESS_DIR, "faults.py"),)
 _TORCH_MARK = f"{os.sep}torch{os.sep}"
 
 
 def without_harness_frames(text: str) -> str:
-    """A traceback or faulthandler dump without the harness's, the zygote's and runpy's frames."""
+    """A traceback or faulthandler dump without the harness's, the zygote's and runpy's frames
+    (those of an injected fault, `harness.faults`, stay)."""
     kept: list[str] = []
     skipping = False
     for line in text.splitlines():
         frame = _FRAME.match(line)
         if frame:
             path = frame.group(1)
-            skipping = path.startswith(_HARNESS_DIR) or path == "<frozen runpy>"
+            skipping = (path.startswith(_HARNESS_DIR) and path not in _KEPT_HARNESS_FILES) or path == "<frozen runpy>"
         elif skipping and line.startswith("    "):  # the skipped frame's source lines
             continue
         else:
