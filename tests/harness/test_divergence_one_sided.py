@@ -1,8 +1,8 @@
 """Through the real harness at the DEFAULT collective timeout (30 s): a rank that waits in a collective
 no peer will ever match gets its verdict in seconds, and the diff says who stopped where.
 
-Also end to end: a broadcast whose src differs between ranks, a dtype mismatch, and a marked
-asymmetric region that passes.
+Also end to end: a broadcast whose src differs between ranks, a dtype mismatch, a marked
+asymmetric region that passes, and a test that waits alone on purpose (marked expect_divergence).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def test_dtype_mismatch(rank):
     dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64))
 
 @pytest.mark.world_size(2)
+@pytest.mark.expect_divergence
+def test_an_expected_timeout_is_left_to_the_collective_timeout(rank):
+    import datetime
+    if rank == 0:  # waits alone on purpose, for 2 s, on the default group (which stays up)
+        with pytest.raises(RuntimeError, match="monitoredBarrier"):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
+
+@pytest.mark.world_size(2)
 def test_marked_asymmetric_region_passes(rank):
     total = torch.ones(8, 8)
     with harness.asymmetric():
@@ -77,7 +85,7 @@ def test_one_sided_collectives_fail_in_seconds_at_the_default_timeout(inner: Inn
     assert sorted(failures) == sorted(EXPECTED), result.stdout
     for name, pattern in EXPECTED.items():
         assert re.search(pattern, failures[name], re.S), f"{name}:\n{failures[name]}"
-    assert "4 failed, 1 passed" in result.stdout, result.stdout
+    assert "4 failed, 2 passed" in result.stdout, result.stdout
     cases = read_cases(inner.junit(0))
     for name in EXPECTED:
         duration = cases[name].time_s
