@@ -30,6 +30,12 @@ Aliases are recorded under one canonical name (`harness.collective_ops`) so rank
 op differently compare equal. Under `torch.compile` tracing the wrappers step aside and call the
 original function, so Dynamo still sees the functions it knows.
 
+Besides op, group, shapes and dtypes, a record carries what makes a collective's identity
+(`harness.divergence` compares it): the label, the names of the tensors for ops whose members pass
+the same logical tensor (`harness.tensor_names`), the user's call site (`harness.call_sites`), and
+the root rank and reduction every member must agree on. Building a record never raises into the
+caller: a failure becomes a `{"note": ...}` line in the trace and the call runs as if untraced.
+
 The wrapper is also the one interception point for fault injection: `set_interceptor` installs a
 callback that sees each record first and may issue the call its own way (`harness.faults`).
 """
