@@ -109,7 +109,10 @@ def reset() -> None:
 
 def module_label(modules: list[torch.nn.Module]) -> str:
     """FQN of the innermost running module relative to the outermost one, wrapper segments dropped."""
-    parts: list[str] = []
+    # A module called on its own (not from its container's forward) is named by its path under
+    # a container the test registered with `harness.name_tensor(model)`, if any.
+    outermost = tensor_names.named_path(modules[0]) if modules else ""
+    parts: list[str] = [outermost] if outermost else []
     for parent, child in itertools.pairwise(modules):
         if parent is child:
             continue

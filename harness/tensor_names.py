@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["module_path", "name_tensor", "names_of", "note_outermost_module", "reset"]
+__all__ = ["module_path", "name_tensor", "named_path", "names_of", "note_outermost_module", "reset"]
 
 _REBUILDS_PER_FORWARD = 2
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -49,6 +49,10 @@ _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 _user_names: dict[int, tuple[weakref.ref, str]] = {}
 _module_names: dict[int, tuple[weakref.ref, str]] = {}
 _roots: dict[int, tuple[weakref.ref, str]] = {}  # id(module) -> (weak module, prefix)
+_named_roots: dict[int, tuple[weakref.ref, str]] = {}  # the ones passed to name_tensor(module)
+# id(module) -> (weak module, its path under a named root): modules called outside their
+# container's forward (units called one by one) are labelled by that path.
+_named_paths: dict[int, tuple[weakref.ref, str]] = {}
 _generation = 0
 _built_generation = -1
 _rebuilds = 0
@@ -60,10 +64,14 @@ def name_tensor(value: torch.Tensor | torch.nn.Module, name: str | None = None) 
     `name_tensor(total, "metrics/loss_sum")`: collectives on `total`, or on a view of it, show and
     compare that name. `name_tensor(model)` (optionally with a prefix): name the parameters,
     buffers and gradients of `model` before its first forward (e.g. for a parameter broadcast at
-    initialisation); modules whose forward ran are named without this.
+    initialisation), and label collectives of its submodules by their FQN under `model` even when
+    they are called one by one rather than from `model`'s forward; modules whose forward ran are
+    named without this.
     """
     if isinstance(value, torch.nn.Module):
         _add_root(value, name or "")
+        _named_roots[id(value)] = (weakref.ref(value), name or "")
+        _named_paths.clear()
         return
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"name_tensor() takes a tensor or a module, not {type(value).__name__}; pass the tensor")
@@ -105,12 +113,32 @@ def module_path(module: torch.nn.Module) -> str:
     return ""
 
 
+def named_path(module: torch.nn.Module) -> str:
+    """`module`'s FQN under a module given to `name_tensor(module)`, or "" (cheap when none was)."""
+    if not _named_roots:
+        return ""
+    cached = _named_paths.get(id(module))
+    if cached is not None and cached[0]() is module:
+        return cached[1]
+    path = ""
+    for module_ref, prefix in list(_named_roots.values()):
+        root = module_ref()
+        found = next((fqn for fqn, sub in root.named_modules() if sub is module), None) if root is not None else None
+        if found is not None:
+            path = _clean(prefix, found)
+            break
+    _named_paths[id(module)] = (weakref.ref(module), path)
+    return path
+
+
 def reset() -> None:
     """Forget every name and module (between tests)."""
     global _built_generation, _rebuilds
     _user_names.clear()
     _module_names.clear()
     _roots.clear()
+    _named_roots.clear()
+    _named_paths.clear()
     _built_generation, _rebuilds = -1, 0
 
 
@@ -210,7 +238,7 @@ def _owns_whole_storage(tensor: torch.Tensor) -> bool:
 
 
 def _clean(prefix: str, fqn: str) -> str:
-    parts = [segment for segment in fqn.split(".") if segment not in _WRAPPER_SEGMENTS]
+    parts = [segment for segment in fqn.split(".") if segment and segment not in _WRAPPER_SEGMENTS]
     return ".".join([prefix, *parts] if prefix else parts)
 
 

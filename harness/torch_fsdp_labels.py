@@ -87,6 +87,12 @@ def _wrap(owner: Any, name: str, unit_of: Callable[..., str | None]) -> None:
 
 def _fsdp2_unit(group: Any, *args: Any, **kwargs: Any) -> str | None:
     fqns = [p._param_fqn for p in getattr(group, "fsdp_params", ()) if getattr(p, "_param_fqn", None)]
+    # FQNs are relative to the FSDP root; a unit that is its own root (units called one by one)
+    # gets its path under a container the test registered (`harness.name_tensor(model)`).
+    modules = getattr(group, "modules", None) or ()
+    prefix = tensor_names.named_path(modules[0]) if modules else ""
+    if prefix and not all(fqn.startswith(prefix + ".") for fqn in fqns):
+        fqns = [f"{prefix}.{fqn}" for fqn in fqns]
     return ", ".join(fqns) or None
 
 

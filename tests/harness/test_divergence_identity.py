@@ -90,6 +90,22 @@ def _agreeing_gradient_sync(rank: int) -> None:
     dist.broadcast(model.fc1.weight.data[0], src=0)  # a view of a parameter
 
 
+def _fsdp2_units_called_one_by_one(rank: int) -> None:
+    """Two same-size FSDP2 units called one by one (no container forward), in swapped order: only
+    the container registered with name_tensor gives them names that differ."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8)})
+    for layer in model.values():
+        fully_shard(layer)
+    name_tensor(model)
+    x = torch.ones(2, 8)
+    for name in ["a", "b"] if rank == 0 else ["b", "a"]:
+        x = model[name](x)
+    x.sum().backward()
+
+
 SCENARIOS = {
     "swapped_gradients": _swapped_gradients,
     "swapped_parameters_before_forward": _swapped_parameters_before_forward,
@@ -98,6 +114,7 @@ SCENARIOS = {
     "different_reductions": _different_reductions,
     "asymmetric_region": _asymmetric_region,
     "agreeing_gradient_sync": _agreeing_gradient_sync,
+    "fsdp2_units_called_one_by_one": _fsdp2_units_called_one_by_one,
 }
 
 
@@ -132,6 +149,8 @@ EXPECTED = {
     rf"vs rank 1 all_reduce 64 float32 at {SITE}",
     "swapped_named_tensors": r"collective #1 .*: rank 0 all_reduce .* of metrics/loss_sum vs "
     r"rank 1 all_reduce .* of metrics/correct",
+    "fsdp2_units_called_one_by_one": rf"collective #1 on group \[0, 1\] at {SITE}: "
+    r"rank 0 all_gather_into_tensor \[a\] 36 float32 vs rank 1 all_gather_into_tensor \[b\] 36 float32",
     "different_reductions": r"collective #1 .*: rank 0 all_reduce 4 float32 op=SUM "
     r"vs rank 1 all_reduce 4 float32 op=MAX",
 }
