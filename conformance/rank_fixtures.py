@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
-from harness import RankContext, rank_fixture, register_label_provider, skip_call_sites_in
+from harness import RankContext, rank_fixture, register_label_provider
 
 
 @rank_fixture
@@ -24,13 +24,10 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             "conformance.plugin (root conftest pytest_plugins) so --backend applies"
         )
     adapter_cls = registry.load(selection)
+    _skip_adapter_call_sites(adapter_cls.__module__)
     adapter = adapter_cls(
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
-    # Call sites in the trace name the scenario's line, not the adapter's (the same on every rank).
-    skip_call_sites_in(adapter_cls.__module__)
-    if adapter_cls.__module__.startswith("conformance.adapters."):
-        skip_call_sites_in("conformance.adapters")
     unregister = register_label_provider(adapter.collective_label)
     try:
         yield adapter
@@ -39,3 +36,12 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             adapter.close()
         finally:
             unregister()
+
+
+def _skip_adapter_call_sites(module: str) -> None:
+    """Call sites in the trace name the scenario's line, not the adapter's (the same on every rank)."""
+    from harness import skip_call_sites_in
+
+    skip_call_sites_in(module)
+    if module.startswith("conformance.adapters."):
+        skip_call_sites_in("conformance.adapters")
