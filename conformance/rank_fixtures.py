@@ -9,6 +9,15 @@ from conformance.protocol import BackendAdapter, BackendEnv
 from harness import RankContext, rank_fixture, register_label_provider
 
 
+def _skip_adapter_call_sites(module: str) -> None:
+    """Call sites in the trace name the scenario's line, not the adapter's (the same on every rank)."""
+    from harness import skip_call_sites_in
+
+    skip_call_sites_in(module)
+    if module.startswith("conformance.adapters."):
+        skip_call_sites_in("conformance.adapters")
+
+
 @rank_fixture
 def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     """The adapter for this test's backend, built fresh for every test in every rank.
@@ -36,12 +45,3 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             adapter.close()
         finally:
             unregister()
-
-
-def _skip_adapter_call_sites(module: str) -> None:
-    """Call sites in the trace name the scenario's line, not the adapter's (the same on every rank)."""
-    from harness import skip_call_sites_in
-
-    skip_call_sites_in(module)
-    if module.startswith("conformance.adapters."):
-        skip_call_sites_in("conformance.adapters")
