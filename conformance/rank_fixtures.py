@@ -11,6 +11,15 @@ from conformance.vacuity import ShardWatch
 from harness import RankContext, rank_fixture, register_label_provider
 
 
+def _skip_adapter_call_sites(module: str) -> None:
+    """Call sites in the trace name the scenario's line, not the adapter's (the same on every rank)."""
+    from harness import skip_call_sites_in
+
+    skip_call_sites_in(module)
+    if module.startswith("conformance.adapters."):
+        skip_call_sites_in("conformance.adapters")
+
+
 @rank_fixture
 def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     """The adapter for this test's backend, built fresh for every test in every rank.
@@ -27,6 +36,7 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             "conformance.plugin (root conftest pytest_plugins) so --backend applies"
         )
     adapter_cls = registry.load(selection)
+    _skip_adapter_call_sites(adapter_cls.__module__)
     adapter = adapter_cls(
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )

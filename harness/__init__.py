@@ -3,13 +3,18 @@
 Public API for test authors: the `world_size` marker (sizes or constraints; `WorldShape` is what its
 `exclude=` predicate receives) and the `fresh_world` marker, the rank-side fixtures `rank`,
 `world_size`, `device`, and `rank_fixture` / `RankContext` to add more. Backends name the
-collectives they issue (for the cross-rank trace diff) with `register_label_provider`. Report
-formats plug in through the hooks of `harness.hookspecs`.
+collectives they issue (for the cross-rank trace diff) with `register_label_provider`. For the trace
+diff, `name_tensor` names a tensor (or a module's parameters) a collective carries, `asymmetric()`
+marks rank-conditional code whose call sites and tensors differ on purpose, and
+`skip_call_sites_in` leaves a backend's own frames out of call sites. Report formats plug in through
+the hooks of `harness.hookspecs`.
 """
 
+from harness.call_sites import asymmetric, skip_call_sites_in
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
+from harness.tensor_names import name_tensor
 from harness.world_sizes import WorldShape
 
 
@@ -23,9 +28,12 @@ def rank_seed(offset: int = 0) -> int:
 __all__ = [
     "RankContext",
     "WorldShape",
+    "asymmetric",
     "current_seed",
+    "name_tensor",
     "rank_fixture",
     "rank_seed",
     "register_label_provider",
     "seed_everything",
+    "skip_call_sites_in",
 ]

@@ -1,14 +1,17 @@
 """Diff per-rank collective traces and name the first collective where ranks disagree.
 
 Collectives are compared per group (same global ranks): the k-th collective each member issued on
-that group must agree on op, label, dtypes and (unless the op allows uneven sizes) shapes, and every
-member must have issued it. Point-to-point ops are matched per direction instead: the k-th send from
-a to b against the k-th receive on b from a (element count and dtype). Calls a fault skipped were
-never issued: they are left out of the comparison and named in the report. Collectives are numbered
-from 1 in reports (record fields `index`/`seq` are 0-based). Of all disagreements, the one reached
-first is reported: the one no other precedes, where A precedes B when a rank involved in both
-reached A earlier in its own trace (a rank-local order is all there is; later disagreements are
-usually consequences of the first).
+that group must agree on op, label, dtypes, (unless the op allows uneven sizes) shapes and the
+arguments that must agree (root rank, reduction), and every member must have issued it. Outside
+regions marked `harness.asymmetric()` they must also agree on the tensors' names and the call site
+(`harness.tensor_names`, `harness.call_sites`): the same-shaped collective issued on another tensor
+or from another line is a mispairing torch cannot see. Point-to-point ops are matched per direction
+instead: the k-th send from a to b against the k-th receive on b from a (element count and dtype).
+Calls a fault skipped were never issued: they are left out of the comparison and named in the report.
+Collectives are numbered from 1 in reports (record fields `index`/`seq` are 0-based).
+Of all disagreements, the one reached first is reported: the one no other precedes, where A precedes B
+when a rank involved in both reached A earlier in its own trace (a rank-local order is all there
+is; later disagreements are usually consequences of the first).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 from harness.tracefile import CollectiveRecord, last_unfinished
 
-__all__ = ["Divergence", "first_divergence", "format_trace_table", "unfinished_collectives"]
+__all__ = ["Divergence", "diagnosis", "first_divergence", "format_trace_table", "unfinished_collectives"]
 
 
 @dataclass(frozen=True)
@@ -53,31 +56,42 @@ class Divergence:
         records = self.issued.values()
         # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
         show_shapes = len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1
+        # Arguments (op=SUM, root=0) likewise: shown where they differ.
+        show_args = len({r.args for r in records}) > 1
         if self.last:
-            stopped = "; ".join(self._describe_stop(rank, last) for rank, last in sorted(self.last.items()))
+            by_text: dict[str, list[int]] = {}
+            for rank, last in sorted(self.last.items()):
+                by_text.setdefault(self._describe_stop(last, self.skipped.get(rank)), []).append(rank)
+            stopped = "; ".join(f"{_ranks(ranks)} {text}" for text, ranks in by_text.items())
             issued = ", ".join(
-                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes)}" for rank in sorted(self.issued)
+                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
+                for rank in sorted(self.issued)
             )
             return f"{self.where}: {stopped} ({issued})"
+        # One shared call site is said once; different ones are the clue, so each rank shows its own.
+        sites = {record.site for record in records}
+        where = self.where
+        if len(sites) == 1 and "" not in sites:
+            where += f" at {sites.pop()}"
         classes: dict[str, list[int]] = {}
         for rank in sorted(self.issued):
-            classes.setdefault(self._describe_issued(rank, show_shapes), []).append(rank)
-        return f"{self.where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
+            text = self._describe_issued(rank, show_shapes, show_args, where == self.where)
+            classes.setdefault(text, []).append(rank)
+        return f"{where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
 
-    def _describe_issued(self, rank: int, show_shapes: bool) -> str:
-        text = _describe(self.issued[rank], show_shapes)
+    def _describe_issued(self, rank: int, show_shapes: bool, show_args: bool, show_site: bool = True) -> str:
+        text = _describe(self.issued[rank], show_shapes, show_site, show_args)
         skipped = self.skipped.get(rank)
         if skipped is not None:
             text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
         return text
 
-    def _describe_stop(self, rank: int, last: CollectiveRecord | None) -> str:
-        skipped = self.skipped.get(rank)
+    def _describe_stop(self, last: CollectiveRecord | None, skipped: CollectiveRecord | None) -> str:
         if skipped is not None:
-            return f"rank {rank} did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
+            return f"did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
         if last is None:
-            return f"rank {rank} issued none"
-        text = f"rank {rank} stopped early after #{self.number - 1} {_describe(last, False)}"
+            return "issued none"
+        text = f"stopped early after #{self.number - 1} {_describe(last, False)}"
         if not last.completed:
             text += ", which never returned"
         return text
@@ -98,6 +112,21 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     )
 
 
+def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> str:
+    """The first divergence (or that there is none) and where ranks were stuck, as lines of text:
+    what plain scripts (`harness.trace_script`) and Flight Recorder dumps print."""
+    divergence = first_divergence(traces, world_ranks)
+    if divergence is not None:
+        lines = [f"ranks issued divergent collectives: {divergence.describe()}"]
+    else:
+        total = sum(len(records) for records in traces.values())
+        lines = [f"no divergence between the collectives of ranks {_ranks_list(world_ranks)} ({total} recorded)"]
+    unfinished = unfinished_collectives(traces)
+    if unfinished:
+        lines.append(f"unfinished collectives: {unfinished}")
+    return "\n".join(lines)
+
+
 def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | None:
     """Where each rank was stuck: its last collective that never returned (a hang or crash
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
@@ -111,7 +140,20 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
 
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     """A human-readable dump of every rank's trace, one section per rank (numbers from 1)."""
-    header = ("#", "group/peer", "group #", "op", "label", "numel", "dtypes", "shapes", "status")
+    header = (
+        "#",
+        "group/peer",
+        "group #",
+        "op",
+        "label",
+        "numel",
+        "dtypes",
+        "shapes",
+        "args",
+        "tensors",
+        "site",
+        "status",
+    )
     sections = []
     for rank in sorted(traces):
         rows = [header]
@@ -136,6 +178,10 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
                     str(record.numel),
                     ",".join(record.dtypes) or "-",
                     " ".join(_shape(s) for s in record.shapes) or "-",
+                    " ".join([*(f"{name}={value}" for name, value in record.args), *(["async"] * record.async_op)])
+                    or "-",
+                    ",".join(name or "?" for name in record.tensors) or "-",
+                    record.site + (" (asymmetric)" if record.asymmetric else "") or "-",
                     status,
                 )
             )
@@ -184,7 +230,7 @@ def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, k
     for position in range(longest):
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
         stopped = len(present) < len(sequences)
-        if stopped or len({key(record) for record in present.values()}) > 1:
+        if stopped or _records_differ(present.values(), key):
             last = {
                 rank: (records[-1] if records else None)
                 for rank, records in sequences.items()
@@ -209,14 +255,34 @@ def _skipped_before(
 
 
 def _collective_key(record: CollectiveRecord) -> tuple:
-    return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes)
+    return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes, record.args)
+
+
+def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:
+    records = list(records)
+    if len({key(record) for record in records}) > 1:
+        return True
+    # Identity only where no rank declared the region asymmetric, and never for p2p ops (a send
+    # and its receive are different lines by nature).
+    if key is _p2p_key or any(record.asymmetric for record in records):
+        return False
+    if len({record.site for record in records}) > 1:
+        return True
+    # A tensor one rank could not name (a fresh buffer, an empty shard) is no evidence either way:
+    # names differ only where two ranks gave the same position different names.
+    width = max(len(record.tensors) for record in records)
+    for position in range(width):
+        names = {record.tensors[position] for record in records if position < len(record.tensors)} - {""}
+        if len(names) > 1:
+            return True
+    return False
 
 
 def _p2p_key(record: CollectiveRecord) -> tuple:
     return (record.numel, record.dtypes)
 
 
-def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
+def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = True, show_args: bool = False) -> str:
     text = record.op
     if record.label:
         text += f" [{record.label}]"
@@ -224,6 +290,14 @@ def _describe(record: CollectiveRecord, show_shapes: bool) -> str:
         text += f" {record.numel} {','.join(sorted(set(record.dtypes)))}"
     if show_shapes:
         text += " shapes " + " ".join(_shape(s) for s in record.shapes)
+    if record.args and show_args:
+        text += " " + " ".join(f"{name}={value}" for name, value in record.args)
+    if record.async_op:
+        text += " async"
+    if any(record.tensors):
+        text += " of " + ", ".join(name or "?" for name in record.tensors)
+    if record.site and show_site:
+        text += f" at {record.site}"
     if record.fault:
         text += f" (injected fault: {record.fault})"
     return text

@@ -9,7 +9,9 @@ only differ in their label, so the trace diff is as good as the labels. Sources,
      collectives outside any module forward (FSDP's backward gathers and reduce-scatters) name
      them this way;
   2. the FQN of the innermost running module forward, relative to the outermost one, from a
-     per-thread stack kept by global forward hooks (`track_module_forwards`).
+     per-thread stack kept by global forward hooks (`track_module_forwards`);
+  3. outside any forward (or in the outermost one), the torch FSDP1 / FSDP2 unit being gathered or
+     reduced, from `harness.torch_fsdp_labels`, for any test that uses torch FSDP.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.modules.module as nn_module
+
+from harness import tensor_names, torch_fsdp_labels
 
 LabelProvider = Callable[[], "str | None"]
 
@@ -91,18 +95,24 @@ def current_label() -> str:
         label = provider()
         if label is not None:
             return label
-    return module_label(_stack.modules)
+    # A running forward names its own collectives (FSDP's pre-forward gathers included); outside
+    # one (FSDP's backward), the unit FSDP is working on.
+    return module_label(_stack.modules) or torch_fsdp_labels.current_label() or ""
 
 
 def reset() -> None:
-    """Forget this thread's module stack and the cached module paths (between tests)."""
+    """Forget this thread's module stack, the cached module paths and tensor names (between tests)."""
     _stack.modules.clear()
     _child_paths.clear()
+    tensor_names.reset()
 
 
 def module_label(modules: list[torch.nn.Module]) -> str:
     """FQN of the innermost running module relative to the outermost one, wrapper segments dropped."""
-    parts: list[str] = []
+    # A module called on its own (not from its container's forward) is named by its path under
+    # a container the test registered with `harness.name_tensor(model)`, if any.
+    outermost = tensor_names.named_path(modules[0]) if modules else ""
+    parts: list[str] = [outermost] if outermost else []
     for parent, child in itertools.pairwise(modules):
         if parent is child:
             continue
@@ -125,6 +135,12 @@ def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
 
 
 def _push_module(module: torch.nn.Module, _inputs: object) -> None:
+    if not _stack.modules:  # an outermost forward: its tensors can be named in the trace
+        try:
+            tensor_names.note_outermost_module(module)
+            torch_fsdp_labels.maybe_install()  # before FSDP's own pre-forward hooks gather anything
+        except Exception:  # noqa: BLE001 - this hook runs inside the user's forward: never break it
+            pass
     _stack.modules.append(module)
 
 

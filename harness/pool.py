@@ -499,8 +499,17 @@ class WorkerPool:
                     ) from None
                 assert isinstance(message, WorkerReady), message
 
-    def run(self, task: TestTask, deadline_s: float, straggler_grace_s: float) -> dict[int, RankResult]:
+    def run(
+        self,
+        task: TestTask,
+        deadline_s: float,
+        straggler_grace_s: float,
+        hopeless: Callable[[set[int], set[int]], str | None] | None = None,
+    ) -> dict[int, RankResult]:
         """Run `task` on every rank; ranks that neither answer nor die in time are reported hung.
+
+        `hopeless(finished ranks, waiting ranks)`, asked every 0.25 s while ranks are pending, may
+        end the wait early with the reason the waiting ranks can never finish (`harness.one_sided`).
 
         Once a rank has failed, the others get only `straggler_grace_s` more: a failed rank
         usually leaves its peers blocked in a collective, and waiting for the collective
@@ -530,8 +539,9 @@ class WorkerPool:
         started = time.monotonic()
         deadline = started + deadline_s
         failed_at: float | None = time.monotonic() if results else None
+        gave_up: str | None = None
         try:
-            while pending:
+            while pending and gave_up is None:
                 limit = deadline if failed_at is None else min(deadline, failed_at + straggler_grace_s)
                 waitables: dict[object, _RankProcess] = {}
                 polled = False
@@ -542,10 +552,14 @@ class WorkerPool:
                     else:
                         polled = True
                 timeout = max(0.0, limit - time.monotonic())
-                ready = wait(list(waitables), timeout=min(timeout, _POLL_S) if polled else timeout)
+                if polled or hopeless is not None:
+                    timeout = min(timeout, _POLL_S if polled else 0.25)
+                ready = wait(list(waitables), timeout=timeout)
                 answered = {waitables[obj].rank for obj in ready}
                 if polled:
                     answered |= {rank for rank, proc in pending.items() if proc.worker.exited()}
+                if not answered and hopeless is not None:
+                    gave_up = hopeless(set(results), set(pending))
                 if not answered:
                     if time.monotonic() >= limit:
                         break
@@ -573,7 +587,9 @@ class WorkerPool:
             stacks = self._dump_stacks(list(pending.values()))
             waited = time.monotonic() - started
             for proc in pending.values():
-                if failed_at is not None and failed_at + straggler_grace_s < deadline:
+                if gave_up is not None:
+                    cause = f"stopped by the harness {waited:.1f} s into the test: {gave_up}"
+                elif failed_at is not None and failed_at + straggler_grace_s < deadline:
                     cause = (
                         f"hung: still running {waited:.1f} s into the test, "
                         f"{straggler_grace_s:g} s after another rank failed"

@@ -17,6 +17,7 @@ import pytest
 
 from harness.devices import visible_gpu_count
 from harness.messages import RankResult, TestTask
+from harness.one_sided import OneSidedWatch
 from harness.pool import PoolKey, PoolStartError, WorkerLauncher, WorkerPool
 from harness.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
 from harness.session import Execution, HarnessSession, WorldStartError
@@ -128,7 +129,11 @@ class PoolSession(HarnessSession):
         except PoolStartError as error:
             raise WorldStartError(str(error)) from error
         try:
-            results = pool.run(task, self.options.test_timeout, self.options.straggler_grace)
+            # A test that diverges on purpose may also wait in a collective on purpose (to see it
+            # time out): only the collective timeout ends its waits.
+            watch = OneSidedWatch({rank: pool.rank_files(rank).trace for rank in range(world_size)})
+            hopeless = None if item.get_closest_marker("expect_divergence") else watch.check
+            results = pool.run(task, self.options.test_timeout, self.options.straggler_grace, hopeless)
         except BaseException as error:
             # Interrupted (Ctrl-C, SIGTERM, pytest-timeout): no rank may outlive the test.
             self._interrupted_results = pool.interrupted_results

@@ -30,12 +30,19 @@ Aliases are recorded under one canonical name (`harness.collective_ops`) so rank
 op differently compare equal. Under `torch.compile` tracing the wrappers step aside and call the
 original function, so Dynamo still sees the functions it knows.
 
+Besides op, group, shapes and dtypes, a record carries what makes a collective's identity
+(`harness.divergence` compares it): the label, the names of the tensors for ops whose members pass
+the same logical tensor (`harness.tensor_names`), the user's call site (`harness.call_sites`), and
+the root rank and reduction every member must agree on. Building a record never raises into the
+caller: a failure becomes a `{"note": ...}` line in the trace and the call runs as if untraced.
+
 The wrapper is also the one interception point for fault injection: `set_interceptor` installs a
 callback that sees each record first and may issue the call its own way (`harness.faults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -49,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from harness import labels
+from harness import call_sites, labels, tensor_names
 from harness.collective_ops import (
     BROADCAST_COALESCED,
     BROADCAST_COALESCED_PARAMS,
@@ -59,7 +66,7 @@ from harness.collective_ops import (
     OpSpec,
 )
 from harness.labels import register_label_provider
-from harness.tracefile import P2P_SEND_OPS, CollectiveRecord, done_line, record_line
+from harness.tracefile import P2P_SEND_OPS, CollectiveRecord, done_line, note_line, record_line
 
 __all__ = [
     "KNOWN_OPS",
@@ -137,6 +144,7 @@ class _TestState:
         self.next_index = 0
         self.seq_by_key: dict[tuple, int] = {}
         self.rank: int | None = None
+        self.notes: set[str] = set()
 
 
 _thread = _ThreadState()
@@ -236,16 +244,26 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             return original(*args, **kwargs)
         thread.busy = True
         try:
-            params = _Params(args, kwargs, positions)
-            record = _build_record(spec, params)
+            # The harness never changes an outcome: if the record cannot be built (a group
+            # argument this torch resolves differently, a label provider that raises), the
+            # failure becomes a note in the trace and the call runs as if untraced.
+            test = _test
+            try:
+                params = _Params(args, kwargs, positions)
+                record = _build_record(spec, params)
+            except Exception as error:  # noqa: BLE001 - whatever broke, the call must still run
+                _note(test, spec, error)
+                return original(*args, **kwargs)
             if record is None:
                 return original(*args, **kwargs)
             runner = _interceptor(record) if _interceptor is not None else None
-            test = _test
             # The record goes to disk before the collective is issued: a rank that hangs or dies
             # inside it still shows it, without a "done" line (the trace file's completeness rule).
             if test is not None:
-                os.write(test.fd, record_line(record))
+                try:
+                    os.write(test.fd, record_line(record))
+                except Exception as error:  # noqa: BLE001 - an argument of an unexpected type, a closed fd
+                    _note(test, spec, error)
             if runner is None:
                 result = original(*args, **kwargs)
             else:
@@ -254,7 +272,8 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             # Only if the same test is still recording: end_test() may have closed the fd (and
             # a later test reused the number) while this call was blocked in another thread.
             if test is not None and test is _test:
-                os.write(test.fd, done_line(record.index))
+                with contextlib.suppress(OSError):
+                    os.write(test.fd, done_line(record.index))
             return result
         finally:
             thread.busy = False
@@ -264,6 +283,22 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
 
 
 # ------------------------------------------------------------------------------------ recording
+
+
+def _note(test: _TestState | None, spec: OpSpec, error: Exception) -> None:
+    """Write, once per test and kind of failure, why a call of `spec` could not be recorded."""
+    text = (
+        f"{spec.op} not recorded: {type(error).__name__}: {error} (the call ran untraced; "
+        "this is a harness limitation, please report it with this line)"
+    )
+    if test is None or test is not _test or text in test.notes:
+        return
+    test.notes.add(text)
+    with contextlib.suppress(OSError):
+        os.write(test.fd, note_line(text))
+        # Also on the rank's stderr, which the test's report keeps (the trace file is the next
+        # test's once this one ends).
+        sys.stderr.write(f"[harness] {text}\n")
 
 
 class _Params:
@@ -302,8 +337,11 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
     dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
     numel = sum(t.numel() for t in tensors)
     uneven = spec.always_uneven or any(params.get(name) is not None for name in spec.uneven_when)
-    peer = _peer(spec, params, group) if spec.peer else None
+    peer = _rank_argument(spec.peer, params, group) if spec.peer else None
     label = labels.current_label()
+    names = tensor_names.names_of(tensors) if spec.same_tensor else ()
+    site = call_sites.call_site(3)  # above _build_record and the wrapper
+    agreed = _agreed_args(spec, params, group)
     with _lock:
         test = _test
         if test is None:  # only an interceptor is listening (faults under torchrun): no numbering
@@ -333,6 +371,11 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
         label=label,
         peer=peer,
         uneven=uneven,
+        tensors=names,
+        site=site,
+        args=agreed,
+        async_op=bool(params.get("async_op")),
+        asymmetric=call_sites.in_asymmetric_region(),
     )
 
 
@@ -386,14 +429,35 @@ def _funcol_group_ranks(group: Any) -> tuple[int, ...] | None:
     return _c10d_group_ranks(group.get_group())  # 1-D DeviceMesh
 
 
-def _peer(spec: OpSpec, params: _Params, group: tuple[int, ...]) -> int | None:
-    assert spec.peer is not None
-    global_name, group_name = spec.peer
-    peer = params.get(global_name)
-    if peer is None:
-        group_peer = params.get(group_name)
-        peer = group[group_peer] if group_peer is not None else None
-    return peer
+def _rank_argument(names: tuple[str, str], params: _Params, group: tuple[int, ...]) -> int | None:
+    """The global rank named by a (global-rank parameter, group-rank parameter) pair."""
+    global_name, group_name = names
+    value = params.get(global_name)
+    if value is None and group_name:
+        group_value = params.get(group_name)
+        value = group[group_value] if group_value is not None else None
+    return value
+
+
+def _agreed_args(spec: OpSpec, params: _Params, group: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+    """The non-tensor arguments every member must pass alike: the root rank and the reduction."""
+    agreed: list[tuple[str, str]] = []
+    if spec.root is not None:
+        agreed.append(("root", str(_rank_argument(spec.root, params, group))))
+    if spec.reduce_op is not None:
+        agreed.append(("op", _reduce_op_name(params.get(spec.reduce_op), spec.default_reduce_op)))
+    return tuple(agreed)
+
+
+def _reduce_op_name(value: Any, default: str) -> str:
+    """SUM, AVG, ... whether given as c10d's enum, a `ReduceOp` object or funcol's string."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.upper()
+    value = getattr(value, "op", value)  # a ReduceOp object wraps its RedOpType
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value).rpartition(".")[2]
 
 
 # ------------------------------------------------------------------------------------- patching

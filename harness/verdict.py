@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
+from harness.text import first_line
 from harness.tracefile import CollectiveRecord, last_unfinished
 
 
@@ -71,24 +74,108 @@ def world_reusable(results: dict[int, RankResult], traces: dict[int, list[Collec
 
 
 def failure_text(results: dict[int, RankResult]) -> str:
+    """The per-rank account of a failed test: the rank that failed first, when one can be told
+    apart, comes first and the others are marked as failing after it; stacks leave out the
+    harness's own frames (the JUnit files keep them whole)."""
     lines = [
         "distributed test failed: " + ", ".join(f"rank {rank} {result.status}" for rank, result in results.items())
     ]
-    for rank, result in results.items():
+    first = first_failed_rank(results)
+    if first is not None:
+        followers = [rank for rank, result in results.items() if result.status == "failed" and rank != first]
+        where = _user_line(_failure_stack(results[first]))
+        lines.append(
+            f"rank {first} failed first ({first_line(results[first].summary)}{f' at {where}' if where else ''}); "
+            f"{_ranks(followers)} failed after it, in collectives it left unmatched"
+        )
+    order = sorted(results, key=lambda rank: rank != first)
+    for rank in order:
+        result = results[rank]
         if result.status == "passed":
             continue
         lines.append("")
-        lines.append(f"{'=' * 20} rank {rank}: {result.status} {'=' * 20}")
+        after = f" (after rank {first})" if first is not None and rank != first and result.status == "failed" else ""
+        lines.append(f"{'=' * 20} rank {rank}: {result.status}{after} {'=' * 20}")
         if isinstance(result, RankLoss):
             lines.append(result.summary)
             if result.raised:
                 lines.append(f"--- rank {rank} raised, before it was lost ---")
-                lines.append(result.raised.partition("\n")[2].rstrip() or result.raised_summary)
+                lines.append(without_harness_frames(result.raised.partition("\n")[2].rstrip()) or result.raised_summary)
             if result.stacks:
                 lines.append(f"--- rank {rank} Python stacks ---")
-                lines.append(result.stacks.rstrip())
+                lines.append(without_harness_frames(result.stacks.rstrip()))
         elif result.status == "failed":
-            lines.append(result.traceback.rstrip() or result.summary)
+            lines.append(without_harness_frames(result.traceback.rstrip()) or result.summary)
         else:
             lines.append(f"{result.status} on this rank only: {result.summary}")
     return "\n".join(lines)
+
+
+# How a rank fails when a peer failed first: its collectives break or time out, or the harness
+# stops it. A failure that is none of these is the rank's own.
+_CONSEQUENCE = re.compile(
+    r"Connection (reset|closed) by peer|[Tt]imed out|[Tt]imeout|DistBackendError|Broken pipe|"
+    r"stopped by the harness|after another rank failed|NCCL (error|communicator was aborted)"
+)
+
+
+def first_failed_rank(results: dict[int, RankResult]) -> int | None:
+    """The one rank whose failure is its own while every other failed rank's is a consequence
+    (a broken or timed-out collective, a stop by the harness); None when there is no such one."""
+    failed = {rank: result for rank, result in results.items() if result.status == "failed"}
+    if len(failed) < 2:
+        return None
+    own = [rank for rank, result in failed.items() if not _CONSEQUENCE.search(result.summary)]
+    return own[0] if len(own) == 1 else None
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# An injected fault's frames are part of the test's story ("hung in faults._hang"): kept.
+_KEPT_HARNESS_FILES = (os.path.join(_HARNESS_DIR, "faults.py"),)
+_TORCH_MARK = f"{os.sep}torch{os.sep}"
+
+
+def without_harness_frames(text: str) -> str:
+    """A traceback or faulthandler dump without the harness's, the zygote's and runpy's frames
+    (those of an injected fault, `harness.faults`, stay)."""
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        frame = _FRAME.match(line)
+        if frame:
+            path = frame.group(1)
+            skipping = (path.startswith(_HARNESS_DIR) and path not in _KEPT_HARNESS_FILES) or path == "<frozen runpy>"
+        elif skipping and line.startswith("    "):  # the skipped frame's source lines
+            continue
+        else:
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _failure_stack(result: RankResult) -> str:
+    if isinstance(result, RankLoss):
+        return result.raised or result.stacks
+    return result.traceback
+
+
+def _user_line(stack: str) -> str:
+    """`file:line` of the innermost frame outside torch and the harness in a traceback."""
+    found = ""
+    for line in stack.splitlines():
+        frame = _FRAME.match(line)
+        path = frame.group(1) if frame else "<"
+        if not (path.startswith(("<", _HARNESS_DIR)) or _TORCH_MARK in path):
+            found = f"{_relative(path)}:{frame.group(2)}"  # type: ignore[union-attr]
+    return found
+
+
+def _relative(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -242,7 +243,9 @@ def test_same_shape_divergence_between_real_ranks_is_detected(tmp_path):
     traces = spawn_ranks(_gather_different_layers, tmp_path)
     divergence = first_divergence(traces, [0, 1])
     assert divergence is not None
-    assert divergence.describe() == (
-        "collective #1 on group [0, 1]: rank 0 all_gather_into_tensor [layer1.weight] 36 float32 vs "
-        "rank 1 all_gather_into_tensor [layer2.weight] 36 float32"
-    )
+    assert re.fullmatch(
+        r"collective #1 on group \[0, 1\] at tests/harness/test_divergence.py:\d+: "
+        r"rank 0 all_gather_into_tensor \[layer1.weight\] 36 float32 vs "
+        r"rank 1 all_gather_into_tensor \[layer2.weight\] 36 float32",
+        divergence.describe(),
+    ), divergence.describe()

@@ -84,16 +84,16 @@ def test_agreeing_ranks_pass(rank):
 )
 
 EXPECTED = {
-    "test_same_shape_swap": r"collective #1 on group \[0, 1\]: rank 0 all_reduce \[layer1\] 36 float32 "
-    r"vs rank 1 all_reduce \[layer2\] 36 float32",
+    "test_same_shape_swap": r"collective #1 on group \[0, 1\] at test_divergent.py:\d+: rank 0 all_reduce "
+    r"\[layer1\] 36 float32 of layer1.weight vs rank 1 all_reduce \[layer2\] 36 float32 of layer2.weight",
     "test_skipped_collective": r"collective #2 on group \[0, 1\].*rank 1 (stopped|did not issue)",
     "test_reordered_ops": r"collective #1 on group \[0, 1\]: rank 0 all_reduce .* vs rank 1 broadcast",
-    "test_size_mismatch": r"collective #2 on group \[0, 1\]: rank 0 all_reduce \S* ?4 float32 "
+    "test_size_mismatch": r"collective #2 on group \[0, 1\] at test_divergent.py:\d+: rank 0 all_reduce \S* ?4 float32 "
     r"vs rank 1 all_reduce \S* ?8 float32",
     "test_early_exit": r"collective #2 on group \[0, 1\].*rank 1 stopped",
     "test_hang_at_collective": r"rank 1 hung.*--- rank 1 Python stacks ---.*in _hang.*unfinished collectives: "
-    r"rank 0 in collective #3 on group \[0, 1\]: all_reduce 4 float32; "
-    r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 "
+    r"rank 0 in collective #3 on group \[0, 1\]: all_reduce 4 float32 at \S+; "
+    r"rank 1 in collective #3 on group \[0, 1\]: all_reduce 4 float32 at \S+ "
     r"\(injected fault: ",
 }
 COLLECTIVE_TIMEOUT = 3
@@ -112,6 +112,6 @@ def test_every_divergence_names_its_first_collective(inner: InnerSession) -> Non
     traces = inner.directory / "reports" / "traces"
     assert (traces / "test_divergent.py_test_same_shape_swap.txt").exists(), list(traces.iterdir())
     junit = Path(inner.junit(0)).read_text()
-    assert "rank 0 all_reduce [layer1] 36 float32 vs rank 1 all_reduce [layer2]" in junit
+    assert "rank 0 all_reduce [layer1] 36 float32 of layer1.weight vs rank 1 all_reduce [layer2]" in junit
     # Each divergence costs at most one collective timeout plus the grace; a pool restart follows.
     assert elapsed < 6 * (COLLECTIVE_TIMEOUT + 15) + 60, elapsed

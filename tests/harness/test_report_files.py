@@ -67,8 +67,8 @@ def test_together_b(rank):
 )
 
 SWAP = (
-    r"collective #1 on group \[0, 1\]: "
-    r"rank 0 all_reduce \[layer1\] 36 float32 vs rank 1 all_reduce \[layer2\] 36 float32"
+    r"collective #1 on group \[0, 1\] at test_shared.py:\d+: rank 0 all_reduce \[layer1\] 36 float32 "
+    r"of layer1.weight vs rank 1 all_reduce \[layer2\] 36 float32 of layer2.weight"
 )
 NODE = "test_shared.py::test_ws2_swaps_layers"
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from test_divergence import rec
 
+from harness import verdict
 from harness.messages import RankLoss, RankOutcome
 from harness.reports import rank_case
 from harness.tracefile import CollectiveRecord, last_unfinished
@@ -44,6 +46,28 @@ def test_the_pool_is_reused_only_when_nothing_can_be_in_flight() -> None:
     assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(3, 2))}, clean)
     stuck = {0: [record(0, 0), record(0, 1, completed=False)], 1: [record(1, 0)]}
     assert not world_reusable({0: outcome(0, "failed"), 1: outcome(1)}, stuck)
+
+
+def test_the_rank_that_failed_first_is_singled_out_and_harness_frames_are_dropped() -> None:
+    harness_file = str(Path(verdict.__file__).with_name("worker.py"))
+    own = (
+        "Traceback (most recent call last):\n"
+        f'  File "{harness_file}", line 10, in run\n    body()\n'
+        '  File "<frozen runpy>", line 88, in _run_code\n'
+        '  File "/src/test_train.py", line 12, in test_step\n    assert loss < 1\n'
+        "AssertionError: loss 3.0"
+    )
+    results = {
+        0: replace(outcome(0, "failed", summary="RuntimeError: Connection reset by peer"), traceback="..."),
+        1: replace(outcome(1, "failed", summary="AssertionError: loss 3.0"), traceback=own),
+        2: RankLoss(2, "stopped by the harness 0.4 s into the test: waited alone in collective #3"),
+    }
+    text = decide(results).message
+    assert "rank 1 failed first (AssertionError: loss 3.0 at /src/test_train.py:12); ranks 0, 2 failed after it" in text
+    assert text.index("rank 1: failed ===") < text.index("rank 0: failed (after rank 1) ===")
+    assert "worker.py" not in text and "runpy" not in text and "assert loss < 1" in text
+    alike = {rank: outcome(rank, "failed", summary="AssertionError: same") for rank in (0, 1)}
+    assert verdict.first_failed_rank(alike) is None  # each failed on its own
 
 
 def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls() -> None:
