@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import expectations, registry
+from conformance import expectations, platforms, registry
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
@@ -33,6 +33,7 @@ _STATE = pytest.StashKey["BackendSelection"]()
 _MATRIX = pytest.StashKey[Matrix]()
 _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
+_REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        config.stash[_STATE] = _select(config)
-    except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
+        config.stash[_STATE] = _without_refused(config, _select(config))
+    except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
@@ -128,6 +129,31 @@ def _select(config: pytest.Config) -> BackendSelection:
     expected = {names[selection]: _expectations(selection, names[selection], explicit) for selection in backends}
     origins = {names[selection]: registry.origin(selection) for selection in backends}
     return BackendSelection(backends, names, expected, origins)
+
+
+def _without_refused(config: pytest.Config, state: BackendSelection) -> BackendSelection:
+    """``state`` without the backends that cannot run on this session's devices and torch
+    (conformance.platforms): one the user named is a usage error, one `all` brought in is left
+    out and named in the header."""
+    named = [s for s in config.getoption("backend") or [registry.DEFAULT] if s != registry.ALL]
+    refused = platforms.refused_backends(
+        {selection: registry.load(selection) for selection in state.backends},
+        named,
+        platforms.session_device_kinds(config.getoption("device")),
+        torch.__version__,
+    )
+    config.stash[_REFUSED] = {state.names[s]: why for s, why in refused.items()}
+    if not refused:
+        return state
+    kept = [s for s in state.backends if s not in refused]
+    if not kept:
+        raise platforms.PlatformRefusal("no selected backend can run here: " + "; ".join(refused.values()))
+    return BackendSelection(
+        kept,
+        {s: state.names[s] for s in kept},
+        {state.names[s]: state.expected[state.names[s]] for s in kept},
+        {state.names[s]: state.origins[state.names[s]] for s in kept},
+    )
 
 
 def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:
@@ -162,6 +188,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if registry.ALL in (config.getoption("backend") or []):
         for name, install in registry.missing_optional().items():
             lines.append(f"  {name}: not installed, left out of 'all' (install: {install})")
+    for name, why in config.stash.get(_REFUSED, {}).items():
+        lines.append(f"  {name}: left out of 'all': {why}")
     return lines
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import fixtures
 from conformance import registry
+from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
 from conformance.test_divergence import training_step
 from harness import current_seed
@@ -436,6 +437,20 @@ for _option, _capability in (
     ("with_grads", Capability.UNSHARD_WITH_GRADS),
 ):
     proves("torch-fsdp2", _capability)(_fsdp2_unshard_lacks(_option))
+
+
+def _fsdp2_cannot_ignore_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    assert not {"ignored_params", "ignored_modules", "ignored_states"} & set(inspect.signature(fully_shard).parameters)
+    model = _two_linears(device)
+    with pytest.raises(TypeError, match="ignored_params"):
+        fully_shard(model, ignored_params=set(model[0].parameters()))
+
+
+# A gap of older torch only (torch_fsdp2.HAS_IGNORED_PARAMS): proven where the running torch has it.
+if not HAS_IGNORED_PARAMS:
+    proves("torch-fsdp2", Capability.IGNORED_MODULES)(_fsdp2_cannot_ignore_parameters)
 
 
 # -- the tests -----------------------------------------------------------------------------------
