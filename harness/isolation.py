@@ -89,6 +89,11 @@ def _clear_sharding_propagation_caches() -> None:
     propagate = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
     if hasattr(propagate, "cache_clear"):
         propagate.cache_clear()
+    # torch 2.6: a thread-local wrapper without cache_clear around the lru_cache. Its keys compare
+    # meshes by equality, so a stale entry handed the next test's equal mesh this test's dead one.
+    propagate_cache = getattr(propagate, "cache", None)
+    if hasattr(propagate_cache, "cache_clear"):
+        propagate_cache.cache_clear()
     clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_fast_path is not None:
         clear_fast_path()
@@ -166,6 +171,13 @@ class TestIsolation:
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
             mesh_resources.mesh_stack.clear()
+        # torch 2.6 to 2.8 at least: submesh -> root mesh and flattened-dim maps keyed by mesh
+        # *equality*, so the next test's equal submesh found this test's root mesh, whose groups
+        # are destroyed ("Could not resolve the process group registered under the name 3").
+        for cache in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+            mapping = getattr(mesh_resources, cache, None)
+            if isinstance(mapping, dict):
+                mapping.clear()
         self._collect_garbage()
         self._leaked_groups = [ref for ref in [*self._leaked_groups, *destroyed] if ref() is not None]
         if os.environ != self._environ:
