@@ -32,6 +32,12 @@ from harness import processes
 from harness.text import describe_exception
 
 _current_seed = 0
+# Before torch 2.9 (at least 2.6; pytorch/pytorch#154976 fixed it in June 2025) a gloo group's
+# destructor joins its worker threads while holding the GIL, and a worker that is still dropping
+# the last reference to a Python-owned tensor of a finished collective waits for the GIL: the
+# rank hangs for good. So there, the groups a test destroyed are released one test later, when
+# their workers have long been idle.
+_RELEASE_GROUPS_LATER = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 9)
 
 
 def current_seed() -> int:
@@ -142,6 +148,8 @@ class TestIsolation:
         self._functions = _ModuleFunctions((dist, c10d, funcol))
         # Process groups tests created that were still referenced once their test ended.
         self._leaked_groups: list[weakref.ref[dist.ProcessGroup]] = []
+        # The last test's destroyed groups, still held where they are released a test later.
+        self._released_later: list[dist.ProcessGroup] = []
 
     def enter(self, seed: int) -> None:
         self._groups_before = set(c10d._world.pg_map)
@@ -164,9 +172,15 @@ class TestIsolation:
         self._functions.restore()
         if not dist.is_initialized():
             return (0, 0), "the test destroyed the default process group"
-        destroyed, failure = _destroy_groups_created_since(self._groups_before)
+        released = [weakref.ref(group) for group in self._released_later]
+        self._released_later = []  # the previous test's groups: their workers are idle by now
+        destroyed, failure = _destroy_groups_created_since(self._groups_before, self._released_later)
         if failure:
             return (0, 0), failure
+        if _RELEASE_GROUPS_LATER:
+            destroyed = released
+        else:
+            self._released_later = []
         _clear_dtensor_caches()  # a new mesh equal to a destroyed one must not resolve to its dead groups
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
@@ -219,10 +233,13 @@ class TestIsolation:
         gc.freeze()
 
 
-def _destroy_groups_created_since(existing: set[Any]) -> tuple[list[weakref.ref[dist.ProcessGroup]], str]:
-    """Destroy the groups not in `existing`; weak references to them (this frame holds the only
-    strong ones, so they can be freed once it returns), or why one could not be destroyed."""
+def _destroy_groups_created_since(
+    existing: set[Any], keep: list[dist.ProcessGroup]
+) -> tuple[list[weakref.ref[dist.ProcessGroup]], str]:
+    """Destroy the groups not in `existing`, appending them to `keep`; weak references to them
+    (this frame and `keep` hold the only strong ones), or why one could not be destroyed."""
     created = [group for group in c10d._world.pg_map if group not in existing]
+    keep.extend(created)
     for group in created:
         try:
             dist.destroy_process_group(group)
