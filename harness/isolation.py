@@ -35,9 +35,9 @@ _current_seed = 0
 # Before torch 2.9 (at least 2.6; pytorch/pytorch#154976 fixed it in June 2025) a gloo group's
 # destructor joins its worker threads while holding the GIL, and a worker that is still dropping
 # the last reference to a Python-owned tensor of a finished collective waits for the GIL: the
-# rank hangs for good. So there, the groups a test destroyed are released one test later, when
-# their workers have long been idle.
-_RELEASE_GROUPS_LATER = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 9)
+# rank hangs for good. So there, the groups a test destroyed are released when the next test
+# starts, when their workers have long been idle; a leak shows one test later.
+GLOO_DESTRUCTOR_HOLDS_GIL = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 9)
 
 
 def current_seed() -> int:
@@ -148,10 +148,14 @@ class TestIsolation:
         self._functions = _ModuleFunctions((dist, c10d, funcol))
         # Process groups tests created that were still referenced once their test ended.
         self._leaked_groups: list[weakref.ref[dist.ProcessGroup]] = []
-        # The last test's destroyed groups, still held where they are released a test later.
-        self._released_later: list[dist.ProcessGroup] = []
+        # The last test's destroyed groups, held until the next test starts (GLOO_DESTRUCTOR_HOLDS_GIL),
+        # and weak references to those released then, checked for leaks when that test ends.
+        self._held_groups: list[dist.ProcessGroup] = []
+        self._released_groups: list[weakref.ref[dist.ProcessGroup]] = []
 
     def enter(self, seed: int) -> None:
+        self._released_groups = [weakref.ref(group) for group in self._held_groups]
+        self._held_groups = []
         self._groups_before = set(c10d._world.pg_map)
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
@@ -172,15 +176,13 @@ class TestIsolation:
         self._functions.restore()
         if not dist.is_initialized():
             return (0, 0), "the test destroyed the default process group"
-        released = [weakref.ref(group) for group in self._released_later]
-        self._released_later = []  # the previous test's groups: their workers are idle by now
-        destroyed, failure = _destroy_groups_created_since(self._groups_before, self._released_later)
+        destroyed, failure = _destroy_groups_created_since(self._groups_before, self._held_groups)
         if failure:
             return (0, 0), failure
-        if _RELEASE_GROUPS_LATER:
-            destroyed = released
+        if GLOO_DESTRUCTOR_HOLDS_GIL:
+            destroyed, self._released_groups = self._released_groups, []
         else:
-            self._released_later = []
+            self._held_groups = []
         _clear_dtensor_caches()  # a new mesh equal to a destroyed one must not resolve to its dead groups
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
