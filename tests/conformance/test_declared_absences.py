@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import fixtures
 from conformance import platforms, registry
+from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
 from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
 from conformance.test_divergence import training_step
@@ -328,6 +329,22 @@ COMBINATION_PROOFS["deepspeed", frozenset({Capability.CPU_OFFLOAD, Capability.NO
 )
 
 
+def _fsdp1_refuses_grads_with_offload(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), device_id=device, use_orig_params=True)
+    with (
+        pytest.raises(NotImplementedError, match="offload_to_cpu=True is not supported yet"),
+        FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True),
+    ):
+        pass
+
+
+COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capability.UNSHARD_OFFLOAD_TO_CPU})] = (
+    _fsdp1_refuses_grads_with_offload
+)
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 
@@ -347,14 +364,17 @@ def _fsdp1_cannot_offload_on_cpu(rank: int, world_size: int, device: torch.devic
 
     assert "pin_memory" not in inspect.signature(CPUOffload).parameters
     model = FSDP(_two_linears(device), cpu_offload=CPUOffload(offload_params=True), device_id=device)
-    # The words differ by torch: "CPU device type not an accelerator." (2.6), "Cannot access
-    # accelerator device when none is available" (2.13, 2.14).
-    no_accelerator = r"Cannot access accelerator device when none is available|CPU device type not an accelerator"
+    # The words differ by torch build: "Cannot access accelerator device when none is available"
+    # (2.13 CPU wheel), "CPU device type not an accelerator." (2.6 CUDA build), "Found no NVIDIA
+    # driver on your system" (2.14.1 CUDA build on a machine without a GPU).
+    no_accelerator = (
+        r"Cannot access accelerator device when none is available|CPU device type not an accelerator"
+        r"|Found no NVIDIA driver on your system"
+    )
     with pytest.raises(RuntimeError, match=no_accelerator):
         model(torch.ones(1, 4, device=device))
 
 
-@proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)
 def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -366,6 +386,10 @@ def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: t
         FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
     ):
         pass
+
+
+if OFFLOAD_TO_CPU_BROKEN_ON_CPU:  # declared where seen (torch < 2.14); 2.14.1 gives the right values
+    proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)(_fsdp1_offload_to_cpu_is_broken_on_cpu)
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------
