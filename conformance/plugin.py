@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import admission, expectations, registry, versions
+from conformance import admission, expectations, platforms, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness import repro
 from harness.devices import plan_devices
@@ -35,6 +35,7 @@ _MATRIX = pytest.StashKey[Matrix]()
 _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
+_REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,11 @@ def pytest_configure(config: pytest.Config) -> None:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        config.stash[_STATE] = _select(config)
+        # First what the adapters declare (platforms: a backend `all` brought in is left out),
+        # then what they can do here (admission: probes the adapter; refuses).
+        config.stash[_STATE] = _without_refused(config, _select(config))
         _admit(config, config.stash[_STATE])
-    except (registry.BackendSelectionError, expectations.ExpectationsError) as error:
+    except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
@@ -159,6 +162,31 @@ def _admit(config: pytest.Config, state: BackendSelection) -> None:
         raise registry.BackendSelectionError("\n".join(refused))
 
 
+def _without_refused(config: pytest.Config, state: BackendSelection) -> BackendSelection:
+    """``state`` without the backends that cannot run on this session's devices and torch
+    (conformance.platforms): one the user named is a usage error, one `all` brought in is left
+    out and named in the header."""
+    named = [s for s in config.getoption("backend") or [registry.DEFAULT] if s != registry.ALL]
+    refused = platforms.refused_backends(
+        {selection: registry.load(selection) for selection in state.backends},
+        named,
+        platforms.session_device_kinds(config.getoption("device")),
+        torch.__version__,
+    )
+    config.stash[_REFUSED] = {state.names[s]: why for s, why in refused.items()}
+    if not refused:
+        return state
+    kept = [s for s in state.backends if s not in refused]
+    if not kept:
+        raise platforms.PlatformRefusal("no selected backend can run here: " + "; ".join(refused.values()))
+    return BackendSelection(
+        kept,
+        {s: state.names[s] for s in kept},
+        {state.names[s]: state.expected[state.names[s]] for s in kept},
+        {state.names[s]: state.origins[state.names[s]] for s in kept},
+    )
+
+
 def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:
     """``--expectations-dir`` when given, else the adapter's own file, else the built-in one."""
     if explicit is not None:
@@ -191,6 +219,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if registry.ALL in (config.getoption("backend") or []):
         for name, install in registry.missing_optional().items():
             lines.append(f"  {name}: not installed, left out of 'all' (install: {install})")
+    for name, why in config.stash.get(_REFUSED, {}).items():
+        lines.append(f"  {name}: left out of 'all': {why}")
     return lines
 
 

@@ -362,6 +362,12 @@ class BackendAdapter(abc.ABC):
     # How each misuse is refused; a misuse left out is held to the seeds' refusal.
     REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
     MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
+    # Where the backend runs (conformance.platforms): device kind ("cpu", "cuda") -> the torch
+    # versions it runs on there, as an expectation's `when.torch` (">=2.7"; "" for every torch).
+    # A device kind left out is not supported. A session whose devices or torch the backend does
+    # not run on refuses it at start, once, with PLATFORM_REASONS[device kind] as the reason.
+    SUPPORTED_PLATFORMS: ClassVar[Mapping[str, str]] = {"cpu": "", "cuda": ""}
+    PLATFORM_REASONS: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

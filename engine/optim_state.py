@@ -11,6 +11,7 @@ rank's piece back out, so a dict saved in one mode loads into the other.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from engine import collectives
 from engine.flat_param import FlatLayout, ParamInfo
 from engine.state import RootState, clean_fqn, resolve_root
-from engine.state_dict import to_2d_dtensor, to_dtensor
+from engine.state_dict import full_tensor, to_2d_dtensor, to_dtensor
 from engine.unit import ShardedUnit
 
 
@@ -216,8 +217,13 @@ def load_optim_state_dict(model: nn.Module, optim: Any, state_dict: dict) -> Non
     optim.load_state_dict({"state": native_state, "param_groups": groups})
 
 
+# Every rank holds the same global value: each keeps its own piece. A torch without
+# src_data_rank (2.6) scatters from the mesh's first rank instead: the same pieces.
+_LOCAL_ONLY = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
+
+
 def _unsharded(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return full_tensor(value) if isinstance(value, DTensor) else value
 
 
 def _flat_state(view: _StateLayout, entries: list[dict[str, Any] | None], flat: torch.Tensor) -> dict[str, Any]:
@@ -246,9 +252,7 @@ def _local_piece(view: _StateLayout, info: ParamInfo, key: str, value: Any, para
     unit, layout = view.unit, view.layout
     if info.tp_spec is not None:  # global value -> this rank's TP-local piece (no communication)
         spec = info.tp_spec
-        value = distribute_tensor(
-            value.to(unit.device), spec.mesh, list(spec.placements), src_data_rank=None
-        ).to_local()
+        value = distribute_tensor(value.to(unit.device), spec.mesh, list(spec.placements), **_LOCAL_ONLY).to_local()
     if value.numel() != info.numel:
         raise ValueError(
             f"optimizer state {key!r} of {view.fqn(info)} has {value.numel()} elements, the parameter "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -105,6 +106,36 @@ def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor
     return DTensor.from_local(piece, parent, placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, also where this torch cannot gather an uneven ``_StridedShard``.
+
+    torch 2.6 and 2.7 assert that a ``_StridedShard`` dimension splits evenly, so a SHARDED 2-D
+    state dict of a model whose TP-local rows do not divide by dp (what :func:`to_2d_dtensor`
+    writes) could not be loaded there. The assertion comes before any collective and on every
+    rank alike, so the pieces are then gathered here by the layout that placement names.
+    """
+    try:
+        return value.full_tensor()
+    except AssertionError as error:
+        if not str(error).startswith("_StridedShard requires even sharding"):
+            raise
+    mesh, placements = value.device_mesh, list(value.placements)
+    strided = next(i for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard")
+    outer = 1 - strided
+    if mesh.ndim != 2 or placements[outer] != Shard(0):
+        raise NotImplementedError(f"gathering {placements} on this torch: only (_StridedShard(0), Shard(0)) is known")
+    # dp pieces make a TP rank's rows; the TP ranks' rows, in order, make the tensor.
+    tp_local = _concatenated(value.to_local(), mesh.get_group(strided))
+    return _concatenated(tp_local, mesh.get_group(outer))
+
+
+def _concatenated(piece: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every member's ``piece`` of ``group`` (sizes may differ), concatenated in group-rank order."""
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, piece.cpu(), group=group)
+    return torch.cat(pieces).to(piece.device)
+
+
 def register_state_dict_hooks(unit: ShardedUnit) -> None:
     """Gather the unit around `state_dict()` / `load_state_dict()` of its module."""
     if not unit.has_params:
@@ -146,7 +177,7 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
             for key in _keys(info, prefix):
                 value = state_dict.get(key)
                 if isinstance(value, DTensor):
-                    value = state_dict[key] = value.full_tensor()
+                    value = state_dict[key] = full_tensor(value)
                 if info.tp_spec is not None and isinstance(value, torch.Tensor):
                     spec = info.tp_spec
                     state_dict[key] = distribute_tensor(value.to(unit.device), spec.mesh, list(spec.placements))

@@ -32,6 +32,12 @@ from harness import processes
 from harness.text import describe_exception
 
 _current_seed = 0
+# Before torch 2.9 (at least 2.6; pytorch/pytorch#154976 fixed it in June 2025) a gloo group's
+# destructor joins its worker threads while holding the GIL, and a worker that is still dropping
+# the last reference to a Python-owned tensor of a finished collective waits for the GIL: the
+# rank hangs for good. So there, the groups a test destroyed are released when the next test
+# starts, when their workers have long been idle; a leak shows one test later.
+GLOO_DESTRUCTOR_HOLDS_GIL = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 9)
 
 
 def current_seed() -> int:
@@ -89,6 +95,11 @@ def _clear_sharding_propagation_caches() -> None:
     propagate = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
     if hasattr(propagate, "cache_clear"):
         propagate.cache_clear()
+    # torch 2.6: a thread-local wrapper without cache_clear around the lru_cache. Its keys compare
+    # meshes by equality, so a stale entry handed the next test's equal mesh this test's dead one.
+    propagate_cache = getattr(propagate, "cache", None)
+    if hasattr(propagate_cache, "cache_clear"):
+        propagate_cache.cache_clear()
     clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_fast_path is not None:
         clear_fast_path()
@@ -137,8 +148,14 @@ class TestIsolation:
         self._functions = _ModuleFunctions((dist, c10d, funcol))
         # Process groups tests created that were still referenced once their test ended.
         self._leaked_groups: list[weakref.ref[dist.ProcessGroup]] = []
+        # The last test's destroyed groups, held until the next test starts (GLOO_DESTRUCTOR_HOLDS_GIL),
+        # and weak references to those released then, checked for leaks when that test ends.
+        self._held_groups: list[dist.ProcessGroup] = []
+        self._released_groups: list[weakref.ref[dist.ProcessGroup]] = []
 
     def enter(self, seed: int) -> None:
+        self._released_groups = [weakref.ref(group) for group in self._held_groups]
+        self._held_groups = []
         self._groups_before = set(c10d._world.pg_map)
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
@@ -159,13 +176,24 @@ class TestIsolation:
         self._functions.restore()
         if not dist.is_initialized():
             return (0, 0), "the test destroyed the default process group"
-        destroyed, failure = _destroy_groups_created_since(self._groups_before)
+        destroyed, failure = _destroy_groups_created_since(self._groups_before, self._held_groups)
         if failure:
             return (0, 0), failure
+        if GLOO_DESTRUCTOR_HOLDS_GIL:
+            destroyed, self._released_groups = self._released_groups, []
+        else:
+            self._held_groups = []
         _clear_dtensor_caches()  # a new mesh equal to a destroyed one must not resolve to its dead groups
         mesh_resources = getattr(device_mesh, "_mesh_resources", None)
         if mesh_resources is not None and hasattr(mesh_resources, "mesh_stack"):
             mesh_resources.mesh_stack.clear()
+        # torch 2.6 to 2.8 at least: submesh -> root mesh and flattened-dim maps keyed by mesh
+        # *equality*, so the next test's equal submesh found this test's root mesh, whose groups
+        # are destroyed ("Could not resolve the process group registered under the name 3").
+        for cache in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+            mapping = getattr(mesh_resources, cache, None)
+            if isinstance(mapping, dict):
+                mapping.clear()
         self._collect_garbage()
         self._leaked_groups = [ref for ref in [*self._leaked_groups, *destroyed] if ref() is not None]
         if os.environ != self._environ:
@@ -207,10 +235,13 @@ class TestIsolation:
         gc.freeze()
 
 
-def _destroy_groups_created_since(existing: set[Any]) -> tuple[list[weakref.ref[dist.ProcessGroup]], str]:
-    """Destroy the groups not in `existing`; weak references to them (this frame holds the only
-    strong ones, so they can be freed once it returns), or why one could not be destroyed."""
+def _destroy_groups_created_since(
+    existing: set[Any], keep: list[dist.ProcessGroup]
+) -> tuple[list[weakref.ref[dist.ProcessGroup]], str]:
+    """Destroy the groups not in `existing`, appending them to `keep`; weak references to them
+    (this frame and `keep` hold the only strong ones), or why one could not be destroyed."""
     created = [group for group in c10d._world.pg_map if group not in existing]
+    keep.extend(created)
     for group in created:
         try:
             dist.destroy_process_group(group)

@@ -423,6 +423,11 @@ class WorkerPool:
         self.interrupted_results: dict[int, RankResult] | None = None
         """Set when `run` was interrupted (Ctrl-C, pytest-timeout): what each rank had done by then."""
 
+    @property
+    def agent_store_failure(self) -> str | None:
+        """Why this pool's MASTER_ADDR:MASTER_PORT store could not be built, or None."""
+        return self._agent_store.failure if self._agent_store is not None else None
+
     def rank_files(self, rank: int) -> RankFiles:
         return RankFiles(self.run_dir, rank)
 

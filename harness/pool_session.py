@@ -14,18 +14,29 @@ import tempfile
 import uuid
 
 import pytest
+import torch
 
 from harness.devices import visible_gpu_count
 from harness.messages import RankResult, TestTask
 from harness.one_sided import OneSidedWatch
 from harness.pool import PoolKey, PoolStartError, WorkerLauncher, WorkerPool
 from harness.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
-from harness.session import Execution, HarnessSession, WorldStartError
+from harness.session import Execution, HarnessSession, WorldStartError, WorldUnusable
 from harness.text import read_tail
 from harness.tracefile import read_trace_or_empty
 from harness.verdict import world_reusable
 
 _CAPTURE_LIMIT = 256 * 1024  # bytes per rank and stream: the tail of a flood of output is what explains it
+
+
+def agent_store_error(failure: str) -> str:
+    """The harness error of a test whose pool could not serve MASTER_ADDR:MASTER_PORT."""
+    return (
+        "harness error: the store behind MASTER_ADDR:MASTER_PORT (the TCPStore torchrun's agent "
+        f"would host, built by harness.rank_env.AgentStore) could not be started: {failure}. "
+        f"The test's own outcome is void. This torch ({torch.__version__}) needs another way to "
+        "start a TCPStore in harness/rank_env.py; report it to the harness with this message"
+    )
 
 
 class PoolSession(HarnessSession):
@@ -141,6 +152,12 @@ class PoolSession(HarnessSession):
                 self.interrupted = True
             self.discard_pool(key)
             raise
+        store_failure = pool.agent_store_failure
+        if store_failure is not None:
+            # The ranks ran without the torchrun contract's store: whatever they concluded, a
+            # library that connects to it could not have, so the test is a harness error.
+            self.discard_pool(key)
+            raise WorldUnusable(agent_store_error(store_failure))
         files = {rank: pool.rank_files(rank) for rank in results}
         return Execution(
             results=results,

@@ -108,23 +108,22 @@ class AgentStore:
         self._listener: socket.socket | None = listener
         self._lock = threading.Lock()
         self._closed = False
+        self._failure: str | None = None
         self._thread = threading.Thread(target=self._serve, name=f"agent-store-{self.port}")
         self._thread.start()
 
     def _serve(self) -> None:
-        # An error here reaches stderr through threading's excepthook; the pool itself runs on
-        # (its ranks do not use this store), only a library that connects to it would fail.
+        # Nothing may escape this thread (it would reach stderr only, as a warning nobody reads):
+        # a failure is kept in `failure`, and the pool fails the test that finds it (see
+        # `harness.pool_session`) as a harness error naming it.
         listener = self._listener
         assert listener is not None
         try:
-            # The store takes the bound socket over and closes it when it is destroyed.
-            store = dist.TCPStore(
-                LOOPBACK_ADDR, self.port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno()
-            )
-            listener.detach()
-        except TypeError:  # torch without master_listen_fd: free the port and let the store bind it
-            listener.close()
-            store = dist.TCPStore(LOOPBACK_ADDR, self.port, is_master=True, wait_for_workers=False)
+            store = _listening_store(listener, self.port)
+        except Exception as error:  # noqa: BLE001 - every failure is reported, on the test
+            with self._lock:
+                self._failure = f"{type(error).__name__}: {error}"
+            return
         finally:
             if listener.fileno() != -1:
                 listener.close()
@@ -134,8 +133,42 @@ class AgentStore:
                 self._store = store
         # A pool closed meanwhile: `store` is dropped here, which stops its server.
 
+    @property
+    def failure(self) -> str | None:
+        """Why the store could not be built ("ExceptionType: message"), or None (built, or still building)."""
+        with self._lock:
+            return self._failure
+
     def close(self) -> None:
         """Stop serving; a store still being built stops as soon as it is built."""
         with self._lock:
             self._closed = True
             self._store = None
+
+
+def _listening_store(listener: socket.socket, port: int) -> dist.TCPStore:
+    """A master TCPStore serving on `listener` (bound to LOOPBACK_ADDR:`port`), which it takes over.
+
+    Which way works depends on the torch: the libuv server (the default from torch 2.4) takes a
+    listening fd only from torch 2.7 on; before, it raises NotImplementedError, and the older
+    server (`use_libuv=False`) takes the fd instead. A torch without `master_listen_fd` gets
+    the port itself, freed just before: another process could take it in between, but only then.
+    """
+    try:
+        store = dist.TCPStore(
+            LOOPBACK_ADDR, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno()
+        )
+    except NotImplementedError:
+        store = dist.TCPStore(
+            LOOPBACK_ADDR,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            use_libuv=False,
+        )
+    except TypeError:  # no master_listen_fd: free the port and let the store bind it
+        listener.close()
+        return dist.TCPStore(LOOPBACK_ADDR, port, is_master=True, wait_for_workers=False)
+    listener.detach()  # the store closes the socket when it is destroyed
+    return store

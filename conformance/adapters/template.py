@@ -87,6 +87,11 @@ class TemplateAdapter(BackendAdapter):
     REFUSALS = {}
     # Under mixed precision: is unshard() shown in the compute dtype, does the root stay gathered?
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=False, root_stays_unsharded=False)
+    # Where it runs (docs/writing-an-adapter.md, "Devices and torch versions"): device kind -> the
+    # torch versions it runs on there ("" for every torch; a kind left out is not supported), and
+    # why not where it does not. A session elsewhere refuses the backend once, at start. DDP: anywhere.
+    SUPPORTED_PLATFORMS = {"cpu": "", "cuda": ""}
+    PLATFORM_REASONS = {}
 
     def __init__(self, env: BackendEnv) -> None:
         # Built once per test in every rank; the default process group already exists.

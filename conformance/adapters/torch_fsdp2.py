@@ -55,6 +55,8 @@ _NO_UNSHARD_OPTION = "FSDPModule.unshard() has no such option"
 # torch >= 2.7 (roughly): reshard_after_forward=None means "True, except for the root". Older
 # fully_shard takes a bool and always keeps the root unsharded after forward.
 _RESHARD_DEFAULT_IS_AUTO = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+# torch < 2.7: fully_shard has no `ignored_params`, so a module cannot be left out of its unit.
+HAS_IGNORED_PARAMS = "ignored_params" in inspect.signature(fully_shard).parameters
 
 
 def _label_collectives() -> None:
@@ -91,7 +93,13 @@ class TorchFSDP2Adapter(TorchAdapter):
     # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
     # held to the seeds' (see its expectations).
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
+    if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance/test_declared_absences.py
+        CAPABILITIES -= {Capability.IGNORED_MODULES}
+    # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.
+    SUPPORTED_PLATFORMS = {"cpu": ">=2.7", "cuda": ""}
+    PLATFORM_REASONS = {"cpu": "fully_shard calls torch.cpu.Stream.record_event, which torch 2.6 lacks"}
     UNSUPPORTED_REASONS = {
+        Capability.IGNORED_MODULES: "fully_shard() of this torch has no ignored_params (torch >= 2.7 has)",
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
             "parameters, and NO_SHARD replicates optimizer state too"

@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 
 import fixtures
-from conformance import registry
+from conformance import platforms, registry
+from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
+from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
 from conformance.test_divergence import training_step
 from harness import current_seed
@@ -327,6 +329,22 @@ COMBINATION_PROOFS["deepspeed", frozenset({Capability.CPU_OFFLOAD, Capability.NO
 )
 
 
+def _fsdp1_refuses_grads_with_offload(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), device_id=device, use_orig_params=True)
+    with (
+        pytest.raises(NotImplementedError, match="offload_to_cpu=True is not supported yet"),
+        FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True),
+    ):
+        pass
+
+
+COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capability.UNSHARD_OFFLOAD_TO_CPU})] = (
+    _fsdp1_refuses_grads_with_offload
+)
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 
@@ -346,11 +364,17 @@ def _fsdp1_cannot_offload_on_cpu(rank: int, world_size: int, device: torch.devic
 
     assert "pin_memory" not in inspect.signature(CPUOffload).parameters
     model = FSDP(_two_linears(device), cpu_offload=CPUOffload(offload_params=True), device_id=device)
-    with pytest.raises(RuntimeError, match="Cannot access accelerator device when none is available"):
+    # The words differ by torch build: "Cannot access accelerator device when none is available"
+    # (2.13 CPU wheel), "CPU device type not an accelerator." (2.6 CUDA build), "Found no NVIDIA
+    # driver on your system" (2.14.1 CUDA build on a machine without a GPU).
+    no_accelerator = (
+        r"Cannot access accelerator device when none is available|CPU device type not an accelerator"
+        r"|Found no NVIDIA driver on your system"
+    )
+    with pytest.raises(RuntimeError, match=no_accelerator):
         model(torch.ones(1, 4, device=device))
 
 
-@proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)
 def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -362,6 +386,10 @@ def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: t
         FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
     ):
         pass
+
+
+if OFFLOAD_TO_CPU_BROKEN_ON_CPU:  # declared where seen (torch < 2.14); 2.14.1 gives the right values
+    proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)(_fsdp1_offload_to_cpu_is_broken_on_cpu)
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------
@@ -436,6 +464,23 @@ for _option, _capability in (
     ("with_grads", Capability.UNSHARD_WITH_GRADS),
 ):
     proves("torch-fsdp2", _capability)(_fsdp2_unshard_lacks(_option))
+
+
+def _fsdp2_cannot_ignore_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    assert not {"ignored_params", "ignored_modules", "ignored_states"} & set(inspect.signature(fully_shard).parameters)
+    model = _two_linears(device)
+    with pytest.raises(TypeError, match="ignored_params"):
+        fully_shard(model, ignored_params=set(model[0].parameters()))
+
+
+# A gap of older torch only (torch_fsdp2.HAS_IGNORED_PARAMS): proven where the running torch has it.
+if not HAS_IGNORED_PARAMS:
+    proves("torch-fsdp2", Capability.IGNORED_MODULES)(_fsdp2_cannot_ignore_parameters)
+# Proofs that never run the backend's sharded model, so they also hold on a device or torch where the
+# backend is refused (conformance.platforms): torch 2.6's fully_shard refuses ignored_params at once.
+RUN_NOTHING = frozenset({Capability.IGNORED_MODULES})
 
 
 # -- the tests -----------------------------------------------------------------------------------
@@ -530,6 +575,9 @@ def test_declared_absence_is_real(
     if backend_name not in _installed_builtins():
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
         pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    cannot_run = platforms.unsupported(registry.load(backend_name), device.type, torch.__version__)
+    if cannot_run is not None and capability not in RUN_NOTHING:
+        pytest.skip(f"{backend_name}: {cannot_run} (its proofs run where it does)")
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")

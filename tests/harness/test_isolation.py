@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from harness.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
 from harness.worker import LEAKED_GROUP_LIMIT
 
 
@@ -48,7 +49,6 @@ def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
     dist.set_debug_level(dist.DebugLevel.DETAIL)
-    warnings.simplefilter("error")
     os.environ["HARNESS_ISOLATION_PROBE"] = "1"
     (shared_dir / f"threads-{rank}").write_text(str(_threads()))
     group = dist.new_group([0, 1])
@@ -63,6 +63,7 @@ def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     for _ in range(2):
         assert torch.equal((sharded @ sharded).full_tensor(), torch.full((4, 4), 4.0))
     (shared_dir / f"sharding-cache-{rank}").write_text(repr(_sharding_cache_use()))
+    warnings.simplefilter("error")  # last: torch 2.6 warns in distribute_tensor on a CPU mesh
     os.chdir(shared_dir)
 
 
@@ -105,29 +106,40 @@ def test_3_same_seed_on_every_rank_unless_asked(rank: int, world_size: int) -> N
 def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
     assert (shared_dir / f"pid-{rank}").read_text() != str(os.getpid())
     # A new rank's first test: what it inherited from the zygote (torch and the preloaded
-    # modules) is frozen, so its collections never traverse, and so never copy, that heap.
-    assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()
+    # modules) is frozen, so its collections never traverse, and so never copy, that heap. (Where
+    # the zygote cannot fork, on torch 2.6 whose preloads start a thread, ranks are spawned.)
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+        forked = b"harness.zygote" in handle.read()
+    assert gc.get_freeze_count() > 100_000 or not forked, gc.get_freeze_count()
 
 
 # Groups test_5 keeps alive on purpose (a backend whose objects outlive their test does this).
 _KEPT: list[dist.ProcessGroup] = []
 
 
+# Where destroyed groups are released when the next test starts, a leak is seen a test later.
+_LEAK_SEEN_AFTER = 1 if GLOO_DESTRUCTOR_HOLDS_GIL else 0
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.fresh_world), *range(1, LEAKED_GROUP_LIMIT + 2)])
+@pytest.mark.parametrize(
+    "index", [pytest.param(0, marks=pytest.mark.fresh_world), *range(1, LEAKED_GROUP_LIMIT + 2 + _LEAK_SEEN_AFTER)]
+)
 def test_5_leaked_groups_are_bounded_by_replacing_the_rank(rank: int, index: int, shared_dir: Path) -> None:
     """Index 0 leaves fresh ranks behind (no earlier test's leaks); 1..LIMIT each leak a group on
-    the same ranks; once LIMIT are held the ranks are replaced, which index LIMIT+1 sees."""
+    the same ranks; once LIMIT are held the ranks are replaced, which index LIMIT+1 sees (one
+    index later on a torch whose groups are released a test late)."""
     recorded = shared_dir / f"leak-pid-{rank}"
     if index == 0:
         return
     if index == 1:
         recorded.write_text(str(os.getpid()))
-    if index <= LEAKED_GROUP_LIMIT:
+    if index <= LEAKED_GROUP_LIMIT + _LEAK_SEEN_AFTER:
         assert recorded.read_text() == str(os.getpid()), f"replaced after {index - 1} leaked groups"
-        group = dist.new_group([0, 1])
-        dist.all_reduce(torch.ones(1), group=group)
-        _KEPT.append(group)
+        if index <= LEAKED_GROUP_LIMIT:
+            group = dist.new_group([0, 1])
+            dist.all_reduce(torch.ones(1), group=group)
+            _KEPT.append(group)
     else:
         assert recorded.read_text() != str(os.getpid()), f"still the same rank after {LEAKED_GROUP_LIMIT} leaked groups"
         assert not _KEPT

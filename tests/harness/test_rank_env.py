@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from conftest import InnerSession
-from harness import devices
+from harness import devices, rank_env
 from harness.devices import GpuReservation
-from harness.rank_env import TORCHRUN_VARIABLES, loopback_interface, rank_environment
+from harness.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
 
 TESTS = """
 import os
@@ -139,3 +142,76 @@ def test_pools_reserve_any_free_gpus(four_gpus: None, tmp_path: os.PathLike[str]
         GpuReservation(5, lock_dir=lock_dir)
     second.release()
     third.release()
+
+
+# -- the agent store: built on every supported torch, and a failure fails the test ------------------
+
+
+def _built(store: AgentStore) -> AgentStore:
+    store._thread.join(timeout=60)
+    assert not store._thread.is_alive(), "the store was not built within 60 s"
+    return store
+
+
+def test_agent_store_serves_on_this_torch() -> None:
+    store = _built(AgentStore())
+    try:
+        assert store.failure is None
+        client = dist.TCPStore(LOOPBACK_ADDR, store.port, is_master=False, timeout=timedelta(seconds=30))
+        client.set("key", "value")
+        assert client.get("key") == b"value"
+    finally:
+        store.close()
+
+
+def test_agent_store_falls_back_when_the_store_refuses_the_listening_fd(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What torch 2.6's libuv server does with master_listen_fd; the older server takes the fd.
+    calls: list[dict[str, object]] = []
+    real = dist.TCPStore
+
+    def libuv_refuses_fds(*args: object, **kwargs: object) -> dist.TCPStore:
+        calls.append(kwargs)
+        if "master_listen_fd" in kwargs and kwargs.get("use_libuv", True):
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rank_env.dist, "TCPStore", libuv_refuses_fds)
+    store = _built(AgentStore())
+    try:
+        assert store.failure is None and store._store is not None
+        assert [call.get("use_libuv", True) for call in calls] == [True, False]
+    finally:
+        store.close()
+
+
+def test_agent_store_failure_is_kept_not_raised_in_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_store(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no store today")
+
+    escaped: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook_args: escaped.append(hook_args.exc_value))
+    monkeypatch.setattr(rank_env.dist, "TCPStore", no_store)
+    store = _built(AgentStore())
+    assert store.failure == "RuntimeError: no store today"
+    assert escaped == []
+    store.close()
+
+
+STORE_FAILS_CONFTEST = """
+import harness.rank_env as rank_env
+
+def _no_store(listener, port):
+    raise RuntimeError("injected: this torch cannot build the store")
+
+rank_env._listening_store = _no_store
+"""
+
+
+def test_a_store_failure_fails_the_test_as_a_harness_error(inner: InnerSession) -> None:
+    inner.write("conftest.py", STORE_FAILS_CONFTEST)
+    inner.write("test_store.py", "import pytest\n\n@pytest.mark.world_size(1)\ndef test_passes(rank):\n    pass\n")
+    result = inner.run("-q")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed" in result.stdout
+    assert "harness error: the store behind MASTER_ADDR:MASTER_PORT" in result.stdout
+    assert "RuntimeError: injected: this torch cannot build the store" in result.stdout
