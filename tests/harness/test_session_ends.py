@@ -170,6 +170,13 @@ def test_the_next_session_sweeps_what_a_dead_session_left(tmp_path: Path) -> Non
     env = dict(os.environ, **{processes.SESSION_ENV: "deadbeef0000"})
     orphan = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     try:
+        # Until it has exec'd, the child shows the parent's environment (no marker): under load
+        # the sweep could run in that window and rightly miss it.
+        marker = f"{processes.SESSION_ENV}=deadbeef0000".encode()
+        deadline = time.monotonic() + 10
+        while marker not in Path(f"/proc/{orphan.pid}/environ").read_bytes().split(b"\0"):
+            assert time.monotonic() < deadline, "the orphan never showed its session marker"
+            time.sleep(0.01)
         swept = sweep_stale_run_dirs(str(tmp_path))
         assert swept == [str(dead)]
         assert orphan.wait(timeout=10) == -signal.SIGKILL
