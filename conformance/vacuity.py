@@ -114,6 +114,13 @@ class ShardWatch:
     def finding(self, body_passed: bool) -> ExercisedNothing | None:
         """Why the passed test is vacuous, or None. Call before ``adapter.close()``: it may ask
         the adapter for the units of the models it sharded."""
+        try:
+            return self._finding(body_passed)
+        finally:
+            # The models are the test's: a raised finding's traceback must not keep them alive.
+            self.sharded.clear()
+
+    def _finding(self, body_passed: bool) -> ExercisedNothing | None:
         if not body_passed:
             return None
         if not self.calls:
@@ -127,7 +134,6 @@ class ShardWatch:
         if world_size < 2 or self.backend_collectives:
             return None
         unsharded = [model for model in self.sharded if not model.storage_shrank and not self._has_units(model)]
-        self.sharded.clear()  # the models are the test's; hold them no longer than needed
         if not unsharded:
             return None
         what = ", ".join(f"{model.spec.strategy.name} ({model.form.name.lower()} form)" for model in unsharded)
