@@ -27,7 +27,8 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     For the test's duration the adapter's ``collective_label`` names the collectives in the
     harness's trace; afterwards its ``close`` runs (before the harness destroys the test's
     process groups) and the label provider is removed. A test that passed without making the
-    adapter shard anything fails (``conformance.vacuity``).
+    adapter shard anything, or (world size > 1) without any sign that the backend sharded,
+    fails (``conformance.vacuity``).
     """
     selection = ctx.params.get("backend")
     if selection is None:
@@ -41,15 +42,19 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
     watch = ShardWatch(adapter)
+    # The counter first: a provider that returns a label hides the collective from later ones.
+    unregister_counter = register_label_provider(watch.count_collective)
     unregister = register_label_provider(adapter.collective_label)
     try:
         yield adapter
         # The runner finalises fixtures while the body's exception (a failure, a skip) is being
         # handled: none means the body passed.
-        body_passed = sys.exc_info()[1] is None
+        vacuous = watch.finding(body_passed=sys.exc_info()[1] is None)
     finally:
         try:
             adapter.close()
         finally:
             unregister()
-    watch.verdict(body_passed)
+            unregister_counter()
+    if vacuous is not None:
+        raise vacuous

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 from adapter_testing import run_inner_session
 
 from conformance.adapters.template import TemplateAdapter
 from conformance.admission import SessionContext, refusals
-from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter
+from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
+from conformance.vacuity import ShardWatch
+from harness import labels, register_label_provider
+from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
 
 CPU = SessionContext(device=torch.device("cpu"))
 
@@ -32,10 +36,94 @@ def test_usable_backends_and_sessions_without_devices_are_admitted() -> None:
     assert refusals(NoFormsHereAdapter, SessionContext(device=None)) == []  # the harness fails that run
 
 
+# In process, no ranks: what the rank fixture's watch concludes from each kind of evidence.
+
+
+def watched(adapter_cls: type[ShardsNothingAdapter], world_size: int = 2) -> ShardWatch:
+    return ShardWatch(adapter_cls(BackendEnv(rank=0, world_size=world_size, device=torch.device("cpu"), local_rank=0)))
+
+
+def shard_linear(watch: ShardWatch, strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD) -> nn.Module:
+    return watch.adapter.shard(nn.Linear(4, 2), ShardingSpec(strategy=strategy), ApiForm.WRAPPER)
+
+
+class HalvesStorage(ShardsNothingAdapter):
+    """Keeps half of every parameter on this rank: a proper shard."""
+
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(param.detach().flatten()[: (param.numel() + 1) // 2].clone()))
+        return model
+
+
+class ReportsUnits(ShardsNothingAdapter):
+    """Keeps full storage but reports a root unit (NO_SHARD units of torch FSDP1, the engine)."""
+
+    CAPABILITIES = ShardsNothingAdapter.CAPABILITIES | {Capability.INTROSPECT_UNIT_FQNS}
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        return {"": [name for name, _ in model.named_parameters()]}
+
+
+class BroadcastsOnShard(ShardsNothingAdapter):
+    """Replicates and syncs at start-up (DDP, DeepSpeed stage 0): a collective inside shard()."""
+
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        labels.current_label()  # what the harness's trace does for every collective it records
+        return model
+
+
+class RefusesToShard(ShardsNothingAdapter):
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        raise ValueError("refused")
+
+
+def test_a_no_op_backend_at_two_ranks_is_vacuous_with_the_fix() -> None:
+    watch = watched(ShardsNothingAdapter)
+    remove = register_label_provider(watch.count_collective)
+    try:
+        shard_linear(watch)
+        labels.current_label()  # a collective of the scenario's own, outside the backend's calls
+    finally:
+        remove()
+    finding = watch.finding(body_passed=True)
+    assert finding is not None
+    assert "the shards-nothing backend showed no sign of sharding at world size 2" in str(finding)
+    assert "FULL_SHARD (wrapper form) kept every parameter at full size" in str(finding)
+    assert "leaves those capabilities out of capabilities()" in str(finding)
+
+
+@pytest.mark.parametrize("adapter_cls", [HalvesStorage, ReportsUnits, BroadcastsOnShard])
+def test_each_sign_of_sharding_is_enough(adapter_cls: type[ShardsNothingAdapter]) -> None:
+    watch = watched(adapter_cls)
+    remove = register_label_provider(watch.count_collective)
+    try:
+        shard_linear(watch, ShardingStrategy.NO_SHARD)
+    finally:
+        remove()
+    assert watch.finding(body_passed=True) is None
+
+
+def test_world_size_one_failures_and_refusals_are_left_alone() -> None:
+    single = watched(ShardsNothingAdapter, world_size=1)
+    shard_linear(single)
+    assert single.finding(body_passed=True) is None
+    failed = watched(ShardsNothingAdapter)
+    shard_linear(failed)
+    assert failed.finding(body_passed=False) is None  # the test's own failure stands
+    refusing = watched(RefusesToShard)
+    with pytest.raises(ValueError, match="refused"):  # as a misuse scenario expects: no model to inspect
+        shard_linear(refusing)
+    assert refusing.finding(body_passed=True) is None
+
+
 SHARDS = """
 import pytest
+import torch
+import torch.distributed as dist
 import torch.nn as nn
-from conformance.protocol import ShardingSpec, ShardingStrategy
+from conformance.protocol import ApiForm, ShardingSpec, ShardingStrategy
 
 @pytest.mark.world_size(1)
 def test_loops_over_no_form(backend):
@@ -54,6 +142,13 @@ def test_skips(backend):
 @pytest.mark.world_size(1)
 def test_fails(backend):
     assert False, "its own failure"
+
+@pytest.mark.world_size(2)
+def test_replicates_at_two_ranks(backend, device):
+    model = backend.shard(nn.Linear(2, 2).to(device), ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)  # the scenario's own collective: no sign that the backend did anything
+    assert total.item() == 2 and model is not None
 """
 
 
@@ -67,11 +162,24 @@ def test_vacuous_routes_end_to_end(tmp_path) -> None:
     assert refused.returncode == pytest.ExitCode.USAGE_ERROR, refused.stdout + refused.stderr
     assert "backend 'no-forms-here' cannot run here: its capabilities() on cpu include neither" in refused.stderr
 
-    result = run_inner_session(tmp_path, SHARDS, ["conformance.adapters.template:TemplateAdapter"], "--device", "cpu")
+    result = run_inner_session(
+        tmp_path,
+        SHARDS,
+        ["conformance.adapters.template:TemplateAdapter", "tests.conformance.vacuous_adapters:ShardsNothingAdapter"],
+        "--device",
+        "cpu",
+    )
     output = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
-    assert "FAILED test_inner.py::test_loops_over_no_form" in output
+    assert "FAILED test_inner.py::test_loops_over_no_form[template-ddp]" in output
     assert "passed without calling backend.shard(): it checked nothing of the template-ddp backend" in output, output
-    assert "PASSED test_inner.py::test_shards" in output
+    assert "PASSED test_inner.py::test_shards[template-ddp]" in output
     assert "SKIPPED" in output and "unsupported: something" in output
-    assert "FAILED test_inner.py::test_fails" in output and "its own failure" in output
+    assert "FAILED test_inner.py::test_fails[template-ddp]" in output and "its own failure" in output
+    # At two ranks DDP's start-up broadcast shows that the template replicates; the no-op backend
+    # shows nothing (the scenario's own all_reduce is not the backend's), and is red with the fix.
+    assert "PASSED test_inner.py::test_replicates_at_two_ranks[template-ddp]" in output, output
+    assert "FAILED test_inner.py::test_replicates_at_two_ranks[shards-nothing]" in output, output
+    assert "the shards-nothing backend showed no sign of sharding at world size 2" in output, output
+    assert "Fix the adapter: _shard() must apply the backend's sharding" in output, output
+    assert "PASSED test_inner.py::test_shards[shards-nothing]" in output, output  # world size 1: nothing to show

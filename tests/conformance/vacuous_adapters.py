@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch.nn as nn
+
 from conformance.adapters.template import TemplateAdapter
-from conformance.protocol import ApiForm, Capability
+from conformance.protocol import ApiForm, Capability, ShardingSpec
 
 
 class NoFormsHereAdapter(TemplateAdapter):
@@ -26,3 +28,20 @@ class BrokenConstructorAdapter(TemplateAdapter):
 
     def capabilities(self) -> frozenset[Capability]:
         return self.CAPABILITIES
+
+
+class ShardsNothingAdapter(TemplateAdapter):
+    """A backend that claims the sharding strategies but silently falls back to the plain model
+    (what a CUDA-only library may do on a CPU runner): _shard() returns the model unchanged, no
+    wrapper, no collective, so gradients are never reduced and nothing is ever sharded."""
+
+    name = "shards-nothing"
+    WRAPPER_COMPONENTS = frozenset()
+    CAPABILITIES = TemplateAdapter.CAPABILITIES | {
+        Capability.COMPOSABLE,
+        Capability.FULL_SHARD,
+        Capability.SHARD_GRAD_OP,
+    }
+
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        return model
