@@ -42,8 +42,6 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )
     watch = ShardWatch(adapter)
-    # The counter first: a provider that returns a label hides the collective from later ones.
-    unregister_counter = register_label_provider(watch.count_collective)
     unregister = register_label_provider(adapter.collective_label)
     try:
         yield adapter
@@ -55,6 +53,5 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             adapter.close()
         finally:
             unregister()
-            unregister_counter()
     if vacuous is not None:
         raise vacuous

@@ -13,8 +13,8 @@ body passed, two things must hold:
    one of which suffices:
 
    * a collective issued by the backend during the test: inside ``shard()`` or a training-loop,
-     state-dict or checkpoint call of the adapter (counted through the harness's collective
-     trace, which asks every label provider while it records a collective). This is what
+     state-dict or checkpoint call of the adapter (``harness.collectives_issued()`` read around
+     each call: the harness's trace counts every collective it records). This is what
      replicating strategies show: NO_SHARD and DeepSpeed stage 0 broadcast or all-reduce;
    * for every model ``shard()`` returned: this rank's parameter storage shrank (local numel
      after ``shard()`` below that before it: a proper shard, a DeepSpeed ZeRO-3 placeholder,
@@ -37,6 +37,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.protocol import ApiForm, BackendAdapter, Capability, ShardingSpec
+from harness import collectives_issued
 
 # Adapter calls whose collectives are the backend's: shard() (a DDP-style broadcast, DeepSpeed's
 # engine set-up) and everything a scenario runs through the adapter after it.
@@ -74,6 +75,8 @@ class ShardWatch:
     """What one adapter instance was asked to do, and did, during one test."""
 
     adapter: BackendAdapter
+    # This rank's collectives so far in the test (the harness's trace); a fake in unit tests.
+    collectives: Callable[[], int] = collectives_issued
     calls: int = 0
     backend_collectives: int = 0
     sharded: list[ShardedModel] = field(default_factory=list)
@@ -97,19 +100,17 @@ class ShardWatch:
 
     def _attributed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def inside_backend(*args: Any, **kwargs: Any) -> Any:
+            outermost = not self._inside_backend  # an adapter call may make another: count once
+            before = self.collectives() if outermost else 0
             self._inside_backend += 1
             try:
                 return method(*args, **kwargs)
             finally:
                 self._inside_backend -= 1
+                if outermost:
+                    self.backend_collectives += self.collectives() - before
 
         return inside_backend
-
-    def count_collective(self) -> None:
-        """A label provider (``harness.register_label_provider``): the trace asks it for every
-        collective this rank takes part in while a test records. Labels nothing."""
-        if self._inside_backend:
-            self.backend_collectives += 1
 
     def finding(self, body_passed: bool) -> ExercisedNothing | None:
         """Why the passed test is vacuous, or None. Call before ``adapter.close()``: it may ask

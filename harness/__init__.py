@@ -6,7 +6,8 @@ Public API for test authors: the `world_size` marker (sizes or constraints; `Wor
 collectives they issue (for the cross-rank trace diff) with `register_label_provider`. For the trace
 diff, `name_tensor` names a tensor (or a module's parameters) a collective carries, `asymmetric()`
 marks rank-conditional code whose call sites and tensors differ on purpose, and
-`skip_call_sites_in` leaves a backend's own frames out of call sites. Report formats plug in through
+`skip_call_sites_in` leaves a backend's own frames out of call sites; `collectives_issued()` counts
+what a rank issued so far in the test. Report formats plug in through
 the hooks of `harness.hookspecs`.
 """
 
@@ -16,6 +17,15 @@ from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
 from harness.tensor_names import name_tensor
 from harness.world_sizes import WorldShape
+
+
+def collectives_issued() -> int:
+    """How many collectives this rank has issued (and the harness traced) in the running test so
+    far; 0 outside a test. Compare two readings to learn whether the code between them
+    communicated (the conformance suite's check that a backend did anything). Rank side only."""
+    from harness import trace  # imported here: the pytest process never wraps torch.distributed
+
+    return trace.recorded_count()
 
 
 def rank_seed(offset: int = 0) -> int:
@@ -29,6 +39,7 @@ __all__ = [
     "RankContext",
     "WorldShape",
     "asymmetric",
+    "collectives_issued",
     "current_seed",
     "name_tensor",
     "rank_fixture",

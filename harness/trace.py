@@ -194,6 +194,14 @@ def is_installed() -> bool:
     return _installed
 
 
+def recorded_count() -> int:
+    """How many collectives this rank has recorded in the current test so far (0 outside one).
+
+    Read before and after a call to learn whether it issued any (``harness.collectives_issued``)."""
+    test = _test
+    return 0 if test is None else test.next_index
+
+
 def begin_test(trace_path: str) -> None:
     """Start recording into `trace_path` (created or truncated); ends any test still open."""
     global _test

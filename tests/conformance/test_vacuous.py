@@ -14,7 +14,6 @@ from conformance.adapters.template import TemplateAdapter
 from conformance.admission import SessionContext, refusals
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
 from conformance.vacuity import ShardWatch
-from harness import labels, register_label_provider
 from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
 
 CPU = SessionContext(device=torch.device("cpu"))
@@ -39,8 +38,18 @@ def test_usable_backends_and_sessions_without_devices_are_admitted() -> None:
 # In process, no ranks: what the rank fixture's watch concludes from each kind of evidence.
 
 
+# What harness.collectives_issued() would read in a rank: this process issues none, so the tests
+# "issue" one by counting it here.
+ISSUED = [0]
+
+
+def issue_collective() -> None:
+    ISSUED[0] += 1
+
+
 def watched(adapter_cls: type[ShardsNothingAdapter], world_size: int = 2) -> ShardWatch:
-    return ShardWatch(adapter_cls(BackendEnv(rank=0, world_size=world_size, device=torch.device("cpu"), local_rank=0)))
+    adapter = adapter_cls(BackendEnv(rank=0, world_size=world_size, device=torch.device("cpu"), local_rank=0))
+    return ShardWatch(adapter, collectives=lambda: ISSUED[0])
 
 
 def shard_linear(watch: ShardWatch, strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD) -> nn.Module:
@@ -70,7 +79,7 @@ class BroadcastsOnShard(ShardsNothingAdapter):
     """Replicates and syncs at start-up (DDP, DeepSpeed stage 0): a collective inside shard()."""
 
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        labels.current_label()  # what the harness's trace does for every collective it records
+        issue_collective()
         return model
 
 
@@ -81,12 +90,8 @@ class RefusesToShard(ShardsNothingAdapter):
 
 def test_a_no_op_backend_at_two_ranks_is_vacuous_with_the_fix() -> None:
     watch = watched(ShardsNothingAdapter)
-    remove = register_label_provider(watch.count_collective)
-    try:
-        shard_linear(watch)
-        labels.current_label()  # a collective of the scenario's own, outside the backend's calls
-    finally:
-        remove()
+    shard_linear(watch)
+    issue_collective()  # a collective of the scenario's own, outside the backend's calls
     finding = watch.finding(body_passed=True)
     assert finding is not None
     assert "the shards-nothing backend showed no sign of sharding at world size 2" in str(finding)
@@ -97,11 +102,7 @@ def test_a_no_op_backend_at_two_ranks_is_vacuous_with_the_fix() -> None:
 @pytest.mark.parametrize("adapter_cls", [HalvesStorage, ReportsUnits, BroadcastsOnShard])
 def test_each_sign_of_sharding_is_enough(adapter_cls: type[ShardsNothingAdapter]) -> None:
     watch = watched(adapter_cls)
-    remove = register_label_provider(watch.count_collective)
-    try:
-        shard_linear(watch, ShardingStrategy.NO_SHARD)
-    finally:
-        remove()
+    shard_linear(watch, ShardingStrategy.NO_SHARD)
     assert watch.finding(body_passed=True) is None
 
 
