@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fixtures
 from conformance.protocol import (
+    SEED_REFUSALS,
     ApiForm,
     BackendAdapter,
     Capability,
@@ -251,17 +252,29 @@ def test_2d_training(backend: BackendAdapter, params: str, optimizer: str, rank:
 def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: torch.device) -> None:
     """Tensor parallelism on the outer dimension of a ("tp", "dp") mesh is refused.
 
-    TP groups must be the innermost mesh dimension (adjacent ranks). Parallelizing over
-    ``mesh["tp"]`` of a mesh built as ("tp", "dp") and sharding over ``mesh["dp"]`` raises what
-    the adapter declares for ``Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM`` (the seed's
-    ``RuntimeError`` "Found TP device_mesh on the <N> dimension of its parent mesh" unless it
-    declares its own); either step may raise.
+    TP groups must be the innermost mesh dimension (adjacent ranks). Sharding over ``mesh["dp"]``
+    a model parallelized over ``mesh["tp"]`` of a mesh built as ("tp", "dp") raises what the
+    adapter declares for ``Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM`` (the seed's ``RuntimeError``
+    "Found TP device_mesh on the <N> dimension of its parent mesh" unless it declares its own).
+
+    Before torch 2.9, torch's own ``parallelize_module`` refuses the outer dimension with the
+    seed's text, so the backend is never asked: the scenario skips there, naming that, rather
+    than pass having checked nothing of the backend.
     """
     require(backend, Capability.TENSOR_PARALLEL)
     for form in backend.forms():
         mesh = _mesh(device, ("tp", "dp"))
+        model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+        try:
+            model = _tensor_parallel(model, mesh["tp"])
+        except Exception as error:
+            if SEED_REFUSALS[Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM].mismatch(error) is not None:
+                raise
+            pytest.skip(
+                f"torch {torch.__version__} refuses tensor parallelism on the outer mesh dimension in "
+                f"parallelize_module itself ({error}): the backend's own check cannot be reached here"
+            )
         with refused(backend, Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM, f"rank {rank}: {form.value}"):
-            model = _tensor_parallel(fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device), mesh["tp"])
             backend.shard(model, ShardingSpec(mesh=mesh["dp"]), form)
 
 
