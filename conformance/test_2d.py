@@ -271,7 +271,7 @@ def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: t
             if SEED_REFUSALS[Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM].mismatch(error) is not None:
                 raise
             pytest.skip(
-                f"torch {torch.__version__} refuses tensor parallelism on the outer mesh dimension in "
+                reason=f"torch {torch.__version__} refuses tensor parallelism on the outer mesh dimension in "
                 f"parallelize_module itself ({error}): the backend's own check cannot be reached here"
             )
         with refused(backend, Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM, f"rank {rank}: {form.value}"):

@@ -577,7 +577,7 @@ def test_declared_absence_is_real(
         pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
     cannot_run = platforms.unsupported(registry.load(backend_name), device.type, torch.__version__)
     if cannot_run is not None and capability not in RUN_NOTHING:
-        pytest.skip(f"{backend_name}: {cannot_run} (its proofs run where it does)")
+        pytest.skip(reason=f"{backend_name}: {cannot_run} (its proofs run where it does)")
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")

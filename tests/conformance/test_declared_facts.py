@@ -304,6 +304,6 @@ def test_declared_refusals_are_checked_exactly() -> None:
 def test_declared_fact_is_real(backend_name: str, fact: str, rank: int, world_size: int, device: torch.device) -> None:
     if backend_name not in _installed_builtins():
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
-        pytest.skip(f"{library} is not installed here ({install}): its facts are proven where it is")
+        pytest.skip(reason=f"{library} is not installed here ({install}): its facts are proven where it is")
     assert isinstance(registry.load(backend_name)(BackendEnv(rank, world_size, device)), BackendAdapter)
     PROOFS[backend_name, fact](rank, world_size, device)

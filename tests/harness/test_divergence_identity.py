@@ -166,7 +166,7 @@ EXPECTED = {
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
 def test_same_shape_mispairings_are_named(diffs, scenario):
     if scenario not in RUNNABLE:
-        pytest.skip(f"fully_shard on this torch: {FSDP2_CANNOT_RUN}")
+        pytest.skip(reason=f"fully_shard on this torch: {FSDP2_CANNOT_RUN}")
     assert diffs[scenario] is not None, f"{scenario}: the ranks' traces agree"
     assert re.fullmatch(EXPECTED[scenario], diffs[scenario]), diffs[scenario]
 

@@ -268,7 +268,7 @@ def _fsdp2_step(rank: int, world_size: int, out_dir: str) -> None:
 def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_module_labels(tmp_path):
     cannot_run = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
     if cannot_run is not None:  # the declared platform, proven in tests/conformance/test_platforms.py
-        pytest.skip(f"fully_shard on this torch: {cannot_run}")
+        pytest.skip(reason=f"fully_shard on this torch: {cannot_run}")
     traces = spawn_ranks(_fsdp2_step, tmp_path)
     ops = [(r.op, r.label) for r in traces[0]]
     assert ops[:2] == [("all_gather_into_tensor", "layer1"), ("all_gather_into_tensor", "layer2")]

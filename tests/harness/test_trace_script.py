@@ -71,7 +71,7 @@ def test_a_torchrun_script_is_traced_diffed_and_its_one_sided_wait_stopped(inner
     assert SWAP in trace_script.diff_directory(inner.directory / "traces")
     if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
         pytest.skip(
-            f"the script's trace and diff passed; torch {torch.__version__} has no Flight Recorder for gloo "
+            reason=f"the script's trace and diff passed; torch {torch.__version__} has no Flight Recorder for gloo "
             "(_dump_fr_trace, torch >= 2.7), so its dumps are not read here"
         )
     # The same swap, from torch's own Flight Recorder dumps: they carry the call sites too.
