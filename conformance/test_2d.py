@@ -270,10 +270,11 @@ def test_2d_invalid_tp_composition(backend: BackendAdapter, rank: int, device: t
         except Exception as error:
             if SEED_REFUSALS[Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM].mismatch(error) is not None:
                 raise
-            pytest.skip(
-                reason=f"torch {torch.__version__} refuses tensor parallelism on the outer mesh dimension in "
+            why = (
+                f"torch {torch.__version__} refuses tensor parallelism on the outer mesh dimension in "
                 f"parallelize_module itself ({error}): the backend's own check cannot be reached here"
             )
+            pytest.skip(reason=why)
         with refused(backend, Misuse.TENSOR_PARALLEL_OUTER_MESH_DIM, f"rank {rank}: {form.value}"):
             backend.shard(model, ShardingSpec(mesh=mesh["dp"]), form)
 

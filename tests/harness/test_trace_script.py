@@ -70,10 +70,11 @@ def test_a_torchrun_script_is_traced_diffed_and_its_one_sided_wait_stopped(inner
     assert "rank 1: 3 collectives" in table and "train.py:16" in table, table
     assert SWAP in trace_script.diff_directory(inner.directory / "traces")
     if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
-        pytest.skip(
-            reason=f"the script's trace and diff passed; torch {torch.__version__} has no Flight Recorder for gloo "
+        why = (
+            f"the script's trace and diff passed; torch {torch.__version__} has no Flight Recorder for gloo "
             "(_dump_fr_trace, torch >= 2.7), so its dumps are not read here"
         )
+        pytest.skip(reason=why)
     # The same swap, from torch's own Flight Recorder dumps: they carry the call sites too.
     dumps = flight_recorder.read_dumps([inner.directory / "fr"])
     assert sorted(dumps) == [0, 1] and [r.op for r in dumps[1]] == ["all_reduce", "all_reduce"], dumps
