@@ -1,4 +1,5 @@
-"""Adapters written against older protocols, for the versioning self-tests (test_versions.py)."""
+"""Adapters written against older protocols, for the versioning and protocol-hook self-tests
+(test_versions.py, test_protocol_hooks.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import torch.nn as nn
 from conformance.protocol import ApiForm, BackendAdapter, Capability, ShardingSpec, StateDictKind
 
 
-class FirstProtocolAdapter(BackendAdapter):
-    """Written for protocol 1 (states no version): the public methods are its own, it declares
-    none of the structural capabilities version 2 added, nor any later hook or fact."""
+class OldStyleAdapter(BackendAdapter):
+    """Written against the protocol as it was before the hooks: only the abstract methods.
 
-    name = "first-protocol"
-    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.NO_SHARD, Capability.UNSHARD})
+    One rank, nothing sharded (the model is returned as is), so plain torch is the exact
+    expectation for everything the defaults do (tests/conformance/test_protocol_hooks.py).
+    """
+
+    name = "old-style"
+    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.FULL_SHARD, Capability.UNSHARD})
 
     def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         return model
@@ -38,6 +42,14 @@ class FirstProtocolAdapter(BackendAdapter):
         self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
     ) -> None:
         optim.load_state_dict(dict(state_dict))
+
+
+class FirstProtocolAdapter(OldStyleAdapter):
+    """Written for protocol 1 (states no version): the public methods are its own, it declares
+    none of the structural capabilities version 2 added, nor any later hook or fact."""
+
+    name = "first-protocol"
+    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.NO_SHARD, Capability.UNSHARD})
 
 
 class Incomplete(BackendAdapter):

@@ -38,40 +38,10 @@ from conformance.protocol import (
     StateDictKind,
 )
 from harness import RankContext
+from tests.conformance.old_adapters import OldStyleAdapter
 
 CPU = torch.device("cpu")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
-
-
-class OldStyleAdapter(BackendAdapter):
-    """Written against the protocol as it was before the hooks: only the abstract methods.
-
-    One rank, nothing sharded (the model is returned as is), so plain torch is the exact
-    expectation for everything the defaults do.
-    """
-
-    name = "old-style"
-    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.FULL_SHARD, Capability.UNSHARD})
-
-    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
-        return model
-
-    def unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> Any:
-        return contextlib.nullcontext()
-
-    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        return model.state_dict()
-
-    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-        model.load_state_dict(dict(state_dict))
-
-    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
-        return optim.state_dict()
-
-    def load_optim_state_dict(
-        self, model: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any], kind: StateDictKind
-    ) -> None:
-        optim.load_state_dict(dict(state_dict))
 
 
 def old_style() -> OldStyleAdapter:
