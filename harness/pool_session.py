@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from harness.devices import visible_gpu_count
+from harness.launcher import WorkerLauncher
 from harness.messages import RankResult, TestTask
 from harness.one_sided import OneSidedWatch
-from harness.pool import PoolKey, PoolStartError, WorkerLauncher, WorkerPool
+from harness.pool import PoolKey, PoolStartError, WorkerPool
 from harness.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
 from harness.session import Execution, HarnessSession, WorldStartError, WorldUnusable
 from harness.text import read_tail

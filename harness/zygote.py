@@ -3,7 +3,7 @@ every rank worker on request, so a new rank costs a fork (tens of milliseconds) 
 interpreter start and a torch import (seconds, and CPU that a 2-core runner does not have when a
 red suite restarts its pool after every fault).
 
-Started by `harness.pool.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
+Started by `harness.launcher.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
 where PRELOAD is JSON: the parent's `sys.path` and the modules every rank imports before its first
 test (the label providers and rank fixture modules) or that the project lists in
 `rank_preload_modules`, which the zygote imports once instead of each rank (seconds of CPU per
@@ -104,7 +104,7 @@ def _become_worker(
     sock.close()
     for fd in wakeup:
         os.close(fd)
-    os.setsid()  # its own session and process group, as a spawned worker has (see harness.pool)
+    os.setsid()  # its own session and process group, as a spawned worker has (see harness.launcher)
     zygote = os.getppid()
     die_with_parent(zygote)  # the zygote dies with pytest; the worker with the zygote
     target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)

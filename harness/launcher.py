@@ -1,0 +1,332 @@
+"""Rank worker processes for the pools of one session: launched, watched, killed.
+
+A worker comes from the session's zygote (`harness.zygote`), which imported torch once, so a pool
+(re)start costs forks and a rendezvous instead of N interpreter starts and torch imports; where the
+zygote cannot fork, the worker is spawned as `python -m harness.worker`. Either way it runs in its
+own session (killing its process group removes what it started there; descendants that left the
+group are found through its process tree and its environment marker, `harness.processes`), and
+its death is read from its exit status (a pidfd, or the zygote's exit report), never inferred
+from its pipe.
+
+A worker is not a rank until a pool says so (`harness.pool`): the rank's environment travels with
+the launch (the fork message, or the spawned process's environment) and its `WorkerConfig` comes
+over the task pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from harness import processes
+from harness.rank_env import session_environment
+from harness.text import read_tail
+
+_HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
+LOG_TAIL_BYTES = 4000
+"""How much of a worker's or the zygote's start-up log an error quotes."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a worker ended, as the clause after "rank N" (`returncode` as `WorkerProcess.exit_code`)."""
+    if returncode is None:
+        return "closed its pipe to the parent but kept running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} ({-returncode})"
+    return f"exited with code {returncode} while running the test"
+
+
+class WorkerProcess:
+    """One rank worker process and its pipes, from launch to kill (forked by the zygote or spawned)."""
+
+    def __init__(
+        self,
+        serial: int,
+        pid: int,
+        to_worker: Connection,
+        from_worker: Connection,
+        log: str,
+        exit_code: Callable[[float], int | None],
+    ) -> None:
+        self.serial = serial
+        self.pid = pid
+        self.to_worker = to_worker
+        self.from_worker = from_worker
+        self.log = log
+        """stdout and stderr until the worker is configured (import errors, start-up crashes)."""
+        self._exit_code = exit_code
+        # A pidfd becomes readable when the process exits: death is seen from the process itself,
+        # whoever else holds its result pipe open (a forked child of the test).
+        self.pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(pid)
+
+    def exited(self) -> bool:
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return self._exit_code(0.0) is not None
+
+    def exit_code(self, timeout_s: float = 5.0) -> int | None:
+        """How it ended (negative: killed by that signal), or None if it still runs after `timeout_s`."""
+        return self._exit_code(timeout_s)
+
+    def kill(self) -> None:
+        # The worker leads its own session and process group, so one killpg ends what the test
+        # started in it; descendants in other sessions are found through the process tree while
+        # the worker is still there to lead to them.
+        strays = processes.descendants(self.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        processes.kill(strays)
+        self.exit_code(5.0)  # reaped (by us or the zygote): no zombie stays
+        self.to_worker.close()
+        self.from_worker.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+class ZygoteUnavailable(RuntimeError):
+    pass
+
+
+class _ZygoteClient:
+    """The parent's side of `harness.zygote`: fork requests out, fork and exit reports in."""
+
+    def __init__(self, directory: str, env: dict[str, str], preload: tuple[str, ...]) -> None:
+        parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = os.path.join(directory, "zygote.log")
+        preload_spec = json.dumps({"sys_path": list(sys.path), "modules": list(preload)})
+        with open(self.log, "wb") as out:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid()), preload_spec],
+                pass_fds=(zygote_end.fileno(),),
+                start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+            )
+        zygote_end.close()
+        self._sock = parent_end
+        self._forked: dict[int, tuple[str, object]] = {}
+        self._exits: dict[int, int] = {}
+        self.pid = self._popen.pid
+
+    def fork(self, serial: int, log: str, env: dict[str, str], fds: tuple[int, int], timeout_s: float) -> int:
+        """A new worker's pid; raises ZygoteUnavailable if the zygote cannot fork one."""
+        message = pickle.dumps(("fork", serial, log, env, os.getcwd()))
+        try:
+            socket.send_fds(self._sock, [message], list(fds))
+        except OSError as error:
+            raise ZygoteUnavailable(f"the zygote is gone ({error})") from None
+        deadline = time.monotonic() + timeout_s
+        while serial not in self._forked:
+            if not self._receive(max(0.0, deadline - time.monotonic())):
+                raise ZygoteUnavailable(
+                    f"the zygote did not fork within {timeout_s:.0f} s or died:\n{read_tail(self.log, LOG_TAIL_BYTES)}"
+                )
+        kind, value = self._forked.pop(serial)
+        if kind == "refused":
+            raise ZygoteUnavailable(str(value))
+        assert isinstance(value, int)
+        return value
+
+    def exit_code(self, pid: int, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while pid not in self._exits:
+            if not self._receive(max(0.0, deadline - time.monotonic())):
+                if self._popen.poll() is not None and not _process_exists(pid):
+                    return -signal.SIGKILL  # the zygote died and took its workers with it (PDEATHSIG)
+                return None
+        return self._exits[pid]
+
+    def _receive(self, timeout_s: float) -> bool:
+        """Take one message from the zygote; False on timeout or when it is gone."""
+        if not select.select([self._sock], [], [], timeout_s)[0]:
+            return False
+        try:
+            data = self._sock.recv(1 << 16)
+        except OSError:
+            return False
+        if not data:
+            return False
+        kind, key, value = pickle.loads(data)
+        if kind == "exited":
+            self._exits[key] = value
+        else:
+            self._forked[key] = (kind, value)
+        return True
+
+    def close(self) -> None:
+        self._sock.close()  # the zygote exits on EOF; its workers die with it
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout=2.0)
+        if self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WorkerLauncher:
+    """Starts rank worker processes for the pools of one session.
+
+    Workers are forked by the session's zygote (`harness.zygote`), which imported torch once: a
+    pool restart after a fault costs forks and a rendezvous, not N interpreter starts and torch
+    imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
+    `python -m harness.worker` instead, for the rest of the session.
+
+    `preload`: modules every rank imports anyway (label providers, rank fixture modules, the
+    `rank_preload_modules` ini option), which the zygote imports before its first fork so that
+    each forked rank has them already.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        session_tag: str,
+        on_spawn: Callable[[int], None] | None = None,
+        zygote: bool = True,
+        preload: tuple[str, ...] = (),
+    ) -> None:
+        self.directory = directory
+        self.preload = preload
+        self.session_tag = session_tag
+        self._on_spawn = on_spawn
+        self._serial = 0
+        self._use_zygote = zygote
+        self._zygote: _ZygoteClient | None = None
+        self.zygote_unavailable = ""
+        """Why workers are spawned instead of forked, if they are."""
+        self.spawned = 0
+
+    def launch(self, rank_env: dict[str, str] | None = None, timeout_s: float = 300.0) -> WorkerProcess:
+        """A new worker whose environment is the session's updated with `rank_env`."""
+        os.makedirs(self.directory, exist_ok=True)
+        serial = self._serial
+        self._serial += 1
+        self.spawned += 1
+        env = {**(rank_env or {}), processes.PROCESS_ENV: f"{self.session_tag}.{serial}"}
+        if self._use_zygote:
+            try:
+                return self._fork(serial, env, timeout_s)
+            except ZygoteUnavailable as error:
+                self._use_zygote = False
+                self.zygote_unavailable = str(error)
+                self._close_zygote()
+        return self._spawn(serial, env)
+
+    def close(self) -> None:
+        self._close_zygote()
+
+    def _close_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _environment(self) -> dict[str, str]:
+        env = session_environment(os.environ)
+        env[processes.SESSION_ENV] = self.session_tag
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not oversubscribe the cores
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _fork(self, serial: int, env: dict[str, str], timeout_s: float) -> WorkerProcess:
+        if self._zygote is None:
+            self._zygote = _ZygoteClient(self.directory, self._environment(), self.preload)
+            if self._on_spawn is not None:
+                self._on_spawn(self._zygote.pid)
+        zygote = self._zygote
+        log = os.path.join(self.directory, f"worker-{serial}.log")
+        to_child, from_child = os.pipe(), os.pipe()
+        try:
+            pid = zygote.fork(
+                serial,
+                log,
+                env,
+                (to_child[0], from_child[1]),
+                timeout_s,
+            )
+        except BaseException:
+            for fd in (*to_child, *from_child):
+                os.close(fd)
+            raise
+        # Only the worker may hold its ends (see `_spawn`).
+        os.close(to_child[0])
+        os.close(from_child[1])
+        return WorkerProcess(
+            serial,
+            pid,
+            Connection(to_child[1], readable=False),
+            Connection(from_child[0], writable=False),
+            log,
+            lambda timeout_s: zygote.exit_code(pid, timeout_s),
+        )
+
+    def _spawn(self, serial: int, rank_env: dict[str, str]) -> WorkerProcess:
+        log = os.path.join(self.directory, f"worker-{serial}.log")
+        parent_to_child = os.pipe()
+        child_to_parent = os.pipe()
+        env = {**self._environment(), **rank_env}
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "harness.worker",
+                    str(parent_to_child[0]),
+                    str(child_to_parent[1]),
+                    str(os.getpid()),
+                ],
+                pass_fds=(parent_to_child[0], child_to_parent[1]),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+            )
+        # Close our copies of the worker's ends at once: the worker must be the only holder of the
+        # result pipe's write end, or its death would not show as EOF.
+        os.close(parent_to_child[0])
+        os.close(child_to_parent[1])
+        if self._on_spawn is not None:
+            self._on_spawn(popen.pid)
+
+        def exit_code(timeout_s: float) -> int | None:
+            try:
+                return popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return None
+
+        return WorkerProcess(
+            serial,
+            popen.pid,
+            Connection(parent_to_child[1], readable=False),
+            Connection(child_to_parent[0], writable=False),
+            log,
+            exit_code,
+        )
