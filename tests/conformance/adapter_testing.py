@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import fixtures
 from conformance.protocol import BackendAdapter
-from harness.warm_pytest import run_pytest
+from tests.support.warm_pytest import run_pytest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import re
 import pytest
 from adapter_testing import run_inner_session
 
-from harness.testing import failure_sections
+from tests.support.pytest_output import failure_sections
 
 BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
 # Short enough that a hang would show up as a timeout long before the subprocess limit.

@@ -10,7 +10,7 @@ import sys
 
 from adapter_testing import REPO
 
-from harness.warm_pytest import run_pytest
+from tests.support.warm_pytest import run_pytest
 
 _PATTERN = re.compile(r"`(test_\w+(?:\[[^`]*\])?)`")
 _GROUP = re.compile(r"\{([^{}]*)\}")

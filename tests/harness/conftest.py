@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xmlschema
 
-from harness.warm_pytest import run_pytest
+from tests.support.warm_pytest import run_pytest
 
 SCHEMA = xmlschema.XMLSchema(str(Path(__file__).with_name("junit.xsd")))
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ class InnerSession:
 
     def run(self, *args: str, timeout: float = 600, cache: bool = False) -> subprocess.CompletedProcess[str]:
         """The session as `subprocess.run` reports it, forked from a warm interpreter (see
-        harness.warm_pytest: only torch's import is skipped)."""
+        tests.support.warm_pytest: only torch's import is skipped)."""
         return run_pytest(self.command(*args, cache=cache), cwd=self.directory, env=self.env(), timeout=timeout)
 
     def popen(self, *args: str) -> subprocess.Popen[str]:

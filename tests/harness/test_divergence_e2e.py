@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import SYNCING_LAYERS, InnerSession
-from harness.testing import failure_sections
+from tests.support.pytest_output import failure_sections
 
 DIVERGENT = (
     """

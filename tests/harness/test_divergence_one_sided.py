@@ -14,7 +14,7 @@ import torch
 from conformance import platforms
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conftest import InnerSession, read_cases
-from harness.testing import failure_sections
+from tests.support.pytest_output import failure_sections
 
 ONE_SIDED = """
 import pytest, torch, torch.distributed as dist

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from harness.warm_pytest import WarmPytest
+from tests.support.warm_pytest import WarmPytest
 
 PROBE = """
 import os, sys, tempfile

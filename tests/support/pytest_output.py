@@ -1,5 +1,4 @@
-"""Helpers for testing pytest sessions that run distributed tests (the self-tests use them; so
-can authors of plugins and adapters built on the harness)."""
+"""Reading a pytest session's terminal output in the self-tests (which of its tests failed, and how)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ PRELOAD = ("torch", "torch.distributed", "pytest")
 
 _MESSAGE_LIMIT = 1 << 20
 
-# The server runs this file without importing the `harness` package: a package imported before
-# pytest starts could not be assertion-rewritten in the sessions (PytestAssertRewriteWarning).
+# The server runs this file without importing the project's packages (`harness`, `tests`): a package
+# imported before pytest starts could not be assertion-rewritten in the sessions
+# (PytestAssertRewriteWarning).
 _BOOTSTRAP = (
     "import sys; path = sys.argv[1]; "
     "exec(compile(open(path).read(), path, 'exec'), {'__name__': '__main__', '__file__': path})"
@@ -57,7 +58,7 @@ class _Request:
     cwd: str
     env: dict[str, str]
 
-    # Sent as a plain tuple: unpickling this class would import the `harness` package in the server.
+    # Sent as a plain tuple: unpickling this class would import this module's package in the server.
     def pack(self) -> bytes:
         return pickle.dumps((self.args, self.cwd, self.env))
 
