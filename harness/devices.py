@@ -13,9 +13,11 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from filelock import FileLock, Timeout
 
 DeviceKind = Literal["cpu", "cuda"]
@@ -41,7 +43,12 @@ class DevicePlan:
 
     @property
     def comm_backend(self) -> str:
-        return "nccl" if self.kind == "cuda" else "gloo"
+        return comm_backend(self.kind)
+
+
+def comm_backend(kind: str | None) -> str:
+    """The process group backend for a device kind: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if kind == "cuda" else "gloo"
 
 
 def visible_gpu_count() -> int:
@@ -102,6 +109,29 @@ class DeviceTally:
 
 def rank_device(kind: DeviceKind, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")
+
+
+def join_world(device: torch.device, collective_timeout_s: float, **rendezvous: Any) -> None:
+    """Initialise this rank's default process group on `device`: NCCL bound to its GPU (made the
+    current device first, and passed as `device_id` so NCCL connects eagerly), gloo on CPU.
+
+    `rendezvous`: how the ranks find each other (`store=`, `rank=`, `world_size=` for a pool's
+    FileStore; `init_method="env://"` under torchrun), passed to `init_process_group` as is. A
+    process that joined already (a torchrun script's own code before pytest) keeps its group; only
+    the current device is set.
+    """
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        comm_backend(device.type),
+        timeout=timedelta(seconds=collective_timeout_s),
+        **rendezvous,
+        **kwargs,
+    )
 
 
 class GpuReservation:

@@ -18,10 +18,9 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from harness.devices import DevicePlan, plan_devices, rank_device
+from harness.devices import DevicePlan, join_world, plan_devices, rank_device
 from harness.messages import RankLoss, RankResult, TestTask
 from harness.rank_env import loopback_interface
 from harness.runner import TestRunner
@@ -44,13 +43,7 @@ class LockstepSession(HarnessSession):
         if self.device_plan.kind is None:
             raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
         device = rank_device(self.device_plan.kind, local_rank)
-        timeout = timedelta(seconds=self.options.collective_timeout)
-        kwargs = {}
-        if self.device_plan.kind == "cuda":
-            torch.cuda.set_device(device)
-            kwargs["device_id"] = device
-        if not dist.is_initialized():
-            dist.init_process_group(self.device_plan.comm_backend, init_method="env://", timeout=timeout, **kwargs)
+        join_world(device, self.options.collective_timeout, init_method="env://")
         # Outcomes travel on their own gloo group: the default one may be wedged by the test. A
         # rank stuck in a collective reaches the exchange up to one collective timeout after its
         # peers (plus the straggler grace), so the exchange waits longer than that.

@@ -14,15 +14,13 @@ import faulthandler
 import os
 import signal
 import sys
-from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import torch
 import torch.distributed as dist
 
 from harness import processes
-from harness.devices import rank_device
+from harness.devices import join_world, rank_device
 from harness.isolation import ProcessIsolation
 from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.paths import RankFiles
@@ -99,18 +97,7 @@ class RankWorker:
         # down (see harness.rank_env). The rank's torchrun variables came with its environment.
         cfg = self.config
         store = dist.FileStore(cfg.store_path, cfg.world_size)
-        kwargs: dict[str, Any] = {}
-        if cfg.device_kind == "cuda":
-            torch.cuda.set_device(self.device)
-            kwargs["device_id"] = self.device
-        dist.init_process_group(
-            "nccl" if cfg.device_kind == "cuda" else "gloo",
-            store=store,
-            rank=cfg.rank,
-            world_size=cfg.world_size,
-            timeout=timedelta(seconds=cfg.collective_timeout_s),
-            **kwargs,
-        )
+        join_world(self.device, cfg.collective_timeout_s, store=store, rank=cfg.rank, world_size=cfg.world_size)
 
     def run(self, task: TestTask) -> RankOutcome:
         if sys.path != task.sys_path:
