@@ -27,6 +27,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from harness import strip_path_components as strip_path_components  # re-exported for adapters
+
 
 class ShardingStrategy(enum.Enum):
     """Our strategy names; adapters map them onto their backend's own knobs."""
@@ -711,8 +713,7 @@ def _adopt_implementations(cls: type[BackendAdapter]) -> None:
 
 def declared_fqn(backend: BackendAdapter, name: str) -> str:
     """``name`` without the path components ``backend`` declares in ``WRAPPER_COMPONENTS``."""
-    components = type(backend).WRAPPER_COMPONENTS
-    return ".".join(part for part in name.split(".") if part and part not in components)
+    return strip_path_components(name, type(backend).WRAPPER_COMPONENTS)
 
 
 def flat_param_fqn(backend: BackendAdapter, unit: str) -> str:

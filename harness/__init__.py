@@ -7,15 +7,15 @@ collectives they issue (for the cross-rank trace diff) with `register_label_prov
 diff, `name_tensor` names a tensor (or a module's parameters) a collective carries, `asymmetric()`
 marks rank-conditional code whose call sites and tensors differ on purpose, and
 `skip_call_sites_in` leaves a backend's own frames out of call sites; `collectives_issued()` counts
-what a rank issued so far in the test. Report formats plug in through
-the hooks of `harness.hookspecs`.
+what a rank issued so far in the test; `strip_path_components` sees a name through the path
+components wrappers insert. Report formats plug in through the hooks of `harness.hookspecs`.
 """
 
 from harness.call_sites import asymmetric, skip_call_sites_in
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
-from harness.tensor_names import name_tensor
+from harness.tensor_names import name_tensor, strip_path_components
 from harness.world_sizes import WorldShape
 
 
@@ -47,4 +47,5 @@ __all__ = [
     "register_label_provider",
     "seed_everything",
     "skip_call_sites_in",
+    "strip_path_components",
 ]

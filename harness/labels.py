@@ -29,9 +29,6 @@ from harness import tensor_names, torch_fsdp_labels
 
 LabelProvider = Callable[[], "str | None"]
 
-# Segments that wrappers insert into module paths; dropped so labels read like the user's FQNs.
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
 _providers: list[LabelProvider] = []
 # (id(parent), id(child)) -> (weak parent, weak child, path): ids are only trusted while both
 # referents are alive, so a recycled id never returns a stale path.
@@ -121,7 +118,7 @@ def module_label(modules: list[torch.nn.Module]) -> str:
             parts = [type(child).__name__]
         elif path:
             parts.append(path)
-    return ".".join(seg for part in parts for seg in part.split(".") if seg not in _WRAPPER_SEGMENTS)
+    return tensor_names.strip_path_components(".".join(parts))
 
 
 def _child_path(parent: torch.nn.Module, child: torch.nn.Module) -> str | None:

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from conformance.protocol import BackendAdapter, ShardEvent, StateDictKind, submodule
+from conformance.protocol import BackendAdapter, ShardEvent, StateDictKind, strip_path_components, submodule
 
 # Path components wrappers insert between a module and its children: for finding a unit by its
 # original FQN (not for judging names: scenarios strip only an adapter's WRAPPER_COMPONENTS).
@@ -74,7 +74,7 @@ class TorchAdapter(BackendAdapter):
 
 def clean_fqn(fqn: str) -> str:
     """The original model's FQN for a name seen through FSDP1 wrappers."""
-    return ".".join(part for part in fqn.split(".") if part and part not in _WRAPPER_COMPONENTS)
+    return strip_path_components(fqn, _WRAPPER_COMPONENTS)
 
 
 def parent_and_name(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:

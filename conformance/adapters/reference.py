@@ -33,6 +33,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
     innermost_first,
+    strip_path_components,
     submodule,
 )
 
@@ -48,7 +49,7 @@ _KINDS = {StateDictKind.FULL: engine.StateDictKind.FULL, StateDictKind.SHARDED: 
 
 
 def _clean(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part and part not in _WRAPPER_COMPONENTS)
+    return strip_path_components(fqn, _WRAPPER_COMPONENTS)
 
 
 class ReferenceAdapter(BackendAdapter):
