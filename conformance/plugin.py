@@ -24,6 +24,7 @@ import torch
 from conformance import admission, expectations, platforms, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
 from harness import repro
+from harness import skip_reason as skip_reason_of
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
 
@@ -307,23 +308,18 @@ def pytest_runtest_makereport(
     if report.when == "call" or report.failed or report.skipped:
         _record(item, selection, report)
     if report.skipped and not getattr(report, "wasxfail", None):
-        item.config.stash[_SKIPS].setdefault(selection, []).append(_skip_reason(report))
+        item.config.stash[_SKIPS].setdefault(selection, []).append(skip_reason_of(report))
         context = run_context(item)
         # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
         # the entry: only skips of a test that had its devices make an entry stale.
         if context.device is not None or context.world_size is None:
-            item.config.stash[_RUN].note_skipped(selection, scenario, context, _skip_reason(report) or "skipped")
+            item.config.stash[_RUN].note_skipped(selection, scenario, context, skip_reason_of(report) or "skipped")
     return report
-
-
-def _skip_reason(report: pytest.TestReport) -> str:
-    reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
-    return reason.removeprefix("Skipped: ")
 
 
 def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> None:
     """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
-    skip_reason = _skip_reason(report)
+    skip_reason = skip_reason_of(report)
     outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
     module, _, function = item.nodeid.partition("::")
     scenario = f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"

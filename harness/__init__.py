@@ -15,6 +15,7 @@ from harness.call_sites import asymmetric, skip_call_sites_in
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
+from harness.reports import skip_reason
 from harness.tensor_names import name_tensor, strip_path_components
 from harness.world_sizes import WorldShape
 
@@ -47,5 +48,6 @@ __all__ = [
     "register_label_provider",
     "seed_everything",
     "skip_call_sites_in",
+    "skip_reason",
     "strip_path_components",
 ]

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from harness.messages import RankLoss, RankResult, Status
+
+if TYPE_CHECKING:
+    import pytest
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,16 @@ def rank_case(result: RankResult, stdout: str, stderr: str, divergence: str) -> 
         return RankCase("failed", result.duration_s, divergence, divergence, stdout, stderr)
     text = "\n".join(filter(None, [result.traceback or result.summary, divergence]))
     return RankCase(result.status, result.duration_s, result.summary, text, stdout, stderr)
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped pytest report gives, as the test wrote it ("" for a report that is no skip).
+
+    pytest keeps a skip's reason as the third item of its `(path, line, "Skipped: reason")` tuple;
+    a report whose longrepr a plugin replaced with text gives that text.
+    """
+    if not report.skipped:
+        return ""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else report.longreprtext
+    return str(text).removeprefix("Skipped: ")

@@ -29,7 +29,7 @@ from harness import rank_fixtures, repro
 from harness.devices import DevicePlan, plan_devices
 from harness.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.messages import RankLoss, RankOutcome, RankResult, Status, TestTask
-from harness.reports import DistributedTestResult, RankCase, SuiteKey, rank_case, uniform_cases
+from harness.reports import DistributedTestResult, RankCase, SuiteKey, rank_case, skip_reason, uniform_cases
 from harness.text import describe_exception, first_line
 from harness.tracefile import CollectiveRecord
 from harness.verdict import Verdict, decide, failure_text
@@ -341,9 +341,7 @@ def _skipped(report: pytest.TestReport) -> tuple[Status, str]:
     reason = getattr(report, "wasxfail", None)
     if reason is not None:
         return "xfailed", str(reason)
-    longrepr = report.longrepr
-    text = longrepr[2] if isinstance(longrepr, tuple) else report.longreprtext
-    return "skipped", str(text).removeprefix("Skipped: ")
+    return "skipped", skip_reason(report)
 
 
 def _suite_properties(item: pytest.Item) -> tuple[tuple[str, str], ...]:

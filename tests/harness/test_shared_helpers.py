@@ -1,0 +1,29 @@
+"""The helpers several modules share instead of each writing its own (in-process, no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import skip_reason, strip_path_components
+
+
+def _report(outcome: str, longrepr: object) -> pytest.TestReport:
+    return pytest.TestReport("t.py::test", ("t.py", 1, "test"), {}, outcome, longrepr, "call")
+
+
+def test_skip_reason_reads_pytest_skip_tuples_plugin_text_and_no_skip() -> None:
+    assert skip_reason(_report("skipped", ("t.py", 3, "Skipped: unsupported: mixed precision"))) == (
+        "unsupported: mixed precision"
+    )
+    # A plugin that replaced the longrepr with text: that text is the reason.
+    assert skip_reason(_report("skipped", "Skipped: replaced by a plugin")) == "replaced by a plugin"
+    assert skip_reason(_report("failed", "AssertionError")) == ""
+    assert skip_reason(_report("passed", None)) == ""
+
+
+def test_strip_path_components_drops_wrappers_and_empty_components() -> None:
+    assert strip_path_components("_fsdp_wrapped_module.layer1._checkpoint_wrapped_module.weight") == "layer1.weight"
+    assert strip_path_components("_orig_mod.net..0.bias") == "net.0.bias"
+    # A declared set replaces the default one: torch's wrappers stay unless declared.
+    assert strip_path_components("module._fsdp_wrapped_module.w", {"module"}) == "_fsdp_wrapped_module.w"
+    assert strip_path_components("_fsdp_wrapped_module") == ""
