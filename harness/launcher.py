@@ -5,8 +5,7 @@ A worker comes from the session's zygote (`harness.zygote`), which imported torc
 zygote cannot fork, the worker is spawned as `python -m harness.worker`. Either way it runs in its
 own session (killing its process group removes what it started there; descendants that left the
 group are found through its process tree and its environment marker, `harness.processes`), and
-its death is read from its exit status (a pidfd, or the zygote's exit report), never inferred
-from its pipe.
+its death is read from the process, never inferred from its pipe (see [Note: a rank's death]).
 
 A worker is not a rank until a pool says so (`harness.pool`): the rank's environment travels with
 the launch (the fork message, or the spawned process's environment) and its `WorkerConfig` comes
@@ -51,8 +50,19 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode} while running the test"
 
 
+# [Note: a rank's death]
+# A worker's death is read from the process itself, never inferred from its result pipe: a test
+# that forked leaves a grandchild holding the pipe's write end (inherited), so the pipe may stay
+# open after the worker died. The parent therefore waits on the pipe (an answer) and on the
+# process: a pidfd, readable once the process exited, or, where the kernel gives none, its exit
+# status polled (`WorkerProcess.exited`; a forked worker's status comes in the zygote's exit
+# report, since the zygote is its parent). Once dead, the pipe is only read without blocking: a
+# message cut short by the death would otherwise wait forever for its end. The parent closes its
+# own copies of the worker's pipe ends at once, so that without such a grandchild the pipe shows
+# the death as EOF too.
 class WorkerProcess:
-    """One rank worker process and its pipes, from launch to kill (forked by the zygote or spawned)."""
+    """One rank worker process and its pipes, from launch to kill (forked by the zygote or spawned);
+    how its death is seen: See [Note: a rank's death]."""
 
     def __init__(
         self,
@@ -70,8 +80,7 @@ class WorkerProcess:
         self.log = log
         """stdout and stderr until the worker is configured (import errors, start-up crashes)."""
         self._exit_code = exit_code
-        # A pidfd becomes readable when the process exits: death is seen from the process itself,
-        # whoever else holds its result pipe open (a forked child of the test).
+        # Readable once the process exited. See [Note: a rank's death].
         self.pidfd: int | None = None
         with contextlib.suppress(AttributeError, OSError):
             self.pidfd = os.pidfd_open(pid)
@@ -200,9 +209,8 @@ class WorkerLauncher:
     imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
     `python -m harness.worker` instead, for the rest of the session.
 
-    `preload`: modules every rank imports anyway (label providers, rank fixture modules, the
-    `rank_preload_modules` ini option), which the zygote imports before its first fork so that
-    each forked rank has them already.
+    `preload`: the modules the zygote imports before its first fork (see [Note: zygote preload]
+    in `harness.zygote`).
     """
 
     def __init__(
@@ -275,7 +283,7 @@ class WorkerLauncher:
             for fd in (*to_child, *from_child):
                 os.close(fd)
             raise
-        # Only the worker may hold its ends (see `_spawn`).
+        # Only the worker may hold its ends. See [Note: a rank's death].
         os.close(to_child[0])
         os.close(from_child[1])
         return WorkerProcess(
@@ -309,8 +317,7 @@ class WorkerLauncher:
                 stderr=out,
                 env=env,
             )
-        # Close our copies of the worker's ends at once: the worker must be the only holder of the
-        # result pipe's write end, or its death would not show as EOF.
+        # Only the worker may hold its ends. See [Note: a rank's death].
         os.close(parent_to_child[0])
         os.close(child_to_parent[1])
         if self._on_spawn is not None:

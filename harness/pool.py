@@ -85,8 +85,7 @@ class _RankProcess:
     def collect(self) -> RankResult:
         """The rank's outcome if it sent one, else how it was lost (call once it answered or exited)."""
         if self.worker.exited():
-            # Dead: never block on the pipe, which a surviving child of the test may hold open
-            # (a message cut short by the death would otherwise wait forever for its end).
+            # Dead: never block on the pipe. See [Note: a rank's death] in harness.launcher.
             os.set_blocking(self.from_rank.fileno(), False)
         try:
             if self.from_rank.poll():
@@ -303,9 +302,8 @@ class WorkerPool:
     @staticmethod
     def _wait(progress: _Progress, hopeless: Callable[[set[int], set[int]], str | None] | None) -> None:
         """Collect results until every rank answered, `hopeless` gave up, or the time limit passed."""
-        # How a rank's death is noticed: the parent waits on each rank's result pipe and on the
-        # process itself (its pidfd, or polling). The pipe alone is not enough: a grandchild that
-        # inherited it (a test that forked) keeps it open after the rank died.
+        # Each pending rank is waited on through its result pipe and its process (pidfd, or
+        # polling). See [Note: a rank's death] in harness.launcher.
         while progress.pending and progress.gave_up is None:
             limit = progress.limit()
             waitables: dict[object, _RankProcess] = {}

@@ -132,8 +132,8 @@ class RankWorker:
 def serve(tasks: Connection, results: Connection) -> NoReturn:
     """Wait for a config (a spare or freshly forked worker waits here, torch imported), join the
     world, then run the tasks the parent sends until it says `Shutdown`."""
-    # The pipes stay out of whatever a test execs; a test that forks still inherits them, which is
-    # why the parent watches the process itself, not only the pipe, to notice this rank's death.
+    # The pipes stay out of whatever a test execs; a test that forks still inherits them (see
+    # [Note: a rank's death] in harness.launcher).
     os.set_inheritable(tasks.fileno(), False)
     os.set_inheritable(results.fileno(), False)
     processes.become_subreaper()

@@ -4,11 +4,9 @@ interpreter start and a torch import (seconds, and CPU that a 2-core runner does
 red suite restarts its pool after every fault).
 
 Started by `harness.launcher.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
-where PRELOAD is JSON: the parent's `sys.path` and the modules every rank imports before its first
-test (the label providers and rank fixture modules) or that the project lists in
-`rank_preload_modules`, which the zygote imports once instead of each rank (seconds of CPU per
-rank for the conformance suite's). It talks to the parent over a Unix
-SOCK_SEQPACKET socket, one pickled message per packet:
+where PRELOAD is JSON: the parent's `sys.path` and the modules the zygote imports once before its
+first fork (see [Note: zygote preload]). It talks to the parent over a Unix SOCK_SEQPACKET
+socket, one pickled message per packet:
 
     parent -> zygote   ("fork", serial, log path, environment, cwd)  + 2 fds: the worker's task and result pipes
     zygote -> parent   ("forked", serial, pid) | ("refused", serial, reason) | ("exited", pid, exit code)
@@ -54,14 +52,24 @@ def send(sock: socket.socket, message: tuple[Any, ...], fds: list[int] | None = 
         sock.send(data)
 
 
+# [Note: zygote preload]
+# What the zygote imports once, before its first fork, so that no forked rank pays the import
+# (the order is `PoolSession`'s, duplicates dropped):
+#   1. the `rank_preload_modules` ini option: heavy imports most ranks make sooner or later (the
+#      conformance suite lists Dynamo and inductor, ~2 s of CPU per rank otherwise);
+#   2. the modules of `collective_label_providers` and 3. `rank_fixture_modules`, which every rank
+#      imports before its first test anyway.
+# What follows from importing them here rather than in a rank:
+#   - their import-time code sees the session's environment, not a rank's (`RANK` and the like
+#     are set after the fork);
+#   - a module that fails to import is only written to the zygote's log: each rank imports it
+#     again itself and reports the error where it belongs, in the tests that need it;
+#   - a module that starts a thread or initialises CUDA makes a fork unsafe (checked before every
+#     fork, `_unsafe_to_fork`): the zygote refuses, naming what it had imported, and the launcher
+#     spawns workers for the rest of the session.
 def _preload(spec: str) -> str:
-    """Import what every rank will import, once; what was imported, for the note on a refusal
-    (`_unsafe_to_fork`) should one of those modules have started a thread or initialised CUDA.
-
-    A module that fails here is only written to the zygote's log: each rank then imports it
-    itself and reports the error where it belongs, in the tests that need it. Import-time code
-    sees the session's environment here, not a rank's (`RANK` and the like are set after the fork).
-    """
+    """Import the modules of `spec` (see [Note: zygote preload]); what was imported, for the
+    message of a refusal (`_unsafe_to_fork`)."""
     wanted = json.loads(spec)
     sys.path[:] = wanted["sys_path"]
     imported = []
