@@ -1,8 +1,7 @@
 """Rank worker processes for the pools of one session: launched, watched, killed.
 
-A worker comes from the session's zygote (`harness.zygote`), which imported torch once, so a pool
-(re)start costs forks and a rendezvous instead of N interpreter starts and torch imports; where the
-zygote cannot fork, the worker is spawned as `python -m harness.worker`. Either way it runs in its
+A worker is forked by the session's zygote or, where the zygote cannot fork, spawned as
+`python -m harness.worker` (`WorkerLauncher` says when and why). Either way it runs in its
 own session (killing its process group removes what it started there; descendants that left the
 group are found through its process tree and its environment marker, `harness.processes`), and
 its death is read from the process, never inferred from its pipe (see [Note: a rank's death]).

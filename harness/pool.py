@@ -295,9 +295,8 @@ class WorkerPool:
             except OSError:
                 results[proc.rank] = proc.lost(describe_exit(proc.exit_code()))
         started = time.monotonic()
-        return _Progress(
-            deadline_s, straggler_grace_s, started, results, pending, failed_at=time.monotonic() if results else None
-        )
+        failed_at = started if results else None  # a rank lost at dispatch starts the straggler grace
+        return _Progress(deadline_s, straggler_grace_s, started, results, pending, failed_at)
 
     @staticmethod
     def _wait(progress: _Progress, hopeless: Callable[[set[int], set[int]], str | None] | None) -> None:
