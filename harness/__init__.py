@@ -7,7 +7,8 @@ collectives they issue (for the cross-rank trace diff) with `register_label_prov
 diff, `name_tensor` names a tensor (or a module's parameters) a collective carries, `asymmetric()`
 marks rank-conditional code whose call sites and tensors differ on purpose, and
 `skip_call_sites_in` leaves a backend's own frames out of call sites; `collectives_issued()` counts
-what a rank issued so far in the test. Report formats plug in through
+what a rank issued so far in the test; `set_interceptor` sees (or replaces) each traced collective
+(a `CollectiveRecord`) as a rank issues it. Report formats plug in through
 the hooks of `harness.hookspecs`.
 
 Public API for other pytest plugins (the conformance suite uses nothing else of the harness):
@@ -28,6 +29,7 @@ from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
 from harness.repro import Carried, NotCarried, ReproPolicy
 from harness.tensor_names import name_tensor
+from harness.tracefile import CollectiveRecord
 from harness.world_sizes import WorldShape, world_size_of
 
 
@@ -42,6 +44,8 @@ def collectives_issued() -> int:
 
 if TYPE_CHECKING:
     import pytest
+
+    from harness.trace import Interceptor
 
 
 # The plugin functions are reached lazily: ranks import this package, and never need the parent's
@@ -77,6 +81,15 @@ def reports_dir(config: pytest.Config) -> str:
     return plugin.reports_dir(config)
 
 
+def set_interceptor(interceptor: Interceptor | None) -> None:
+    """Install the one collective interceptor of this rank (None removes it): it sees each traced
+    collective's `CollectiveRecord` before the call and returns None to let it run as usual (or
+    a runner that issues it its own way; `harness.faults` is built on it). Rank side only."""
+    from harness import trace  # imported here: the pytest process never wraps torch.distributed
+
+    trace.set_interceptor(interceptor)
+
+
 def rank_seed(offset: int = 0) -> int:
     """A seed that differs per rank, derived from the test's seed, for tests that want it."""
     import torch.distributed as dist
@@ -86,6 +99,7 @@ def rank_seed(offset: int = 0) -> int:
 
 __all__ = [
     "Carried",
+    "CollectiveRecord",
     "NotCarried",
     "RankContext",
     "ReproPolicy",
@@ -102,6 +116,7 @@ __all__ = [
     "reports_dir",
     "run_context",
     "seed_everything",
+    "set_interceptor",
     "skip_call_sites_in",
     "world_device",
     "world_size_of",
