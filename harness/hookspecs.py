@@ -31,8 +31,8 @@ from harness.repro import ReproPolicy
 @pytest.hookspec
 def pytest_harness_repro_options() -> dict[str, ReproPolicy]:
     """Every option this plugin registers (`--name` for command-line options, the bare name for
-    ini options) and whether a failed test's reproduction carries it (`harness.repro.Carried`,
-    optionally with the arguments for one test) or not (`harness.repro.NotCarried(reason)`).
+    ini options) and whether a failed test's reproduction carries it (`harness.Carried`,
+    optionally with the arguments for one test) or not (`harness.NotCarried(reason)`).
 
     E.g. the conformance plugin carries `--backend` as the one backend the failed test ran with.
     The `REPRO:` line and `--repro` are built from these tables; the arguments of carried options
