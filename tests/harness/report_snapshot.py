@@ -3,10 +3,10 @@
     python tests/harness/report_snapshot.py REPO OUT
 
 runs an inner pytest session of the code in REPO (its harness and conformance plugins) on a
-fixed set of distributed tests (a pass, an SPMD failure on one rank, a rank that dies, a
-same-shape divergence, a skip, an xfail marker, a conformance scenario that fails, one with an
-expected failure, a hang) and copies every report file it wrote (JUnit per rank, traces,
-conformance.md/.html) to OUT with timestamps, durations, host names, process ids and temporary
+fixed set of distributed tests (a pass, an SPMD failure on one rank, a rank that dies, one that
+dies while its peer passes, a same-shape divergence, a skip, an xfail marker, conformance
+scenarios that fail, lose a rank, or fail as expected) and copies every report file it wrote
+(JUnit per rank, traces, conformance.md/.html) to OUT with timestamps, durations, host names, process ids and temporary
 paths replaced by placeholders. Run it on two trees and `diff -r` the outputs to show that a
 refactoring of the report path changed no report. Not a self-test: report contents change on
 purpose (the HTML matrix, message wording), so a stored snapshot would fail for the wrong reasons.
@@ -69,6 +69,19 @@ def test_rank_1_dies(rank):
 
 
 @pytest.mark.world_size(2)
+def test_rank_1_dies_alone(rank):
+    if rank == 1:
+        print("rank 1 leaves without a word to rank 0", file=__import__("sys").stderr, flush=True)
+        os._exit(4)
+
+
+@pytest.mark.world_size(2)
+def test_scenario_loses_rank_1(backend, rank):
+    if rank == 1:
+        os._exit(5)
+
+
+@pytest.mark.world_size(2)
 def test_swaps_layers(rank):
     Model()(torch.ones(1), ["layer1", "layer2"] if rank == 0 else ["layer2", "layer1"])
 
@@ -109,6 +122,8 @@ _MASKS = (
     (re.compile(r"(line |:)\d+\b"), r"\1*"),
     (re.compile(r"0x[0-9a-f]+"), "0x*"),
     (re.compile(r"Thread 0x\*.*"), "Thread *"),
+    # gloo words a peer's death as a read error or a closed connection, whichever it sees first.
+    (re.compile(r"\[[^\]\n]*gloo/transport[^\]\n]*\][^\n\"<]*"), "<gloo: the peer went away>"),
 )
 
 
