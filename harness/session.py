@@ -81,6 +81,9 @@ def session_properties(config: pytest.Config) -> dict[str, str]:
 class HarnessSession:
     """Task building, verdicts and reporting shared by both ways of running ranks."""
 
+    torchrun_world: tuple[int, int] | None = None
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun world this process is a rank of, else None."""
+
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         self.config = config
         self.options = config.option
@@ -108,9 +111,6 @@ class HarnessSession:
     def own_ranks(self, world_size: int) -> range:
         """The ranks whose per-rank reports this process writes (see `DistributedTestResult.own_ranks`)."""
         return range(world_size)
-
-    torchrun_world: tuple[int, int] | None = None
-    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun world this process is a rank of, else None."""
 
     def plan(self, world_size: int) -> DevicePlan:
         """The device for a world of this size, or a skip reason when it cannot be had (the one
