@@ -14,8 +14,9 @@ docs/architecture.md for a worked example.
 
 Order (pluggy's): implementations are called last registered first, `tryfirst` / `trylast`
 aside. The built-in report objects are registered in `harness.plugin`'s `pytest_configure`, after
-every plugin module and conftest file, so the call order is: the trace files, JUnit, then plugin
-modules and conftest files, latest loaded first (the conformance plugin after a conftest's hooks).
+the plugin modules and the conftest files pytest loads at start, before the conftest files it
+finds while collecting; so the call order is: conftest files found while collecting, the trace
+files, JUnit, then the plugin modules and initial conftest files, latest loaded first.
 The hooks returning values collect every implementation's non-None value in that call order; how
 each is merged is said below.
 """
