@@ -7,9 +7,10 @@ fixed set of distributed tests (a pass, an SPMD failure on one rank, a rank that
 dies while its peer passes, a same-shape divergence, a skip, an xfail marker, conformance
 scenarios that fail, lose a rank, or fail as expected) and copies every report file it wrote
 (JUnit per rank, traces, conformance.md/.html) to OUT with timestamps, durations, host names,
-process ids, line numbers and temporary paths replaced by placeholders. Run it on two trees and `diff -r` the outputs to show that a
-refactoring of the report path changed no report. Not a self-test: report contents change on
-purpose (the HTML matrix, message wording), so a stored snapshot would fail for the wrong reasons.
+process ids, line numbers and temporary paths replaced by placeholders. Run it on two trees and
+`diff -r` the outputs to show that a refactoring of the report path changed no report. Not a
+self-test: report contents change on purpose (the HTML matrix, message wording), so a stored
+snapshot would fail for the wrong reasons.
 """
 
 from __future__ import annotations
