@@ -13,6 +13,7 @@ with the known defect), so nothing starts a process group or touches a GPU.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from harness import devices, lockstep
@@ -64,7 +65,7 @@ def two_nodes_of_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(devices, "visible_gpu_count", lambda: 2)
-    monkeypatch.setattr(lockstep.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "new_group", lambda **kwargs: object())
     monkeypatch.setattr(dist, "all_gather_object", _every_rank_sends_the_same)
