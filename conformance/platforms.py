@@ -14,18 +14,6 @@ from collections.abc import Iterable, Mapping
 
 from conformance.expectations import torch_matches
 from conformance.protocol import BackendAdapter
-from harness.devices import visible_gpu_count
-
-
-def session_device_kinds(requested: str) -> tuple[str, ...]:
-    """The device kinds ranks of this session may get for ``--device requested``.
-
-    ``auto`` gives CUDA to a world that fits on the visible GPUs and CPU to any larger one, so
-    with GPUs it may use both: a backend must run on both, or be run with ``--device cuda``.
-    """
-    if requested in ("cpu", "cuda"):
-        return (requested,)
-    return ("cuda", "cpu") if visible_gpu_count() else ("cpu",)
 
 
 def unsupported(adapter_cls: type[BackendAdapter], device_kind: str, torch_version: str) -> str | None:

@@ -21,12 +21,10 @@ from typing import Any
 import pytest
 import torch
 
+import harness
 from conformance import admission, expectations, platforms, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
-from harness import repro
 from harness import skip_reason as skip_reason_of
-from harness.devices import plan_devices
-from harness.plugin import reports_dir, world_size_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
 pytest_plugins = ["harness.plugin"]
@@ -92,14 +90,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
+def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
     """What a failed test's reproduction does with each option above (tests/harness/test_repro.py
     fails when an option is missing here); --backend-path comes first, so --backend can import."""
     return {
-        "--backend-path": repro.Carried(_backend_path_args),
-        "--backend": repro.Carried(_backend_args),
-        "--expectations-dir": repro.Carried(_expectations_dir_args),
-        "--strict-expectations": repro.NotCarried(
+        "--backend-path": harness.Carried(_backend_path_args),
+        "--backend": harness.Carried(_backend_args),
+        "--expectations-dir": harness.Carried(_expectations_dir_args),
+        "--strict-expectations": harness.NotCarried(
             "it judges the run's expectation entries as a whole (stale ones), not one test's verdict"
         ),
     }
@@ -153,7 +151,7 @@ def _select(config: pytest.Config) -> BackendSelection:
 
 def _admit(config: pytest.Config, state: BackendSelection) -> None:
     """Refuse, before any test runs, a backend that could run nothing here (conformance.admission)."""
-    kind = plan_devices(config.getoption("device"), 1).kind
+    kind = harness.world_device(config)
     context = admission.SessionContext(device=torch.device(kind) if kind is not None else None)
     refused = []
     for selection in state.backends:
@@ -171,7 +169,7 @@ def _without_refused(config: pytest.Config, state: BackendSelection) -> BackendS
     refused = platforms.refused_backends(
         {selection: registry.load(selection) for selection in state.backends},
         named,
-        platforms.session_device_kinds(config.getoption("device")),
+        harness.device_kinds(config),
         torch.__version__,
     )
     config.stash[_REFUSED] = {state.names[s]: why for s, why in refused.items()}
@@ -275,10 +273,10 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def run_context(item: pytest.Item) -> expectations.RunContext:
-    """Device, torch version and world size an item runs with (what ``when`` conditions test)."""
-    size = world_size_of(item)
-    device = plan_devices(item.config.getoption("device"), size).kind if size else None
-    return expectations.RunContext(device=device, torch_version=torch.__version__, world_size=size)
+    """Device, torch version and world size an item runs with (what ``when`` conditions test):
+    the harness's own decision (``harness.run_context``), never a second one."""
+    chosen = harness.run_context(item)
+    return expectations.RunContext(device=chosen.device, torch_version=torch.__version__, world_size=chosen.world_size)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -404,13 +402,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     stale = config.stash[_STALE] = _stale(config)
     if stale and config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
+    """The conformance matrix, a report plugin like the harness's own (after ``pytest_sessionfinish``
+    has found the stale entries it lists)."""
     matrix = config.stash.get(_MATRIX, None)
+    stale = config.stash.get(_STALE, [])
     if matrix is None or not (matrix.cells or stale):
-        return
+        return []
     matrix.stale = [str(entry) for entry in stale]
-    directory = Path(reports_dir(config))
-    (directory / "conformance.md").write_text(render_markdown(matrix), encoding="utf-8")
-    (directory / "conformance.html").write_text(render_html(matrix), encoding="utf-8")
+    directory = Path(harness.reports_dir(config))
+    written = []
+    for name, render in (("conformance.md", render_markdown), ("conformance.html", render_html)):
+        (directory / name).write_text(render(matrix), encoding="utf-8")
+        written.append(str(directory / name))
+    return written
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -27,6 +27,7 @@ import torch
 
 import conformance.test_runtime as runtime  # a module, so its tests are not collected here
 import fixtures
+import harness
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -165,13 +166,11 @@ def test_smoke_collective_labels_name_parameters(backend: BackendAdapter, rank: 
     (the reference engine's "forward order check"); asking never raises. An adapter that labels
     nothing passes: labels are optional, wrong ones are not (the divergence diff would name
     the wrong parameters)."""
-    from harness import trace  # rank side only: a pool parent never loads the trace patching
-
     spec = _spec(backend)
     seen: list[tuple[str, str | None]] = []
     errors: list[str] = []
 
-    def observe(record: trace.CollectiveRecord) -> None:
+    def observe(record: harness.CollectiveRecord) -> None:
         try:
             seen.append((record.op, backend.collective_label()))
         except Exception as error:  # noqa: BLE001 - reported below, with the collective it broke
@@ -188,11 +187,11 @@ def test_smoke_collective_labels_name_parameters(backend: BackendAdapter, rank: 
             make_optimizer=runtime.OPTIMIZERS["sgd"],
         )
         seen.clear()
-        trace.set_interceptor(observe)  # returns None: every collective is issued as usual
+        harness.set_interceptor(observe)  # returns None: every collective is issued as usual
         try:
             fixtures.train_sharded(backend, sharded, model, plan, rank=rank, device=device)
         finally:
-            trace.set_interceptor(None)
+            harness.set_interceptor(None)
         strangers = sorted(
             {
                 f"{op} labelled {label!r}: {unknown}"

@@ -7,17 +7,31 @@ collectives they issue (for the cross-rank trace diff) with `register_label_prov
 diff, `name_tensor` names a tensor (or a module's parameters) a collective carries, `asymmetric()`
 marks rank-conditional code whose call sites and tensors differ on purpose, and
 `skip_call_sites_in` leaves a backend's own frames out of call sites; `collectives_issued()` counts
-what a rank issued so far in the test; `strip_path_components` sees a name through the path
+what a rank issued so far in the test; `set_interceptor` sees (or replaces) each traced collective
+(a `CollectiveRecord`) as a rank issues it; `strip_path_components` sees a name through the path
 components wrappers insert. Report formats plug in through the hooks of `harness.hookspecs`.
+
+Public API for other pytest plugins (the conformance suite uses nothing else of the harness):
+`run_context(item)` (the world size and device the harness chose for a test, a `RunContext`),
+`world_device(config, world_size)` and `device_kinds(config)` (the same decision before any test
+runs), `reports_dir(config)` (where reports go), and `Carried` / `NotCarried` / `ReproPolicy`
+for the `pytest_harness_repro_options` hook.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from harness.call_sites import asymmetric, skip_call_sites_in
+from harness.devices import RunContext
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
 from harness.reports import skip_reason
+from harness.repro import Carried, NotCarried, ReproPolicy
 from harness.tensor_names import name_tensor, strip_path_components
-from harness.world_sizes import WorldShape
+from harness.tracefile import CollectiveRecord
+from harness.world_sizes import WorldShape, world_size_of
 
 
 def collectives_issued() -> int:
@@ -29,6 +43,54 @@ def collectives_issued() -> int:
     return trace.recorded_count()
 
 
+if TYPE_CHECKING:
+    import pytest
+
+    from harness.trace import Interceptor
+
+
+# The plugin functions are reached lazily: ranks import this package, and never need the parent's
+# plugin (which brings the pool and the reports along).
+def run_context(item: pytest.Item) -> RunContext:
+    """The world size and device the harness chose for `item`: the ones its ranks run with
+    (`device` None when it lacks its GPUs and is skipped; `world_size` None without ranks)."""
+    from harness import plugin
+
+    return plugin.run_context(item)
+
+
+def world_device(config: pytest.Config, world_size: int | None = None) -> str | None:
+    """The device kind ("cpu", "cuda") a world of `world_size` ranks gets in this session, None
+    when it cannot be had; by default the session's smallest world (one rank; under torchrun the
+    torchrun world). The same decision `run_context` reports per test."""
+    from harness import plugin
+
+    return plugin.world_device(config, world_size)
+
+
+def device_kinds(config: pytest.Config) -> tuple[str, ...]:
+    """Every device kind this session's worlds may get (`--device auto` with GPUs: both)."""
+    from harness import plugin
+
+    return plugin.device_kinds(config)
+
+
+def reports_dir(config: pytest.Config) -> str:
+    """The directory this session writes its reports to (`--reports-dir`, default `<rootdir>/reports`)."""
+    from harness import plugin
+
+    return plugin.reports_dir(config)
+
+
+def set_interceptor(interceptor: Interceptor | None) -> None:
+    """Install the one collective interceptor of this rank (None removes it): it sees each traced
+    collective's `CollectiveRecord` before the call and returns None to let it run as usual (or
+    a runner that issues it its own way; `harness.faults` is built on it). Rank side only."""
+    from harness import trace  # imported here: the pytest process never wraps torch.distributed
+
+    trace.set_interceptor(interceptor)
+
+
 def rank_seed(offset: int = 0) -> int:
     """A seed that differs per rank, derived from the test's seed, for tests that want it."""
     import torch.distributed as dist
@@ -37,17 +99,28 @@ def rank_seed(offset: int = 0) -> int:
 
 
 __all__ = [
+    "Carried",
+    "CollectiveRecord",
+    "NotCarried",
     "RankContext",
+    "ReproPolicy",
+    "RunContext",
     "WorldShape",
     "asymmetric",
     "collectives_issued",
     "current_seed",
+    "device_kinds",
     "name_tensor",
     "rank_fixture",
     "rank_seed",
     "register_label_provider",
+    "reports_dir",
+    "run_context",
     "seed_everything",
+    "set_interceptor",
     "skip_call_sites_in",
     "skip_reason",
     "strip_path_components",
+    "world_device",
+    "world_size_of",
 ]

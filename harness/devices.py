@@ -81,6 +81,44 @@ def plan_devices(requested: str, world_size: int) -> DevicePlan:
     raise ValueError(f"unknown device {requested!r}: use one of {', '.join(DEVICE_CHOICES)}")
 
 
+def plan_world(requested: str, world_size: int, torchrun: tuple[int, int] | None = None) -> DevicePlan:
+    """The one device decision of a session: what a world of `world_size` ranks gets.
+
+    `torchrun` is (WORLD_SIZE, LOCAL_WORLD_SIZE) when torchrun launched this process: the world
+    exists already, so only its own size can run, and GPUs are counted per node (a 2-node world
+    of 8 ranks needs 4 GPUs on each node, not 8).
+    """
+    if torchrun is None:
+        return plan_devices(requested, world_size)
+    world, local_world = torchrun
+    if world_size != world:
+        return DevicePlan(None, f"needs world size {world_size}; this torchrun world has {world} ranks")
+    return plan_devices(requested, local_world)
+
+
+def device_kinds(requested: str, torchrun: tuple[int, int] | None = None) -> tuple[DeviceKind, ...]:
+    """The device kinds worlds of a session may get for `--device requested`.
+
+    `auto` gives CUDA to a world that fits on the visible GPUs and CPU to any larger one, so with
+    GPUs it may use both; under torchrun there is one world, and its device.
+    """
+    if requested in ("cpu", "cuda"):
+        return (requested,)  # type: ignore[return-value]
+    if torchrun is not None:
+        return (plan_world(requested, torchrun[0], torchrun).kind or "cpu",)
+    return ("cuda", "cpu") if visible_gpu_count() else ("cpu",)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The world size and device the harness chose for one test (`harness.run_context`)."""
+
+    world_size: int | None
+    """None for a test without ranks (no `world_size` marker)."""
+    device: DeviceKind | None
+    """None when the test's world cannot have its devices here (it is skipped: too few GPUs)."""
+
+
 @dataclass
 class DeviceTally:
     """How many distributed tests of a session got their devices and how many could not, so a

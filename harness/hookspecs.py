@@ -1,12 +1,24 @@
 """Hooks other plugins implement to extend the harness (registered by `harness.plugin`).
 
 Reports: a distributed test's result reaches `pytest_harness_test_result` once, with every rank's
-case, whoever decided it: the ranks, the trace diff, or the parent before any rank ran (a skip for
-missing GPUs, a world that could not start). Not yet (issue #16): an argument that cannot be
-pickled, lockstep's "world is unusable", and an interrupt (pytest-timeout, Ctrl-C) fail the test
-before it is published. A new report format is a plugin implementing this hook and
-`pytest_harness_write_reports`; the per-rank JUnit files (`harness.junit.JUnitReport`) are built
-that way. See docs/architecture.md for a worked example.
+case, when pytest's reports of all its phases are final, whoever decided it: the ranks, the trace
+diff, the parent before or instead of any rank (a skip for missing GPUs, a world that could not
+start, an argument that cannot be pickled, lockstep's "world is unusable", a fixture error), an
+interrupt (pytest-timeout, Ctrl-C, SIGTERM: published as failed, then the interrupt goes on), and
+what other plugins made of the outcome (xfail markers, the conformance expectations). A test that
+never started is not published (pytest does not report it either). A new report format is a
+plugin implementing this hook and `pytest_harness_write_reports`; the built-in ones are built that
+way: the per-rank JUnit files (`harness.junit.JUnitReport`), the trace files
+(`harness.trace_files.TraceFiles`) and the conformance matrix (`conformance.plugin`). See
+docs/architecture.md for a worked example.
+
+Order (pluggy's): implementations are called last registered first, `tryfirst` / `trylast`
+aside. The built-in report objects are registered in `harness.plugin`'s `pytest_configure`, after
+the plugin modules and the conftest files pytest loads at start, before the conftest files it
+finds while collecting; so the call order is: conftest files found while collecting, the trace
+files, JUnit, then the plugin modules and initial conftest files, latest loaded first.
+The hooks returning values collect every implementation's non-None value in that call order; how
+each is merged is said below.
 """
 
 from __future__ import annotations
@@ -17,44 +29,55 @@ from harness.reports import DistributedTestResult
 from harness.repro import ReproPolicy
 
 
+@pytest.hookspec
 def pytest_harness_repro_options() -> dict[str, ReproPolicy]:
     """Every option this plugin registers (`--name` for command-line options, the bare name for
-    ini options) and whether a failed test's reproduction carries it (`harness.repro.Carried`,
-    optionally with the arguments for one test) or not (`harness.repro.NotCarried(reason)`).
+    ini options) and whether a failed test's reproduction carries it (`harness.Carried`,
+    optionally with the arguments for one test) or not (`harness.NotCarried(reason)`).
 
     E.g. the conformance plugin carries `--backend` as the one backend the failed test ran with.
-    The `REPRO:` line and `--repro` are built from these tables.
+    The `REPRO:` line and `--repro` are built from these tables; the arguments of carried options
+    follow the call order (the conformance plugin's `--backend-path` before its `--backend`).
     """
     raise NotImplementedError  # a hook specification: pytest collects the implementations
 
 
+@pytest.hookspec
 def pytest_harness_repro_args(item: pytest.Item) -> list[str]:
     """Extra command-line arguments the reproduction line of a failed distributed test needs,
     beyond the declared options (`pytest_harness_repro_options`). Every implementation's list is
-    appended.
+    appended, in call order.
     """
     raise NotImplementedError
 
 
+@pytest.hookspec
 def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
     """Properties that sort this test into a report suite, besides its world size and device.
 
     E.g. the conformance plugin returns {"backend": "torch-fsdp2"}. Every implementation's dict is
-    merged; tests with equal properties (and world size, device) share a suite, and the values
-    name it (JUnit: `<values>-ws<N>-<device>-rank<r>`, properties listed on the suite).
+    merged, the first registered plugin's keys first and a later-called value never overriding an
+    earlier-called one's; tests with equal properties (and world size, device) share a suite, and
+    the values name it (JUnit: `<values>-ws<N>-<device>-rank<r>`, properties listed on the suite).
     """
     raise NotImplementedError
 
 
+@pytest.hookspec
 def pytest_harness_test_result(item: pytest.Item, result: DistributedTestResult) -> None:
-    """One distributed test's verdict and every rank's case, once per test, before pytest reports it."""
+    """One distributed test's result (`harness.reports.DistributedTestResult`: pytest's final verdict,
+    every rank's case as its per-rank report shows it, the ranks' traces), once per test, after
+    pytest's reports of its phases are final. Report plugins serialize it; they do not judge it
+    again (the per-rank reconciliation is the harness's, `harness.reports.rank_cases`)."""
     raise NotImplementedError
 
 
+@pytest.hookspec
 def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
     """The session is over: write what was collected; return the paths written.
 
     Called once, at the terminal summary when distributed tests ran (the paths are listed
-    there), otherwise when pytest unconfigures.
+    there, every implementation's list concatenated in call order), otherwise when pytest
+    unconfigures; always after `pytest_sessionfinish`.
     """
     raise NotImplementedError

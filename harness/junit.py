@@ -7,6 +7,8 @@ where every JUnit consumer (Jenkins, GitLab, GitHub reporters) reads them.
 Every distributed test pytest reports is in every rank's file with pytest's verdict (a CI that
 reads only one rank's file sees the run's outcome); the message and text say what that rank
 itself did: its own failure, "failed on another rank (this rank: passed)", or how it was lost.
+That reconciliation is the harness's (`harness.reports.rank_cases`): this module only writes
+each rank's `RankCase` as JUnit XML.
 
 The directory is shared across sessions:
   * a session that ran tests removes the `rank-*.xml` files it found at its start and did not
@@ -38,9 +40,8 @@ from typing import IO, Any
 
 import pytest
 
-from harness.messages import Status
 from harness.reports import DistributedTestResult, RankCase, SuiteKey
-from harness.text import clip, first_line
+from harness.text import clip
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 _MAX_TEXT = 512 * 1024  # characters per element; captured output arrives already cut (harness.text)
@@ -212,7 +213,7 @@ class JUnitReport:
         self, index: int, rank: int, key: SuiteKey, entries: list[tuple[str, str, DistributedTestResult]]
     ) -> ET.Element:
         outcomes = [result.outcome for _, _, result in entries]
-        cases = [rank_view(result, rank) for _, _, result in entries]
+        cases = [result.cases[rank] for _, _, result in entries]
         prefix = "-".join(value for _, value in key.properties) or "harness"
         suite = ET.Element(
             "testsuite",
@@ -237,22 +238,6 @@ class JUnitReport:
         for (classname, name, _), case in zip(entries, cases):
             suite.append(_case_element(classname, name, case))
         return suite
-
-
-def rank_view(result: DistributedTestResult, rank: int) -> RankCase:
-    """What rank `rank`'s file says about a test: the verdict as its status, the rank's own story as
-    its message and text (report writers other than JUnit may use it too)."""
-    own = result.cases.get(rank) or RankCase(result.outcome, 0.0, first_line(result.message), result.message)
-    verdict: Status = result.outcome
-    if own.status == verdict:
-        return own
-    if verdict == "failed":
-        message = f"failed on another rank (this rank: {own.status}): {first_line(result.message)}"
-        return RankCase(verdict, own.time_s, message, f"{message}\n\n{result.message}", own.stdout, own.stderr)
-    if verdict == "xfailed":
-        # The expected failure may be another rank's: the reason is the verdict's, the text this rank's.
-        return RankCase(verdict, own.time_s, result.message, own.text, own.stdout, own.stderr)
-    return RankCase(verdict, own.time_s, first_line(result.message), own.text, own.stdout, own.stderr)
 
 
 def _case_element(classname: str, name: str, case: RankCase) -> ET.Element:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from harness.devices import DevicePlan, join_world, plan_devices, rank_device
+from harness.devices import join_world, rank_device
 from harness.messages import RankLoss, RankResult, TestTask
 from harness.rank_env import loopback_interface
 from harness.runner import TestRunner
@@ -39,7 +39,9 @@ class LockstepSession(HarnessSession):
             # The whole world is on this host: gloo needs no network but loopback, and must not
             # depend on how the host name resolves (see harness.rank_env). Set before any group.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        self.device_plan = plan_devices(self.options.device, local_world)
+        # GPUs are counted on this node (LOCAL_WORLD_SIZE): `plan` is the session's one device decision.
+        self.torchrun_world = (self.world_size, local_world)
+        self.device_plan = self.plan(self.world_size)
         if self.device_plan.kind is None:
             raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
         device = rank_device(self.device_plan.kind, local_rank)
@@ -61,11 +63,6 @@ class LockstepSession(HarnessSession):
 
     def kill_all(self) -> None:
         shutil.rmtree(self.trace_dir, ignore_errors=True)
-
-    def plan(self, world_size: int) -> DevicePlan:
-        if world_size != self.world_size:
-            return DevicePlan(None, f"needs world size {world_size}; this torchrun world has {self.world_size} ranks")
-        return self.device_plan
 
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"

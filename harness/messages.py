@@ -10,6 +10,7 @@ parent-side, is spelled with `Status`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -109,6 +110,24 @@ class RankLoss:
     @property
     def raised_summary(self) -> str:
         return self.raised.partition("\n")[0]
+
+    def account(self, stderr: str = "", frames: Callable[[str], str] = str, last_lines: int | None = None) -> str:
+        """How this rank was lost, the one text every report gives of it: the summary, what it
+        raised before, its Python stacks, its stderr (the last `last_lines` lines when given).
+
+        `frames` filters the traceback and the stacks (the verdict shown in the terminal leaves
+        the harness's own frames out; the per-rank files keep them whole).
+        """
+        lines = [self.summary]
+        if self.raised:
+            lines += [f"--- rank {self.rank} raised, before it was lost ---"]
+            lines += [frames(self.raised.partition("\n")[2].rstrip()) or self.raised_summary]
+        if self.stacks:
+            lines += [f"--- rank {self.rank} Python stacks ---", frames(self.stacks.rstrip())]
+        if stderr.strip():
+            shown = "\n".join(stderr.rstrip().splitlines()[-last_lines:]) if last_lines else stderr
+            lines += [f"--- rank {self.rank} stderr{' (last lines)' if last_lines else ''} ---", shown]
+        return "\n".join(lines)
 
 
 RankResult = RankOutcome | RankLoss

@@ -21,18 +21,21 @@ from typing import Any
 
 import pytest
 
-from harness import hookspecs, rank_fixtures, repro, world_sizes
-from harness.devices import DEVICE_CHOICES, DeviceTally, plan_devices, visible_gpu_count
+from harness import devices, hookspecs, rank_fixtures, repro, world_sizes
+from harness.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
 from harness.session import HarnessSession, session_properties
 from harness.signals import SignalGuard
+from harness.trace_files import TraceFiles
 from harness.world_sizes import world_size_of  # also imported from here by other plugins
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _SIGNALS = pytest.StashKey[SignalGuard]()
 _DEVICES = pytest.StashKey[DeviceTally]()
+_PLAN = pytest.StashKey[DevicePlan]()  # per item: the device decision, made once
 _JUNIT_PLUGIN = "harness-junit"
+_TRACES_PLUGIN = "harness-traces"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -169,11 +172,12 @@ def pytest_configure(config: pytest.Config) -> None:
     guard = SignalGuard()
     guard.install()
     config.stash[_SIGNALS] = guard
-    # The built-in report, registered like any other report plugin (as pytest registers junitxml).
+    # The built-in reports, registered like any other report plugin (as pytest registers junitxml).
     torchrun = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if _launched_by_torchrun() else None
     config.pluginmanager.register(
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
+    config.pluginmanager.register(TraceFiles(os.path.join(reports_dir, "traces")), _TRACES_PLUGIN)
 
 
 def _launched_by_torchrun() -> bool:
@@ -181,9 +185,51 @@ def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def torchrun_world() -> tuple[int, int] | None:
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) when torchrun launched this process, else None."""
+    if not _launched_by_torchrun():
+        return None
+    return int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+# -- the public API for other plugins (re-exported by `harness`) ---------------------------
 def reports_dir(config: pytest.Config) -> str:
     """Where this session writes its reports (other plugins put theirs beside the JUnit files)."""
     return config.stash[_SESSION].reports_dir
+
+
+def run_context(item: pytest.Item) -> RunContext:
+    """The world size and device the harness chose for `item` (the ones its ranks run with)."""
+    size = world_size_of(item)
+    return RunContext(size, None if size is None else _plan(item, size).kind)
+
+
+def world_device(config: pytest.Config, world_size: int | None = None) -> str | None:
+    """The device kind a world of `world_size` ranks gets in this session, None when it cannot be
+    had (`--device cuda` with too few GPUs); by default the session's smallest world: one rank,
+    or under torchrun the whole torchrun world."""
+    torchrun = torchrun_world()
+    size = world_size if world_size is not None else (torchrun[0] if torchrun else 1)
+    return devices.plan_world(config.option.device, size, torchrun).kind
+
+
+def device_kinds(config: pytest.Config) -> tuple[str, ...]:
+    """Every device kind this session's worlds may get (`--device auto` with GPUs: cuda and cpu)."""
+    return devices.device_kinds(config.option.device, torchrun_world())
+
+
+def _plan(item: pytest.Item, world_size: int) -> DevicePlan:
+    """The device decision for `item`, made once and kept on it: dispatch, reports and other
+    plugins (through `run_context`) all see the same."""
+    plan = item.stash.get(_PLAN, None)
+    if plan is None:
+        session = item.config.stash.get(_SESSION, None)
+        if session is not None:
+            plan = session.plan(world_size)
+        else:
+            plan = devices.plan_world(item.config.option.device, world_size, torchrun_world())
+        item.stash[_PLAN] = plan
+    return plan
 
 
 def _register_placeholders(config: pytest.Config) -> None:
@@ -239,8 +285,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     size = world_size_of(pyfuncitem)
     assert size is not None, f"{pyfuncitem.nodeid} runs at no world size: it should have been deselected"
-    pyfuncitem.config.stash[_DEVICES].note(plan_devices(pyfuncitem.config.option.device, size))
-    pyfuncitem.config.stash[_SESSION].run_item(pyfuncitem, size)
+    plan = _plan(pyfuncitem, size)
+    pyfuncitem.config.stash[_DEVICES].note(plan)
+    pyfuncitem.config.stash[_SESSION].run_item(pyfuncitem, size, plan)
     return True
 
 
@@ -319,5 +366,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if junit is not None:
             junit.release()
             config.pluginmanager.unregister(junit)
+        traces = config.pluginmanager.get_plugin(_TRACES_PLUGIN)
+        if traces is not None:
+            config.pluginmanager.unregister(traces)
         if guard is not None:
             guard.uninstall()

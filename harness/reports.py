@@ -1,17 +1,21 @@
 """What report plugins receive: one `DistributedTestResult` per distributed test, with every rank's case.
 
-The harness builds these from the verdict and the ranks' results and hands each to the
-`pytest_harness_test_result` hook (see `harness.hookspecs`); the per-rank JUnit files
-(`harness.junit`) are one implementer, any other report format is another.
+`HarnessSession.publish` builds each once, from pytest's final verdict and the ranks' results
+(`rank_cases`: the one place where a rank's own story is reconciled with the verdict), and hands
+it to the `pytest_harness_test_result` hook (see `harness.hookspecs`). Report plugins only
+serialize it: the per-rank JUnit files (`harness.junit`), the trace files
+(`harness.trace_files`), the conformance matrix, any other format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from harness.messages import RankLoss, RankResult, Status
+from harness.text import first_line
+from harness.tracefile import CollectiveRecord
 
 if TYPE_CHECKING:
     import pytest
@@ -32,7 +36,9 @@ class SuiteKey:
 
 @dataclass(frozen=True)
 class RankCase:
-    """One rank's view of one test, as its per-rank report shows it."""
+    """One rank's view of one test, as its per-rank report shows it: the test's verdict as the
+    status, what this rank itself did as the message and text ("failed on another rank (this
+    rank: passed): ...", its own traceback, how it was lost)."""
 
     status: Status
     time_s: float
@@ -57,31 +63,66 @@ class DistributedTestResult:
     message: str
     """The verdict's text: the failure report or the skip reason (empty for a pass)."""
     cases: dict[int, RankCase]
-    """Every rank's case that this process knows of, by rank."""
+    """Every rank's case that this process knows of, by rank (each rank of the world at least)."""
     own_ranks: tuple[int, ...]
     """The ranks whose per-rank reports this process writes: every rank of a pool session; under
     torchrun only this process's own rank (each rank's process writes its own files)."""
+    traces: Mapping[int, list[CollectiveRecord]] = field(default_factory=dict)
+    """Every rank's collective trace, by rank; empty when no rank ran the test (or it was
+    interrupted before their traces were read)."""
+    divergence: str = ""
+    """The first divergent collective across the ranks' traces (`Divergence.describe()`), also
+    when the test expected it; empty when the traces agree."""
 
 
-def uniform_cases(ranks: Iterable[int], status: Status, message: str, text: str = "") -> dict[int, RankCase]:
-    """The same case for every rank: for verdicts reached before any rank ran (skips, start-up failures)."""
-    return {rank: RankCase(status, 0.0, message, text) for rank in ranks}
+def rank_cases(
+    ranks: Iterable[int],
+    outcome: Status,
+    message: str,
+    results: Mapping[int, RankResult],
+    captured: Mapping[int, tuple[str, str]],
+    divergence: str,
+) -> dict[int, RankCase]:
+    """Every rank's case of a test whose verdict pytest reported as `outcome` with `message`.
 
-
-def rank_case(result: RankResult, stdout: str, stderr: str, divergence: str) -> RankCase:
-    """One rank's case: its own status, except that a rank which took part in a divergence fails.
-
-    `divergence` is the verdict's divergence heading, empty when the traces agreed or the
-    divergence was expected.
+    `results` are the ranks' own results (empty when the parent decided before or instead of
+    them), `captured` their (stdout, stderr), `divergence` the divergence heading of the ranks'
+    verdict (empty when the traces agreed or the divergence was expected): a rank that took part
+    in a divergence failed, whatever it reported.
     """
+    cases = {}
+    for rank in sorted({*ranks, *results}):
+        result = results.get(rank)
+        if result is None:
+            cases[rank] = RankCase(outcome, 0.0, first_line(message), message)
+            continue
+        stdout, stderr = captured.get(rank, ("", ""))
+        cases[rank] = _as_filed(_own_case(result, stdout, stderr, divergence), outcome, message)
+    return cases
+
+
+def _own_case(result: RankResult, stdout: str, stderr: str, divergence: str) -> RankCase:
+    """What the rank itself did."""
     if isinstance(result, RankLoss):
-        raised = f"--- raised, before the rank was lost ---\n{result.raised}\n" if result.raised else ""
-        text = f"{result.summary}\n{raised}{result.stacks}\n--- stderr ---\n{stderr}"
-        return RankCase("failed", result.duration_s, result.summary, text, stdout, stderr)
+        return RankCase("failed", result.duration_s, result.summary, result.account(stderr), stdout, stderr)
     if divergence and result.status != "failed":
         return RankCase("failed", result.duration_s, divergence, divergence, stdout, stderr)
     text = "\n".join(filter(None, [result.traceback or result.summary, divergence]))
     return RankCase(result.status, result.duration_s, result.summary, text, stdout, stderr)
+
+
+def _as_filed(own: RankCase, outcome: Status, message: str) -> RankCase:
+    """The rank's own case under the test's verdict: the verdict is the status (a CI reading one
+    rank's file sees the run's outcome), the rank's story stays in the message and text."""
+    if own.status == outcome:
+        return own
+    if outcome == "failed":
+        summary = f"failed on another rank (this rank: {own.status}): {first_line(message)}"
+        return RankCase(outcome, own.time_s, summary, f"{summary}\n\n{message}", own.stdout, own.stderr)
+    if outcome == "xfailed":
+        # The expected failure may be another rank's: the reason is the verdict's, the text this rank's.
+        return RankCase(outcome, own.time_s, message, own.text, own.stdout, own.stderr)
+    return RankCase(outcome, own.time_s, first_line(message), own.text, own.stdout, own.stderr)
 
 
 def skip_reason(report: pytest.TestReport) -> str:

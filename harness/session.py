@@ -14,9 +14,7 @@ what other plugins made of the outcome (xfail markers, the conformance expectati
 
 from __future__ import annotations
 
-import os
 import pickle
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -26,11 +24,11 @@ import pytest
 import torch
 
 from harness import rank_fixtures, repro
-from harness.devices import DevicePlan, plan_devices
-from harness.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
-from harness.messages import RankLoss, RankOutcome, RankResult, Status, TestTask
-from harness.reports import DistributedTestResult, RankCase, SuiteKey, rank_case, skip_reason, uniform_cases
-from harness.text import describe_exception, first_line
+from harness.devices import DevicePlan, plan_world
+from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
+from harness.messages import RankOutcome, RankResult, Status, TestTask
+from harness.reports import DistributedTestResult, SuiteKey, rank_cases, skip_reason
+from harness.text import describe_exception
 from harness.tracefile import CollectiveRecord
 from harness.verdict import Verdict, decide, failure_text
 
@@ -39,12 +37,14 @@ _PICKLABLE_OPTION_TYPES = (str, int, float, bool, type(None))
 
 @dataclass(frozen=True)
 class Proposal:
-    """What the harness made of a test's ranks, before pytest and its plugins have the last word."""
+    """What the harness made of a test, before pytest and its plugins have the last word: its
+    verdict, and the ranks' execution it came from (None when the parent decided without them)."""
 
     suite: SuiteKey
-    outcome: Status
-    message: str
-    cases: dict[int, RankCase]
+    verdict: Verdict
+    execution: Execution | None = None
+    divergence: str = ""
+    """The first divergent collective (`Divergence.describe()`), expected or not; else empty."""
 
 
 _PROPOSAL = pytest.StashKey[Proposal]()
@@ -81,6 +81,9 @@ def session_properties(config: pytest.Config) -> dict[str, str]:
 class HarnessSession:
     """Task building, verdicts and reporting shared by both ways of running ranks."""
 
+    torchrun_world: tuple[int, int] | None = None
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun world this process is a rank of, else None."""
+
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         self.config = config
         self.options = config.option
@@ -110,8 +113,9 @@ class HarnessSession:
         return range(world_size)
 
     def plan(self, world_size: int) -> DevicePlan:
-        """The device for a world of this size, or a skip reason when it cannot be had."""
-        return plan_devices(self.options.device, world_size)
+        """The device for a world of this size, or a skip reason when it cannot be had (the one
+        device decision: `harness.plugin` asks it once per test and keeps the answer)."""
+        return plan_world(self.options.device, world_size, self.torchrun_world)
 
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests"
@@ -134,15 +138,12 @@ class HarnessSession:
         return None
 
     # -- one test ------------------------------------------------------------------------
-    def run_item(self, item: pytest.Function, world_size: int) -> None:
+    def run_item(self, item: pytest.Function, world_size: int, plan: DevicePlan) -> None:
         self.dispatched += 1
         params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
-        plan = self.plan(world_size)
         suite = self.suite(item, world_size, plan)
         if plan.kind is None:
-            self.propose(
-                item, suite, "skipped", plan.skip_reason, self._uniform(world_size, "skipped", plan.skip_reason)
-            )
+            self.propose(item, Proposal(suite, Verdict("skipped", plan.skip_reason)))
             pytest.skip(plan.skip_reason)
         task = self._task(item, params)
         started = time.monotonic()
@@ -152,10 +153,10 @@ class HarnessSession:
             text = str(error)
             if not isinstance(error, WorldUnusable):
                 text = f"could not start a world of {world_size} ({plan.kind}): {text}"
-            self.propose(item, suite, "failed", text, self._uniform(world_size, "failed", first_line(str(error)), text))
+            self.propose(item, Proposal(suite, Verdict("failed", text)))
             pytest.fail(text, pytrace=False)
         except BaseException as error:  # interrupted in the parent: Ctrl-C, SIGTERM, pytest-timeout
-            self._propose_interrupted(item, suite, world_size, error, time.monotonic() - started)
+            self._propose_interrupted(item, suite, error, time.monotonic() - started)
             raise
         divergence = first_divergence(execution.traces, list(execution.results))
         expected = item.get_closest_marker("expect_divergence") is not None or any(
@@ -166,27 +167,25 @@ class HarnessSession:
             divergence.describe() if divergence else None,
             expected,
             unfinished_collectives(execution.traces),
+            {rank: stderr for rank, (_, stderr) in execution.captured.items()},
         )
         # Ranks first, reports second: `_report` ends in pytest's outcome exception, and the
         # next test must find its pool already kept or discarded.
         self.after_test(item, execution)
-        if divergence is not None or verdict.outcome == "failed":
-            self._write_trace(item, execution.traces, divergence)
         if self.options.show_traces:
             sys.stdout.write(f"--- collective traces ---\n{format_trace_table(execution.traces)}\n")
         if verdict.outcome == "failed":
             repro.remember_failure(item)
-        self._report(item, suite, execution, verdict)
+        self.propose(item, Proposal(suite, verdict, execution, divergence.describe() if divergence else ""))
+        self._report(item, execution, verdict)
 
     def suite(self, item: pytest.Item, world_size: int, plan: DevicePlan | None = None) -> SuiteKey:
         plan = plan or self.plan(world_size)
         return SuiteKey(world_size, plan.kind or self.options.device, _suite_properties(item))
 
-    def propose(
-        self, item: pytest.Item, suite: SuiteKey, outcome: Status, message: str, cases: dict[int, RankCase]
-    ) -> None:
+    def propose(self, item: pytest.Item, proposal: Proposal) -> None:
         """Record what the ranks (or the parent for them) made of the test; `finish_test` publishes it."""
-        item.stash[_PROPOSAL] = Proposal(suite, outcome, message, cases)
+        item.stash[_PROPOSAL] = proposal
 
     def record_phase(self, item: pytest.Item, report: pytest.TestReport) -> None:
         """pytest's final report of one phase (setup, call, teardown) of a distributed test."""
@@ -199,47 +198,49 @@ class HarnessSession:
         if not phases and proposal is None:
             return  # never started (interrupted before its setup): pytest does not report it either
         outcome, message = final_verdict(phases, proposal, interrupted)
-        if proposal is not None:
-            suite, cases = proposal.suite, proposal.cases
-        else:
-            suite = self.suite(item, world_size)
-            cases = self._uniform(world_size, outcome, first_line(message), message)
-        self.publish(item, suite, outcome, message, cases)
+        proposal = proposal or Proposal(self.suite(item, world_size), Verdict(outcome, message))
+        self.publish(item, proposal, outcome, message)
         del item.stash[_PHASES]
-        if proposal is not None:
+        if _PROPOSAL in item.stash:
             del item.stash[_PROPOSAL]
 
-    def publish(
-        self, item: pytest.Item, suite: SuiteKey, outcome: Status, message: str, cases: dict[int, RankCase]
-    ) -> None:
-        """Hand one test's verdict to every report plugin: the single way out for results."""
+    def publish(self, item: pytest.Item, proposal: Proposal, outcome: Status, message: str) -> None:
+        """Hand one test's verdict, as pytest reported it (`outcome`, `message`), to every report
+        plugin: the single way out for results, and the one place each rank's case is built."""
         self.published += 1
+        world_size = proposal.suite.world_size
+        own_ranks = tuple(self.own_ranks(world_size))
+        execution = proposal.execution or Execution({}, {}, {})
         result = DistributedTestResult(
             nodeid=item.nodeid,
             name=item.name,
-            suite=suite,
+            suite=proposal.suite,
             outcome=outcome,
             message=message,
-            cases=cases,
-            own_ranks=tuple(self.own_ranks(suite.world_size)),
+            cases=rank_cases(
+                [*range(world_size), *own_ranks],
+                outcome,
+                message,
+                execution.results,
+                execution.captured,
+                proposal.verdict.divergence,
+            ),
+            own_ranks=own_ranks,
+            traces=execution.traces,
+            divergence=proposal.divergence,
         )
         item.config.hook.pytest_harness_test_result(item=item, result=result)
 
-    def _uniform(self, world_size: int, status: Status, message: str, text: str = "") -> dict[int, RankCase]:
-        return uniform_cases(sorted({*range(world_size), *self.own_ranks(world_size)}), status, message, text)
-
-    def _propose_interrupted(
-        self, item: pytest.Item, suite: SuiteKey, world_size: int, error: BaseException, elapsed_s: float
-    ) -> None:
+    def _propose_interrupted(self, item: pytest.Item, suite: SuiteKey, error: BaseException, elapsed_s: float) -> None:
         reason = f"stopped by the pytest process {elapsed_s:.1f} s into the test: {describe_exception(error)}"
         results = self.interrupted_results()
         if not results:
-            self.propose(item, suite, "failed", reason, self._uniform(world_size, "failed", reason))
+            self.propose(item, Proposal(suite, Verdict("failed", reason)))
             return
         # Each rank's own case (those that had answered keep their outcome); every rank's file
         # still gets the verdict, the parent's reason, when the test is published.
-        cases = {rank: rank_case(result, "", "", "") for rank, result in results.items()}
-        self.propose(item, suite, "failed", f"{reason}\n\n{failure_text(results)}", cases)
+        verdict = Verdict("failed", f"{reason}\n\n{failure_text(results)}")
+        self.propose(item, Proposal(suite, verdict, Execution(results, {}, {})))
 
     def _task(self, item: pytest.Function, params: dict[str, Any]) -> TestTask:
         rank_side = set(rank_fixtures.registered_names())
@@ -267,22 +268,8 @@ class HarnessSession:
             sys_path=list(sys.path),
         )
 
-    def _write_trace(
-        self, item: pytest.Function, traces: dict[int, list[CollectiveRecord]], divergence: Divergence | None
-    ) -> None:
-        directory = os.path.join(self.reports_dir, "traces")
-        os.makedirs(directory, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid).strip("_") + ".txt"
-        header = f"first divergence: {divergence.describe()}" if divergence else "no divergence between ranks"
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as handle:
-            handle.write(f"{item.nodeid}\n{header}\n\n{format_trace_table(traces)}\n")
-
-    def _report(self, item: pytest.Function, suite: SuiteKey, execution: Execution, verdict: Verdict) -> None:
-        cases = {
-            rank: rank_case(result, *execution.captured.get(rank, ("", "")), verdict.divergence)
-            for rank, result in execution.results.items()
-        }
-        self.propose(item, suite, verdict.outcome, verdict.message, cases)
+    def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict) -> None:
+        """Show the ranks' output and end in pytest's outcome for the verdict."""
         for rank in execution.results:
             stdout, stderr = execution.captured.get(rank, ("", ""))
             if stdout:
@@ -290,12 +277,7 @@ class HarnessSession:
             if stderr:
                 sys.stdout.write(f"--- rank {rank} stderr ---\n{stderr}\n")
         if verdict.outcome == "failed":
-            lost = [
-                f"--- rank {rank} stderr (last lines) ---\n{_tail_lines(execution.captured[rank][1], 25)}"
-                for rank, result in execution.results.items()
-                if isinstance(result, RankLoss) and execution.captured.get(rank, ("", ""))[1]
-            ]
-            pytest.fail("\n".join([verdict.message, *lost, repro.repro_line(item)]), pytrace=False)
+            pytest.fail(f"{verdict.message}\n{repro.repro_line(item)}", pytrace=False)
         if verdict.outcome == "skipped":
             pytest.skip(verdict.message)
         if verdict.outcome == "xfailed":
@@ -320,14 +302,14 @@ def final_verdict(
     elif call is not None and call.passed:
         outcome, message = "passed", ""
     elif call is not None and call.failed:
-        agree = proposal is not None and proposal.outcome == "failed"
-        outcome, message = "failed", proposal.message if agree and proposal else call.longreprtext
+        agree = proposal is not None and proposal.verdict.outcome == "failed"
+        outcome, message = "failed", proposal.verdict.message if agree and proposal else call.longreprtext
     elif call is not None:
         outcome, message = _skipped(call)
-        if proposal is not None and proposal.outcome == outcome and outcome == "skipped":
-            message = proposal.message
+        if proposal is not None and proposal.verdict.outcome == outcome and outcome == "skipped":
+            message = proposal.verdict.message
     elif proposal is not None and interrupted is not None:
-        outcome, message = "failed", proposal.message
+        outcome, message = "failed", proposal.verdict.message
     elif interrupted is not None:
         outcome, message = "failed", f"interrupted before the test ran: {describe_exception(interrupted)}"
     else:
@@ -349,10 +331,6 @@ def _suite_properties(item: pytest.Item) -> tuple[tuple[str, str], ...]:
     for properties in reversed(item.config.hook.pytest_harness_suite_properties(item=item)):
         merged.update({str(name): str(value) for name, value in properties.items()})
     return tuple(merged.items())
-
-
-def _tail_lines(text: str, count: int) -> str:
-    return "\n".join(text.rstrip().splitlines()[-count:])
 
 
 def _picklable(value: Any) -> bool:

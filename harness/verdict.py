@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
@@ -24,6 +25,7 @@ def decide(
     divergence: str | None = None,
     divergence_expected: bool = False,
     unfinished: str | None = None,
+    stderr: Mapping[int, str] | None = None,
 ) -> Verdict:
     """All ranks must agree: one failing rank fails the test; ranks disagreeing on a skip fail it too.
 
@@ -34,9 +36,9 @@ def decide(
     """
     distinct = {result.status for result in results.values()}
     if unfinished and "failed" in distinct:
-        results_text = f"{failure_text(results)}\n\nunfinished collectives: {unfinished}"
+        results_text = f"{failure_text(results, stderr)}\n\nunfinished collectives: {unfinished}"
     else:
-        results_text = failure_text(results)
+        results_text = failure_text(results, stderr)
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
         if distinct == {"passed"}:
@@ -73,10 +75,16 @@ def world_reusable(results: dict[int, RankResult], traces: dict[int, list[Collec
     return len(sync_states) == 1 and not last_unfinished(traces)
 
 
-def failure_text(results: dict[int, RankResult]) -> str:
+LOST_STDERR_LINES = 25
+"""How much of a lost rank's stderr the verdict shows (its per-rank file has all of it)."""
+
+
+def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | None = None) -> str:
     """The per-rank account of a failed test: the rank that failed first, when one can be told
     apart, comes first and the others are marked as failing after it; stacks leave out the
-    harness's own frames (the JUnit files keep them whole)."""
+    harness's own frames (the JUnit files keep them whole). A lost rank's account ends with the
+    last lines of its `stderr` (by rank), often the only trace of why it died."""
+    stderr = stderr or {}
     lines = [
         "distributed test failed: " + ", ".join(f"rank {rank} {result.status}" for rank, result in results.items())
     ]
@@ -97,13 +105,7 @@ def failure_text(results: dict[int, RankResult]) -> str:
         after = f" (after rank {first})" if first is not None and rank != first and result.status == "failed" else ""
         lines.append(f"{'=' * 20} rank {rank}: {result.status}{after} {'=' * 20}")
         if isinstance(result, RankLoss):
-            lines.append(result.summary)
-            if result.raised:
-                lines.append(f"--- rank {rank} raised, before it was lost ---")
-                lines.append(without_harness_frames(result.raised.partition("\n")[2].rstrip()) or result.raised_summary)
-            if result.stacks:
-                lines.append(f"--- rank {rank} Python stacks ---")
-                lines.append(without_harness_frames(result.stacks.rstrip()))
+            lines.append(result.account(stderr.get(rank, ""), without_harness_frames, last_lines=LOST_STDERR_LINES))
         elif result.status == "failed":
             lines.append(without_harness_frames(result.traceback.rstrip()) or result.summary)
         else:

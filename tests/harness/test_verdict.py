@@ -9,7 +9,7 @@ from test_divergence import rec
 
 from harness import verdict
 from harness.messages import RankLoss, RankOutcome
-from harness.reports import rank_case
+from harness.reports import rank_cases
 from harness.tracefile import CollectiveRecord, last_unfinished
 from harness.verdict import decide, world_reusable
 
@@ -81,6 +81,41 @@ def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls
 
 def test_each_rank_case_has_that_rank_s_own_duration_lost_ranks_included() -> None:
     lost = RankLoss(1, "hung: no result within the 120 s test deadline", stacks="Thread 0x1", duration_s=120.4)
-    cases = {rank: rank_case(result, "", "", "") for rank, result in {0: outcome(0), 1: lost}.items()}
+    cases = rank_cases(range(2), "failed", "rank 1 hung", {0: outcome(0), 1: lost}, {}, "")
     assert (cases[0].time_s, cases[1].time_s) == (0.1, 120.4)
     assert RankLoss(0, "exited with code 3").duration_s == 0.0  # never got the task
+
+
+def test_each_rank_s_case_is_reconciled_with_the_verdict_once() -> None:
+    """What every report plugin receives (harness.reports.rank_cases): the verdict as each rank's
+    status, the rank's own story as its message and text; a rank without a result gets the verdict."""
+    lost = RankLoss(2, "was killed by SIGKILL (9)", raised="ValueError: boom\nTraceback: here")
+    results = {0: outcome(0), 1: outcome(1, "failed", summary="AssertionError: no"), 2: lost}
+    stderr = "\n".join(f"line {n}" for n in range(40))
+    cases = rank_cases(range(4), "failed", "distributed test failed\nmore", results, {2: ("", stderr)}, "")
+    assert cases[0].status == "failed"
+    assert cases[0].message == "failed on another rank (this rank: passed): distributed test failed"
+    assert (cases[1].status, cases[1].message) == ("failed", "AssertionError: no")
+    assert cases[2].message == "rank 2 was killed by SIGKILL (9), after raising ValueError: boom"
+    assert "--- rank 2 raised, before it was lost ---\nTraceback: here" in cases[2].text
+    assert cases[2].text.endswith(f"--- rank 2 stderr ---\n{stderr}")  # the per-rank file: all of it
+    assert (cases[3].status, cases[3].message, cases[3].text) == (
+        "failed",
+        "distributed test failed",
+        "distributed test failed\nmore",
+    )
+    # A rank that passed took part in a divergence: it failed; an expected failure keeps its story.
+    diverged = rank_cases(range(2), "failed", "diverged", {0: outcome(0), 1: outcome(1)}, {}, "ranks issued ...")
+    assert diverged[0].message == diverged[0].text == "ranks issued ..."
+    expected = rank_cases(range(2), "xfailed", "known bug", results, {}, "")
+    assert (expected[1].status, expected[1].message, expected[1].text) == ("xfailed", "known bug", "AssertionError: no")
+
+
+def test_a_lost_rank_s_account_in_the_verdict_ends_with_its_last_stderr_lines() -> None:
+    lost = RankLoss(1, "exited with code 3")
+    stderr = "\n".join(f"line {n}" for n in range(40))
+    message = decide({0: outcome(0), 1: lost}, stderr={1: stderr}).message
+    assert message.endswith(
+        "rank 1 exited with code 3\n--- rank 1 stderr (last lines) ---\n"
+        + "\n".join(f"line {n}" for n in range(15, 40))
+    )
