@@ -23,7 +23,7 @@ import torch
 
 from conformance import admission, expectations, platforms, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
-from harness import repro
+from harness import preflight, repro
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
 
@@ -109,8 +109,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "smoke: an adapter's basics in under a minute (conformance/test_smoke.py; -k smoke or -m smoke)",
     )
+    _require_harness(config)
     # Ranks take the parent's sys.path with every task, so this reaches them too.
     for directory in reversed(config.getoption("backend_path")):
+        if not Path(directory).is_dir():
+            raise pytest.UsageError(
+                f"--backend-path {directory}: no such directory; pass the directory that holds "
+                "the adapter's top-level package (the one 'package.module:attr' imports from)"
+            )
         path = str(Path(directory).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -121,9 +127,30 @@ def pytest_configure(config: pytest.Config) -> None:
         _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
     config.stash[_SKIPS] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before the first test (the harness knows its reports directory only once configured):
+    a matrix that could not be written would be lost at the end of the run."""
+    directory = Path(reports_dir(session.config))
+    preflight.require_writable(
+        files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
+    )
+    session.config.stash[_MATRIX] = Matrix()
+
+
+def _require_harness(config: pytest.Config) -> None:
+    """The scenarios run on the harness's rank processes and this plugin reads its options."""
+    if config.pluginmanager.is_blocked("harness.plugin") or not config.pluginmanager.has_plugin("harness.plugin"):
+        raise pytest.UsageError(
+            "the conformance plugin needs the harness plugin, which this session disabled "
+            "(-p no:harness.plugin): the scenarios run on the harness's rank processes; drop "
+            "-p no:harness.plugin, or also pass -p no:conformance.plugin to run only tests that "
+            "need neither"
+        )
 
 
 def _select(config: pytest.Config) -> BackendSelection:

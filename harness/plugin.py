@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from harness import hookspecs, rank_fixtures, repro, world_sizes
+from harness import hookspecs, preflight, rank_fixtures, repro, world_sizes
 from harness.devices import DEVICE_CHOICES, DeviceTally, plan_devices, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
@@ -131,6 +131,7 @@ def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    preflight.refuse_parallel_workers(config)
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
     world_sizes.configure(config, visible_gpu_count())
@@ -155,6 +156,12 @@ def pytest_configure(config: pytest.Config) -> None:
             ) from error
     _register_placeholders(config)
     reports_dir = _reports_dir(config)
+    preflight.require_writable(
+        directories=[
+            ("the per-rank JUnit files", os.path.join(reports_dir, "junit")),
+            ("the collective traces of failed tests", os.path.join(reports_dir, "traces")),
+        ]
+    )
     session: HarnessSession
     if _launched_by_torchrun():
         # Imported only here: a pool parent never loads the rank-side runner, nor through it
@@ -287,6 +294,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     harness_session = session.config.stash.get(_SESSION, None)
     if harness_session is not None:
         harness_session.collected([item.nodeid for item in session.items])
+    _say_oversubscribed(session)
+
+
+def _say_oversubscribed(session: pytest.Session) -> None:
+    """Once, before the first test: CPU worlds with more ranks than cores (slow, and timeouts may need raising)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or _launched_by_torchrun():
+        return
+    sizes = {size for item in session.items if (size := world_size_of(item)) is not None}
+    device = session.config.option.device
+    line = preflight.oversubscription_line(
+        (size for size in sizes if plan_devices(device, size).kind == "cpu"), preflight.usable_cores()
+    )
+    if line is not None:
+        reporter.write_line(line, yellow=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
