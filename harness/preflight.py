@@ -88,8 +88,7 @@ def refuse_parallel_workers(config: pytest.Config) -> None:
             f"pytest-xdist ({given}) is not supported: the harness runs every distributed test on "
             "its own warm rank processes already, and its reports (per-rank JUnit files, traces, "
             "the conformance matrix) are written by a single pytest session, so xdist workers "
-            "would lose part of them; drop -n (or pass -p no:xdist), and choose the world sizes "
-            "with --world-sizes instead"
+            "would lose part of them; drop -n (or pass -n 0 to override an addopts setting)"
         )
 
 
