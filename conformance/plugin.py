@@ -11,6 +11,7 @@ are reported as stale, and fail the run under ``--strict-expectations``.
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import sysconfig
 from collections.abc import Generator
@@ -36,6 +37,7 @@ _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
+_STALE_STAT = "stale expectations (--strict-expectations: run failed)"
 
 
 @dataclass(frozen=True)
@@ -424,7 +426,16 @@ def _stale(config: pytest.Config) -> list[expectations.StaleEntry]:
         path = (config.rootpath / file).resolve()
         return any(path == root or root in path.parents for root in roots)
 
-    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered)
+    def never_collected(file: str) -> str | None:
+        path = config.rootpath / file
+        if not path.is_file():
+            return f"its file {file} does not exist (under {config.rootpath})"
+        patterns = config.getini("python_files")
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
+            return f"its file {file} is not a test file (python_files: {' '.join(patterns)})"
+        return None
+
+    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered, never_collected)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -480,3 +491,7 @@ def _summarise_stale(terminalreporter: Any, config: pytest.Config) -> None:
         f"{len(stale)} stale expected-failure entr{'y' if len(stale) == 1 else 'ies'}: remove "
         "or fix them" + ("; --strict-expectations fails the run" if strict else "")
     )
+    if strict:
+        # pytest's last line counts every key of its stats: a strict run that fails for stale
+        # entries alone must not end in "4 passed" with exit status 1.
+        terminalreporter.stats.setdefault(_STALE_STAT, []).extend(stale)
