@@ -71,7 +71,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         help=(
             "directory put at the front of sys.path (here and in the ranks) before --backend "
-            "'package.module:attr' is imported; REPRO lines carry it"
+            "'package.module:attr' is imported; it must exist; REPRO lines carry it (default: none)"
         ),
     )
     group.addoption(
@@ -88,7 +88,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help=(
             "fail the run when an expected-failure entry is stale: its scenario matches no "
-            "collected test of a file collected whole, or its test was skipped"
+            "collected test of a file collected whole, its file does not exist or is no test file, "
+            "or its test was skipped (default: stale entries are listed, the run does not fail)"
         ),
     )
 

@@ -46,7 +46,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=DEVICE_CHOICES,
         default="auto",
         help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
-        "auto: cuda when enough GPUs exist (default)",
+        "auto: cuda when enough GPUs exist (default: %(default)s)",
     )
     group.addoption(
         "--world-sizes",
@@ -56,24 +56,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(default: each test's own sizes; constrained tests without defaults run at 1,2,4 and, with CUDA, "
         "at the number of visible GPUs); under torchrun the world size is WORLD_SIZE",
     )
-    group.addoption("--seed", type=int, default=1234, help="seed every rank gets before each test")
+    group.addoption(
+        "--seed", type=int, default=1234, help="seed every rank gets before each test (default: %(default)s)"
+    )
     group.addoption(
         "--collective-timeout",
         type=float,
         default=30.0,
-        help="process-group timeout in seconds: a rank stuck in a collective fails after it",
+        metavar="SECONDS",
+        help="process-group timeout: a rank stuck in a collective fails after it (default: %(default)s s)",
     )
     group.addoption(
         "--test-timeout",
         type=float,
         default=120.0,
-        help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed",
+        metavar="SECONDS",
+        help="parent deadline per distributed test; hung ranks are stack-dumped and killed (default: %(default)s s)",
     )
     group.addoption(
         "--straggler-grace",
         type=float,
         default=5.0,
-        help="seconds the other ranks get to finish once one rank has failed",
+        metavar="SECONDS",
+        help="how long the other ranks get to finish once one rank has failed (default: %(default)s s)",
     )
     group.addoption(
         "--repro",
@@ -85,7 +90,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
     )
-    group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
+    group.addoption(
+        "--reports-dir",
+        metavar="DIR",
+        default=None,
+        help="where the reports go: junit/rank-<r>.xml, traces/, conformance.md and .html (default: <rootdir>/reports)",
+    )
     parser.addini(
         "rank_fixture_modules",
         type="linelist",
