@@ -85,7 +85,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NODEID",
         default=None,
         help="re-run a distributed test that failed earlier with the same seed, world size, device, "
-        "timeouts and plugin options (e.g. --backend), and print its collective traces",
+        "timeouts and plugin options (e.g. --backend), and print its collective traces (default: none)",
     )
     group.addoption(
         "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
