@@ -148,12 +148,31 @@ def test_help_gives_every_default_and_unit() -> None:
         assert re.search(r"\(default: [0-9.]+ s\)", ours[name]), ours[name]
 
 
-def test_documented_timeout_defaults_are_the_parser_defaults() -> None:
-    table = re.findall(r"^\| `(--[a-z-]+) S` \| ([0-9.]+) \|", (ROOT / "docs" / "ci.md").read_text(), re.MULTILINE)
-    assert {name for name, _ in table} >= {"--collective-timeout", "--test-timeout", "--straggler-grace"}, table
-    for name, documented in table:
-        shown = re.search(r"\(default: ([0-9.]+) s\)", help_options()[name][1])
-        assert shown is not None and float(shown.group(1)) == float(documented), (name, documented, shown)
+def test_documented_defaults_are_the_parser_defaults() -> None:
+    """Every options table in the docs (`| `--option ARG` | default | ...`) against --help's defaults."""
+    rows = [
+        (f"{where}:{number}", name, default.strip().strip("`"))
+        for where, number, line in _doc_lines()
+        for name, default in re.findall(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]*) \|", line)
+    ]
+    names = {name for _, name, _ in rows}
+    assert {"--collective-timeout", "--test-timeout", "--straggler-grace", "--seed", "--device"} <= names, rows
+    wrong = []
+    for where, name, documented in rows:
+        shown = help_options()[name][1].partition("default: ")[2]
+        if re.fullmatch(r"[0-9.]+", documented):
+            number = re.match(r"[0-9.]+", shown)
+            if number is None or float(number.group()) != float(documented):
+                wrong.append(f"{where}: {name} documented {documented}, --help says {shown or 'no default'}")
+        elif documented not in ("", "off") and documented not in shown:
+            wrong.append(f"{where}: {name} documented {documented!r}, --help says {shown or 'no default'}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_every_harness_option_is_in_the_options_table() -> None:
+    table = (ROOT / "docs" / "harness.md").read_text().partition("## Options")[2].partition("\n## ")[0]
+    harness = [name for name, (group, _) in help_options().items() if group.startswith(OUR_GROUPS[0])]
+    assert harness and [name for name in harness if f"`{name}" not in table] == []
 
 
 def test_every_upper_case_name_the_docs_use_is_in_the_code() -> None:
