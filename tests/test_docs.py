@@ -28,6 +28,8 @@ OTHER_TOOLS = {
     "--lf": "pytest",
     "--rootdir": "pytest",
     "--timeout": "pytest-timeout",
+    "--dist": "pytest-xdist (refused by harness.preflight)",
+    "--tx": "pytest-xdist (refused by harness.preflight)",
     "--standalone": "torchrun",
     "--nproc-per-node": "torchrun",
     "--nnodes": "torchrun",
