@@ -397,7 +397,9 @@ def stale_entries(
                 if unreachable is not None:
                     stale.append(StaleEntry(selection, entry, unreachable + _full_form_hint(entry, record)))
                 elif entry.file in record.collected_files and covered(entry.file):
-                    stale.append(StaleEntry(selection, entry, "matches no collected test"))
+                    stale.append(
+                        StaleEntry(selection, entry, "matches no collected test" + _node_id_hint(entry, selection))
+                    )
                 continue
             skipped = record.skipped.get((selection, entry.scenario))
             if skipped is not None and entry.when.matches(skipped[0]):
@@ -414,3 +416,12 @@ def _full_form_hint(entry: ExpectedFailure, record: RunRecord) -> str:
         "; a scenario id starts with the test file's path from the root directory: "
         f"{candidates[0]}::{entry.scenario.partition('::')[2]}"
     )
+
+
+def _node_id_hint(entry: ExpectedFailure, backend: str) -> str:
+    """For a scenario id copied from a test id with the backend still in it, the id to write."""
+    try:
+        without = scenario_id(entry.scenario, backend)
+    except ValueError:
+        return ""
+    return f"; a scenario id leaves out the backend: {without}"

@@ -233,6 +233,15 @@ def test_an_entry_no_run_can_collect_is_stale_whatever_the_run_covered() -> None
     )
 
 
+def test_an_entry_copied_from_a_test_id_names_the_scenario_id_to_write() -> None:
+    copied = ExpectedFailure(**{**vars(ENTRY), "scenario": ENTRY.scenario.replace("[", "[torch-fsdp2-")})
+    expected = {"torch-fsdp2": Expectations("torch-fsdp2", [copied])}
+    stale = expectations.stale_entries(expected, _record(ENTRY.scenario), lambda file: True)
+    assert [s.why for s in stale] == [
+        f"matches no collected test; a scenario id leaves out the backend: {ENTRY.scenario}"
+    ]
+
+
 def test_an_entry_whose_test_was_skipped_is_stale_when_its_condition_held() -> None:
     cuda_only = ExpectedFailure(**{**vars(ENTRY), "when": Condition(devices=("cuda",))})
     for entry, context, is_stale in ((ENTRY, CPU2, True), (cuda_only, CPU2, False), (cuda_only, CUDA2, True)):
