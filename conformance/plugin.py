@@ -24,9 +24,10 @@ import torch
 
 from conformance import admission, expectations, platforms, registry, versions
 from conformance.matrix import Matrix, classify, render_html, render_markdown
-from harness import preflight, repro
+from harness import repro
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
+from harness.preflight import require_writable
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
 pytest_plugins = ["harness.plugin"]
@@ -139,7 +140,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Before the first test (the harness knows its reports directory only once configured):
     a matrix that could not be written would be lost at the end of the run."""
     directory = Path(reports_dir(session.config))
-    preflight.require_writable(
+    require_writable(
         files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
     )
     session.config.stash[_MATRIX] = Matrix()
