@@ -295,13 +295,17 @@ def _backend_name(item: Any) -> str | None:
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    """Note every test collected with a backend, before any deselection (-k, -m, --lf)."""
+    """Note every test collected with a backend, before any deselection (-k, -m, --lf), and the
+    file of every other test (an entry naming a test without a backend matches nothing)."""
     for node in report.result:
         name = _backend_name(node) if isinstance(node, pytest.Item) else None
+        record = node.config.stash.get(_RUN, None)
+        if record is None or not isinstance(node, pytest.Item):
+            continue
         if name is not None:
-            record = node.config.stash.get(_RUN, None)
-            if record is not None:
-                record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+            record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+        else:
+            record.collected_files.add(node.nodeid.split("::", 1)[0])
 
 
 def run_context(item: pytest.Item) -> expectations.RunContext:

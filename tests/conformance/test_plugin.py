@@ -230,6 +230,23 @@ def test_entries_no_run_can_match_are_stale_whatever_the_selection(pytester: pyt
     assert "3 stale expectations (--strict-expectations: run failed)" in result.stdout.lines[-1]
 
 
+def test_an_entry_naming_a_test_without_a_backend_is_stale(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    write_entries(pytester, "test_plain.py::test_plain")
+    result = pytester.runpytest(
+        "-p",
+        "conformance.plugin",
+        "--backend",
+        "torch-fsdp1",
+        "--expectations-dir",
+        str(pytester.path / "expectations"),
+        "--reports-dir",
+        str(pytester.path / "reports"),
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["torch-fsdp1: test_plain.py::test_plain: matches no collected test"])
+
+
 def test_bad_backend_path_and_disabled_harness_are_usage_errors(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_scenario=SCENARIO)
     result = pytester.runpytest("-p", "conformance.plugin", "--backend-path", str(pytester.path / "nowhere"))
