@@ -38,7 +38,6 @@ _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
-_STALE_STAT = "stale expectations (--strict-expectations: run failed)"
 
 
 @dataclass(frozen=True)
@@ -500,4 +499,5 @@ def _summarise_stale(terminalreporter: Any, config: pytest.Config) -> None:
     if strict:
         # pytest's last line counts every key of its stats: a strict run that fails for stale
         # entries alone must not end in "4 passed" with exit status 1.
-        terminalreporter.stats.setdefault(_STALE_STAT, []).extend(stale)
+        noun = "stale expectation" if len(stale) == 1 else "stale expectations"
+        terminalreporter.stats.setdefault(f"{noun} (--strict-expectations: run failed)", []).extend(stale)
