@@ -28,10 +28,13 @@ Outcomes: a listed scenario that fails with the recorded text becomes xfail
 it); one that fails differently stays a failure. The reference backend may list nothing.
 
 *Stale* entries describe nothing the run checked: their scenario matches no collected test
-although the entry's file was collected whole, or their test was skipped in a run the entry's
-``when`` describes. Deselected tests (``-k``, node ids) and tests skipped because the machine
-lacks the devices (``--device cuda`` with too few GPUs) do not make an entry stale. The conformance plugin
-reports stale entries, and ``--strict-expectations`` makes them fail the run.
+although the entry's file was collected whole, their file is one no run can collect a test from
+(it does not exist, as in the matrix's short form ``test_runtime.py::test_training``, or it is
+not a test file), or their test was skipped in a run the entry's ``when`` describes.
+Deselected tests (``-k``, node ids) and tests skipped because the machine lacks the devices
+(``--device cuda`` with too few GPUs) do not make an entry stale. The conformance plugin
+reports stale entries, and ``--strict-expectations`` makes them fail the run (its last line
+says so).
 """
 
 from __future__ import annotations
@@ -376,19 +379,49 @@ class RunRecord:
 
 
 def stale_entries(
-    expected: dict[str, Expectations], record: RunRecord, covered: Callable[[str], bool]
+    expected: dict[str, Expectations],
+    record: RunRecord,
+    covered: Callable[[str], bool],
+    never_collected: Callable[[str], str | None] = lambda file: None,
 ) -> list[StaleEntry]:
     """Entries describing nothing this run checked (module docstring). ``covered(file)``: the
-    run asked for that whole file (not a subset of its tests by node id)."""
+    run asked for that whole file (not a subset of its tests by node id). ``never_collected(file)``:
+    why no run could collect a test from ``file`` (it does not exist, it is not a test file), or
+    None; such an entry is stale whatever the run selected."""
     stale = []
     for selection, entries in expected.items():
         collected = record.collected.get(selection, set())
         for entry in entries:
             if entry.scenario not in collected:
-                if entry.file in record.collected_files and covered(entry.file):
-                    stale.append(StaleEntry(selection, entry, "matches no collected test"))
+                unreachable = never_collected(entry.file)
+                if unreachable is not None:
+                    stale.append(StaleEntry(selection, entry, unreachable + _full_form_hint(entry, record)))
+                elif entry.file in record.collected_files and covered(entry.file):
+                    stale.append(
+                        StaleEntry(selection, entry, "matches no collected test" + _node_id_hint(entry, selection))
+                    )
                 continue
             skipped = record.skipped.get((selection, entry.scenario))
             if skipped is not None and entry.when.matches(skipped[0]):
                 stale.append(StaleEntry(selection, entry, f"its test was skipped ({skipped[1]})"))
     return stale
+
+
+def _full_form_hint(entry: ExpectedFailure, record: RunRecord) -> str:
+    """For a scenario id written without its directory (the matrix's short form), the id to write."""
+    candidates = sorted(f for f in record.collected_files if f.endswith("/" + entry.file))
+    if not candidates:
+        return ""
+    return (
+        "; a scenario id starts with the test file's path from the root directory: "
+        f"{candidates[0]}::{entry.scenario.partition('::')[2]}"
+    )
+
+
+def _node_id_hint(entry: ExpectedFailure, backend: str) -> str:
+    """For a scenario id copied from a test id with the backend still in it, the id to write."""
+    try:
+        without = scenario_id(entry.scenario, backend)
+    except ValueError:
+        return ""
+    return f"; a scenario id leaves out the backend: {without}"

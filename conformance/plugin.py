@@ -11,6 +11,7 @@ are reported as stale, and fail the run under ``--strict-expectations``.
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import sysconfig
 from collections.abc import Generator
@@ -68,7 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         help=(
             "directory put at the front of sys.path (here and in the ranks) before --backend "
-            "'package.module:attr' is imported; REPRO lines carry it"
+            "'package.module:attr' is imported; it must exist; REPRO lines carry it (default: none)"
         ),
     )
     group.addoption(
@@ -85,7 +86,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help=(
             "fail the run when an expected-failure entry is stale: its scenario matches no "
-            "collected test of a file collected whole, or its test was skipped"
+            "collected test of a file collected whole, its file does not exist or is no test file, "
+            "or its test was skipped (default: stale entries are listed, the run does not fail)"
         ),
     )
 
@@ -108,8 +110,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "smoke: an adapter's basics in under a minute (conformance/test_smoke.py; -k smoke or -m smoke)",
     )
+    _require_harness(config)
     # Ranks take the parent's sys.path with every task, so this reaches them too.
     for directory in reversed(config.getoption("backend_path")):
+        if not Path(directory).is_dir():
+            raise pytest.UsageError(
+                f"--backend-path {directory}: no such directory; pass the directory that holds "
+                "the adapter's top-level package (the one 'package.module:attr' imports from)"
+            )
         path = str(Path(directory).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -120,9 +128,30 @@ def pytest_configure(config: pytest.Config) -> None:
         _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_MATRIX] = Matrix()
     config.stash[_RUN] = expectations.RunRecord()
     config.stash[_SKIPS] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before the first test (the harness knows its reports directory only once configured):
+    a matrix that could not be written would be lost at the end of the run."""
+    directory = Path(harness.reports_dir(session.config))
+    harness.require_writable(
+        files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
+    )
+    session.config.stash[_MATRIX] = Matrix()
+
+
+def _require_harness(config: pytest.Config) -> None:
+    """The scenarios run on the harness's rank processes and this plugin reads its options."""
+    if config.pluginmanager.is_blocked("harness.plugin") or not config.pluginmanager.has_plugin("harness.plugin"):
+        raise pytest.UsageError(
+            "the conformance plugin needs the harness plugin, which this session disabled "
+            "(-p no:harness.plugin): the scenarios run on the harness's rank processes; drop "
+            "-p no:harness.plugin, or also pass -p no:conformance.plugin to run only tests that "
+            "need neither"
+        )
 
 
 def _select(config: pytest.Config) -> BackendSelection:
@@ -263,13 +292,17 @@ def _backend_name(item: Any) -> str | None:
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    """Note every test collected with a backend, before any deselection (-k, -m, --lf)."""
+    """Note every test collected with a backend, before any deselection (-k, -m, --lf), and the
+    file of every other test (an entry naming a test without a backend matches nothing)."""
     for node in report.result:
         name = _backend_name(node) if isinstance(node, pytest.Item) else None
+        record = node.config.stash.get(_RUN, None)
+        if record is None or not isinstance(node, pytest.Item):
+            continue
         if name is not None:
-            record = node.config.stash.get(_RUN, None)
-            if record is not None:
-                record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+            record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+        else:
+            record.collected_files.add(node.nodeid.split("::", 1)[0])
 
 
 def run_context(item: pytest.Item) -> expectations.RunContext:
@@ -391,7 +424,16 @@ def _stale(config: pytest.Config) -> list[expectations.StaleEntry]:
         path = (config.rootpath / file).resolve()
         return any(path == root or root in path.parents for root in roots)
 
-    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered)
+    def never_collected(file: str) -> str | None:
+        path = config.rootpath / file
+        if not path.is_file():
+            return f"its file {file} does not exist (under {config.rootpath})"
+        patterns = config.getini("python_files")
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
+            return f"its file {file} is not a test file (python_files: {' '.join(patterns)})"
+        return None
+
+    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered, never_collected)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -456,3 +498,8 @@ def _summarise_stale(terminalreporter: Any, config: pytest.Config) -> None:
         f"{len(stale)} stale expected-failure entr{'y' if len(stale) == 1 else 'ies'}: remove "
         "or fix them" + ("; --strict-expectations fails the run" if strict else "")
     )
+    if strict:
+        # pytest's last line counts every key of its stats: a strict run that fails for stale
+        # entries alone must not end in "4 passed" with exit status 1.
+        noun = "stale expectation" if len(stale) == 1 else "stale expectations"
+        terminalreporter.stats.setdefault(f"{noun} (--strict-expectations: run failed)", []).extend(stale)

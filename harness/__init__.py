@@ -14,7 +14,8 @@ components wrappers insert. Report formats plug in through the hooks of `harness
 Public API for other pytest plugins (the conformance suite uses nothing else of the harness):
 `run_context(item)` (the world size and device the harness chose for a test, a `RunContext`),
 `world_device(config, world_size)` and `device_kinds(config)` (the same decision before any test
-runs), `reports_dir(config)` (where reports go), and `Carried` / `NotCarried` / `ReproPolicy`
+runs), `reports_dir(config)` (where reports go), `require_writable` (refuse, before the first test,
+report paths that could not be written), and `Carried` / `NotCarried` / `ReproPolicy`
 for the `pytest_harness_repro_options` hook.
 """
 
@@ -26,6 +27,7 @@ from harness.call_sites import asymmetric, skip_call_sites_in
 from harness.devices import RunContext
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
+from harness.preflight import require_writable
 from harness.rank_fixtures import RankContext, rank_fixture
 from harness.reports import skip_reason
 from harness.repro import Carried, NotCarried, ReproPolicy
@@ -115,6 +117,7 @@ __all__ = [
     "rank_seed",
     "register_label_provider",
     "reports_dir",
+    "require_writable",
     "run_context",
     "seed_everything",
     "set_interceptor",

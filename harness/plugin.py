@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from harness import devices, hookspecs, rank_fixtures, repro, world_sizes
+from harness import devices, hookspecs, preflight, rank_fixtures, repro, world_sizes
 from harness.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
@@ -49,7 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=DEVICE_CHOICES,
         default="auto",
         help="cuda: one GPU + NCCL per rank (skip when too few GPUs); cpu: gloo; "
-        "auto: cuda when enough GPUs exist (default)",
+        "auto: cuda when enough GPUs exist (default: %(default)s)",
     )
     group.addoption(
         "--world-sizes",
@@ -59,36 +59,46 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(default: each test's own sizes; constrained tests without defaults run at 1,2,4 and, with CUDA, "
         "at the number of visible GPUs); under torchrun the world size is WORLD_SIZE",
     )
-    group.addoption("--seed", type=int, default=1234, help="seed every rank gets before each test")
+    group.addoption(
+        "--seed", type=int, default=1234, help="seed every rank gets before each test (default: %(default)s)"
+    )
     group.addoption(
         "--collective-timeout",
         type=float,
         default=30.0,
-        help="process-group timeout in seconds: a rank stuck in a collective fails after it",
+        metavar="SECONDS",
+        help="process-group timeout: a rank stuck in a collective fails after it (default: %(default)s s)",
     )
     group.addoption(
         "--test-timeout",
         type=float,
         default=120.0,
-        help="parent deadline per distributed test in seconds; hung ranks are stack-dumped and killed",
+        metavar="SECONDS",
+        help="parent deadline per distributed test; hung ranks are stack-dumped and killed (default: %(default)s s)",
     )
     group.addoption(
         "--straggler-grace",
         type=float,
         default=5.0,
-        help="seconds the other ranks get to finish once one rank has failed",
+        metavar="SECONDS",
+        help="how long the other ranks get to finish once one rank has failed (default: %(default)s s)",
     )
     group.addoption(
         "--repro",
         metavar="NODEID",
         default=None,
         help="re-run a distributed test that failed earlier with the same seed, world size, device, "
-        "timeouts and plugin options (e.g. --backend), and print its collective traces",
+        "timeouts and plugin options (e.g. --backend), and print its collective traces (default: none)",
     )
     group.addoption(
         "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
     )
-    group.addoption("--reports-dir", default=None, help="where junit/rank-<r>.xml goes (default: <rootdir>/reports)")
+    group.addoption(
+        "--reports-dir",
+        metavar="DIR",
+        default=None,
+        help="where the reports go: junit/rank-<r>.xml, traces/, conformance.md and .html (default: <rootdir>/reports)",
+    )
     parser.addini(
         "rank_fixture_modules",
         type="linelist",
@@ -134,6 +144,7 @@ def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    preflight.refuse_parallel_workers(config)
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
     world_sizes.configure(config, visible_gpu_count())
@@ -158,6 +169,12 @@ def pytest_configure(config: pytest.Config) -> None:
             ) from error
     _register_placeholders(config)
     reports_dir = _reports_dir(config)
+    preflight.require_writable(
+        directories=[
+            ("the per-rank JUnit files", os.path.join(reports_dir, "junit")),
+            ("the collective traces of failed tests", os.path.join(reports_dir, "traces")),
+        ]
+    )
     session: HarnessSession
     if _launched_by_torchrun():
         # Imported only here: a pool parent never loads the rank-side runner, nor through it
@@ -334,6 +351,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     harness_session = session.config.stash.get(_SESSION, None)
     if harness_session is not None:
         harness_session.collected([item.nodeid for item in session.items])
+    _say_oversubscribed(session)
+
+
+def _say_oversubscribed(session: pytest.Session) -> None:
+    """Once, before the first test: CPU worlds with more ranks than cores (slow, and timeouts may need raising)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or _launched_by_torchrun():
+        return
+    sizes = {size for item in session.items if (size := world_size_of(item)) is not None}
+    line = preflight.oversubscription_line(
+        (size for size in sizes if world_device(session.config, size) == "cpu"), preflight.usable_cores()
+    )
+    if line is not None:
+        reporter.write_line(line, yellow=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from harness.divergence import format_trace_table
 from harness.reports import DistributedTestResult
@@ -31,10 +32,16 @@ class TraceFiles:
         # A failure reported as expected (xfail, an expected-failure entry) is still a failure to read.
         if not result.traces or not (result.divergence or result.outcome in ("failed", "xfailed")):
             return
-        os.makedirs(self.directory, exist_ok=True)
         header = f"first divergence: {result.divergence}" if result.divergence else "no divergence between ranks"
-        with open(os.path.join(self.directory, trace_file_name(result.nodeid)), "w", encoding="utf-8") as handle:
-            handle.write(f"{result.nodeid}\n{header}\n\n{format_trace_table(dict(result.traces))}\n")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(os.path.join(self.directory, trace_file_name(result.nodeid)), "w", encoding="utf-8") as handle:
+                handle.write(f"{result.nodeid}\n{header}\n\n{format_trace_table(dict(result.traces))}\n")
+        except OSError as error:  # checked at session start (harness.preflight); the verdict must survive a later loss
+            sys.stdout.write(
+                f"harness: could not write the collective traces to {self.directory} ({error}); the verdict stands\n"
+            )
+            return
         self.written += 1
 
     def pytest_harness_write_reports(self) -> list[str]:

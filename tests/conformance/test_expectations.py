@@ -217,6 +217,31 @@ def test_an_entry_matching_no_collected_test_is_stale_only_if_its_file_was_cover
     assert expectations.stale_entries(expected, _record(ENTRY.scenario), lambda file: True) == []
 
 
+def test_an_entry_no_run_can_collect_is_stale_whatever_the_run_covered() -> None:
+    short = ExpectedFailure(**{**vars(ENTRY), "scenario": ENTRY.scenario.removeprefix("conformance/")})
+    expected = {"torch-fsdp2": Expectations("torch-fsdp2", [ENTRY, short])}
+    record = _record("conformance/test_runtime.py::test_training[ws4-auto-FULL_SHARD]")
+
+    def never_collected(file: str) -> str | None:
+        return None if file.startswith("conformance/") else f"its file {file} does not exist"
+
+    stale = expectations.stale_entries(expected, record, lambda file: False, never_collected)
+    assert [s.entry for s in stale] == [short]
+    assert stale[0].why == (
+        "its file test_runtime.py does not exist; a scenario id starts with the test file's path "
+        f"from the root directory: {ENTRY.scenario}"
+    )
+
+
+def test_an_entry_copied_from_a_test_id_names_the_scenario_id_to_write() -> None:
+    copied = ExpectedFailure(**{**vars(ENTRY), "scenario": ENTRY.scenario.replace("[", "[torch-fsdp2-")})
+    expected = {"torch-fsdp2": Expectations("torch-fsdp2", [copied])}
+    stale = expectations.stale_entries(expected, _record(ENTRY.scenario), lambda file: True)
+    assert [s.why for s in stale] == [
+        f"matches no collected test; a scenario id leaves out the backend: {ENTRY.scenario}"
+    ]
+
+
 def test_an_entry_whose_test_was_skipped_is_stale_when_its_condition_held() -> None:
     cuda_only = ExpectedFailure(**{**vars(ENTRY), "when": Condition(devices=("cuda",))})
     for entry, context, is_stale in ((ENTRY, CPU2, True), (cuda_only, CPU2, False), (cuda_only, CUDA2, True)):

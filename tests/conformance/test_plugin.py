@@ -159,6 +159,8 @@ def test_stale_entries_are_reported_and_fail_a_strict_run(pytester: pytest.Pytes
             "2 stale expected-failure entries: remove or fix them; --strict-expectations fails the run",
         ]
     )
+    # The verdict is on the last line, not only in the exit status.
+    assert "2 stale expectations (--strict-expectations: run failed)" in result.stdout.lines[-1]
     matrix = (pytester.path / "reports" / "conformance.md").read_text()
     assert "## Stale expectations" in matrix and "test_case[gone]: matches no collected test" in matrix
     assert "Stale expectations" in (pytester.path / "reports" / "conformance.html").read_text()
@@ -185,6 +187,84 @@ def test_a_node_id_selection_calls_nothing_stale(pytester: pytest.Pytester) -> N
     result.assert_outcomes(xfailed=1)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert "stale expect" not in result.stdout.str()
+
+
+def test_entries_no_run_can_match_are_stale_whatever_the_selection(pytester: pytest.Pytester) -> None:
+    """A file that does not exist, the matrix's short form (no directory) and a file that is not a
+    test file are stale even in a run selected by node id; the short form is shown in full."""
+    (pytester.path / "suite").mkdir()
+    (pytester.path / "suite" / "test_scenario.py").write_text(STALE_SCENARIOS)
+    (pytester.path / "suite" / "helpers.py").write_text("")
+    write_entries(
+        pytester,
+        "suite/test_scenario.py::test_case[a]",  # runs and fails as recorded: fine
+        "test_scenario.py::test_case[a]",  # the matrix's short form
+        "suite/test_gone.py::test_case[a]",  # no such file
+        "suite/helpers.py::test_case[a]",  # not a test file
+    )
+    result = pytester.runpytest(
+        "-p",
+        "conformance.plugin",
+        "-p",
+        "no:cacheprovider",
+        "--backend",
+        "torch-fsdp1",
+        "--expectations-dir",
+        str(pytester.path / "expectations"),
+        "--reports-dir",
+        str(pytester.path / "reports"),
+        "--strict-expectations",
+        "suite/test_scenario.py::test_case[torch-fsdp1-a]",
+    )
+    result.assert_outcomes(xfailed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "torch-fsdp1: test_scenario.py::test_case[[]a[]]: its file test_scenario.py does not exist (under *); "
+            "a scenario id starts with the test file's path from the root directory: "
+            "suite/test_scenario.py::test_case[[]a[]]",
+            "torch-fsdp1: suite/test_gone.py::test_case[[]a[]]: its file suite/test_gone.py does not exist*",
+            "torch-fsdp1: suite/helpers.py::test_case[[]a[]]: its file suite/helpers.py is not a test file*",
+        ]
+    )
+    assert "3 stale expectations (--strict-expectations: run failed)" in result.stdout.lines[-1]
+
+
+def test_an_entry_naming_a_test_without_a_backend_is_stale(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    write_entries(pytester, "test_plain.py::test_plain")
+    result = pytester.runpytest(
+        "-p",
+        "conformance.plugin",
+        "--backend",
+        "torch-fsdp1",
+        "--expectations-dir",
+        str(pytester.path / "expectations"),
+        "--reports-dir",
+        str(pytester.path / "reports"),
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["torch-fsdp1: test_plain.py::test_plain: matches no collected test"])
+
+
+def test_bad_backend_path_and_disabled_harness_are_usage_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_scenario=SCENARIO)
+    result = pytester.runpytest("-p", "conformance.plugin", "--backend-path", str(pytester.path / "nowhere"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--backend-path */nowhere: no such directory; pass the directory that holds*"])
+    result = pytester.runpytest("-p", "no:harness.plugin", "-p", "conformance.plugin")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*disabled (-p no:harness.plugin)*drop -p no:harness.plugin*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_an_unusable_matrix_file_is_refused_before_any_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_scenario=SCENARIO)
+    (pytester.path / "reports" / "conformance.html").mkdir(parents=True)
+    result = pytester.runpytest("-p", "conformance.plugin", "--reports-dir", str(pytester.path / "reports"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*conformance.html (the conformance matrix): it is not a regular file*"])
+    assert "PASSED" not in result.stdout.str() and "passed" not in result.stdout.str()
 
 
 def test_a_test_skipped_for_lack_of_devices_is_not_stale(pytester: pytest.Pytester) -> None:

@@ -1,10 +1,10 @@
 """How a session ends when it is stopped from outside: Ctrl-C, a second Ctrl-C, SIGTERM, SIGKILL.
 
 Four inner sessions run at once (each in its own directory and TMPDIR); each has a test that
-passed and one that is running (both ranks started a child process in a new session) when the
-signal arrives. Checked from outside: the exit, how long it took, the per-rank files (the finished
-test, and the interrupted one with the parent's reason, each rank's stack and its own duration), no
-process left and no run directory.
+passed and one that is running (both ranks started a child process in a new session; rank 0 then
+hangs in a point-to-point receive, rank 1 in Python) when the signal arrives. Checked from outside:
+the exit, how long it took, the per-rank files (the finished test, and the interrupted one with
+the parent's reason, each rank's stack and its own duration), no process left and no run directory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from harness import processes
 from harness.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
 
 BODY = """
-import os, pathlib, subprocess, time, pytest
+import os, pathlib, subprocess, threading, time, pytest, torch, torch.distributed as dist
 
 HERE = pathlib.Path(__file__).parent
 
@@ -35,7 +35,12 @@ def test_1_finished(rank):
 @pytest.mark.world_size(2)
 def test_2_running(rank):
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    (HERE / f"running-{rank}").write_text(str(child.pid))
+    flag = HERE / f"running-{rank}"
+    if rank == 0:  # hung inside torch.distributed (C++), where only faulthandler's dump reaches;
+        # the flag comes from a thread, once the receive has had time to start waiting
+        threading.Timer(0.5, flag.write_text, (str(child.pid),)).start()
+        dist.recv(torch.zeros(1), src=1)
+    flag.write_text(str(child.pid))
     time.sleep(300)
 
 @pytest.mark.world_size(2)
@@ -127,6 +132,8 @@ def test_an_interrupted_session_reports_what_finished_and_the_interrupted_test(
         assert interrupted.message.startswith(own), interrupted
         # The evidence a cancelled CI job needs: where each rank was (faulthandler's dump).
         assert re.search(r'File ".*test_stopped\.py", line \d+ in test_2_running', interrupted.text), interrupted.text
+        if rank == 0:  # the hang inside torch.distributed, down to the call
+            assert re.search(r"line \d+ in recv\n", interrupted.text), interrupted.text
         # The rank's own time in the test, measured by the parent up to the stop, not 0 (the file
         # rounds to milliseconds).
         assert interrupted.time_s > 0 and interrupted.time_s >= run.ran_before_signal_s - 0.001, (interrupted, run)
