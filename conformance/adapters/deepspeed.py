@@ -63,6 +63,7 @@ from conformance.protocol import (
     OptimizerFactory,
     ShardingSpec,
     ShardingStrategy,
+    ShardLayout,
     StateDictKind,
     innermost_first,
     submodule,
@@ -207,7 +208,7 @@ class DeepSpeedModel(nn.Module):
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
     CAPABILITIES = frozenset(
@@ -234,6 +235,12 @@ class DeepSpeedAdapter(BackendAdapter):
     # installed): its bf16/fp16 mode casts the model's parameters to the low dtype (float32 lives
     # only in the ZeRO optimizer's master partitions), so GatheredParameters shows that dtype.
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True)
+    # ZeRO-3 partitions each parameter on its own: flattened, padded to a multiple of the world
+    # size, ceil(numel / world size) elements in every rank's ds_tensor (what local_shard returns).
+    SHARD_LAYOUT = ShardLayout.PER_PARAMETER
+    # The module shard() returns holds the user's model as its child _deepspeed_wrapped_module,
+    # so the names it lists (inside GatheredParameters too) start with that.
+    UNSHARDED_NAME_PREFIX = _WRAPPED
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (

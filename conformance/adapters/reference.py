@@ -52,7 +52,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
@@ -149,7 +149,7 @@ class ReferenceAdapter(BackendAdapter):
     # -- state dicts ----------------------------------------------------------------------
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         engine.set_state_dict_type(model, _KINDS[kind])
-        return {_clean(key): value for key, value in model.state_dict().items()}
+        return model.state_dict()  # raw: the engine keys it by original FQNs itself
 
     def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         engine.set_state_dict_type(model, _KINDS[kind])
@@ -173,6 +173,23 @@ class ReferenceAdapter(BackendAdapter):
     # -- introspection --------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         return engine.is_unsharded(_module_at(model, unit))
+
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        found = [u for u in engine.units(model) if _clean(u.module_fqn) == unit]
+        if not found:
+            raise ValueError(f"{unit!r} is not a unit; units are {[_clean(u.module_fqn) for u in engine.units(model)]}")
+        sharded_unit = found[0]
+        if sharded_unit.topology.shard_group is None:
+            raise ValueError(f"unit {unit!r} is not sharded: it has no unsharded buffer to free")
+        total = sharded_unit.unsharded_storage_numel
+        # The unshard context may show a buffer of its own (full precision under mixed
+        # precision, a CPU copy with offload_to_cpu): count it too.
+        _state, shown = sharded_unit.exposure.snapshot()
+        own = sharded_unit._full.untyped_storage().data_ptr()
+        extra = {t.untyped_storage().data_ptr(): t for t in shown if t.untyped_storage().data_ptr() != own}
+        if sharded_unit.shown_by_unshard:
+            total += sum(t.untyped_storage().nbytes() // t.element_size() for t in extra.values())
+        return total
 
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
         return {_clean(unit): [_clean(p) for p in params] for unit, params in engine.unit_fqns(model)}
