@@ -228,6 +228,7 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.FULL_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
             Capability.INTROSPECT_UNSHARDED,
+            Capability.INTROSPECT_STORAGE,
             Capability.NATIVE_CHECKPOINT,
         }
     )
@@ -660,6 +661,18 @@ class DeepSpeedAdapter(BackendAdapter):
         status = self._ds.zero.ZeroParamStatus
         # Outside stage 3 parameters are never partitioned: always unsharded.
         return all(getattr(p, "ds_status", status.AVAILABLE) == status.AVAILABLE for p in params)
+
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        root = _root(model)
+        if root.stage() < 3:
+            stage = root.stage()
+            raise ValueError(f"ZeRO stage {stage} keeps every parameter whole: it has no unsharded storage to free")
+        if unit not in root.units:
+            raise ValueError(f"{unit!r} is not a unit; units are {root.units}")
+        # A released ZeRO-3 parameter's data is an empty tensor; a gathered one is a view of the
+        # gather buffer (parameters gathered together may share one): each storage counted once.
+        storages = {p.data.untyped_storage().data_ptr(): p.data for p in root.own_params(unit)}
+        return sum(t.untyped_storage().nbytes() // t.element_size() for ptr, t in storages.items() if ptr)
 
 
 _CHECKPOINT_TAG = "conformance"
