@@ -367,6 +367,13 @@ def _check_param_data_inside(
             assert not backend.is_unsharded(sharded, unit), (
                 f"{form.value}: rank {rank} holds unit {unit} unsharded under rank0_only"
             )
+            # The seed's proxy is each flat parameter's sharded size; the storage says it exactly.
+            if backend.supports(Capability.INTROSPECT_STORAGE):
+                held = backend.unsharded_storage_numel(sharded, unit)
+                assert held == 0, (
+                    f"{form.value}: rank {rank} holds {held} elements of unit {unit}'s unsharded "
+                    "storage under rank0_only, expected 0"
+                )
         return
     pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
     for (name, expected), (seen_name, seen) in pairs:
@@ -831,8 +838,8 @@ def test_unshard_with_grads(
             with context, torch.no_grad():
                 pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
                 for (name, expected), (seen_name, seen) in pairs:
-                    assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
-                        f"{form.value}: {seen_name!r} where {name!r} was expected"
+                    assert seen_name == unsharded_name(backend, name), (  # raw, as the seed compares
+                        f"{form.value}: {seen_name!r} where {unsharded_name(backend, name)!r} was expected"
                     )
                     assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
                     torch.testing.assert_close(

@@ -175,10 +175,14 @@ class ReferenceAdapter(BackendAdapter):
         return engine.is_unsharded(_module_at(model, unit))
 
     def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
-        found = [u for u in engine.units(model) if _clean(u.module_fqn) == unit]
-        if not found:
-            raise ValueError(f"{unit!r} is not a unit; units are {[_clean(u.module_fqn) for u in engine.units(model)]}")
-        sharded_unit = found[0]
+        units = {
+            _join(prefix, _clean(found.module_fqn)): found
+            for prefix, root in _sharded_roots(model)
+            for found in engine.units(root)
+        }
+        if unit not in units:
+            raise ValueError(f"{unit!r} is not a unit; units are {sorted(units)}")
+        sharded_unit = units[unit]
         if sharded_unit.topology.shard_group is None:
             raise ValueError(f"unit {unit!r} is not sharded: it has no unsharded buffer to free")
         total = sharded_unit.unsharded_storage_numel
@@ -192,7 +196,11 @@ class ReferenceAdapter(BackendAdapter):
         return total
 
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
-        return {_clean(unit): [_clean(p) for p in params] for unit, params in engine.unit_fqns(model)}
+        units = {}
+        for prefix, root in _sharded_roots(model):
+            for unit, params in engine.unit_fqns(root):
+                units[_join(prefix, _clean(unit))] = [_join(prefix, _clean(p)) for p in params]
+        return units
 
     @contextlib.contextmanager
     def record_events(self, model: nn.Module) -> Iterator[list[ShardEvent]]:
@@ -202,6 +210,27 @@ class ReferenceAdapter(BackendAdapter):
             yield recorded
         finally:
             recorded.extend(ShardEvent(kind, _clean(unit)) for kind, unit in engine.events(model))
+
+
+def _sharded_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(original FQN, module) of each outermost module the engine shards: ``model`` itself, or,
+    under a plain root (``shard_root=False``), each top-level sharded submodule."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name == found or name.startswith(f"{found}.") for found, _ in roots if found):
+            continue
+        try:
+            engine.unit_fqns(module)
+        except ValueError:  # not managed by the engine: a plain module above the units
+            continue
+        roots.append((name, module))
+        if not name:
+            break  # the model itself is the root
+    return [(_clean(name), module) for name, module in roots]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _module_at(model: nn.Module, fqn: str) -> nn.Module:
