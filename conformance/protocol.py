@@ -83,6 +83,9 @@ class Capability(enum.Enum):
     INTROSPECT_UNSHARDED = "introspection: is a unit's storage unsharded"
     INTROSPECT_UNIT_FQNS = "introspection: FQNs managed by each unit"
     INTROSPECT_EVENTS = "introspection: unshard/reshard event order"
+    # Exact storage (protocol 4): how many elements a unit's unsharded storage holds right now
+    # (BackendAdapter.unsharded_storage_numel), checked against the declared SHARD_LAYOUT.
+    INTROSPECT_STORAGE = "introspection: elements of a unit's allocated unsharded storage"
     # Structural features of a ShardingSpec (see ShardingSpec and docs/writing-an-adapter.md).
     UNITS = "sharding units below the root (auto-wrap classes or manual units)"
     UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
@@ -285,6 +288,72 @@ class MixedPrecisionUnshard:
     root_stays_unsharded: bool = False
 
 
+class ShardLayout(enum.Enum):
+    """How a backend splits a unit's parameters over the ranks (``SHARD_LAYOUT``): what each rank
+    stores of a parameter (:meth:`BackendAdapter.local_shard`) and how many elements a unit's
+    unsharded storage holds (:meth:`BackendAdapter.unsharded_storage_numel`), both exactly
+    (:func:`expected_local_numel`, :func:`expected_unsharded_numel`).
+
+    FLAT_UNIT (torch FSDP1, the seeds', the default): a unit's parameters, flattened in
+    registration order, form one buffer padded at its end to a multiple of the world size; rank r
+    stores elements [r*c, (r+1)*c) with c = ceil(padded / world size); an original parameter's
+    local shard is its part of that range (empty where it has none), the flat parameter's is c
+    elements. ROWS (torch FSDP2): each parameter is split along dim 0 into chunks of
+    ceil(rows / world size) rows, rank r holding chunk r unpadded (empty past the last row); the
+    unsharded storage of a parameter holds ceil(rows / world size) x world size rows. PER_PARAMETER
+    (DeepSpeed ZeRO-3): each parameter on its own, flattened and padded to a multiple of the world
+    size; every rank stores ceil(numel / world size) elements, padding included.
+    """
+
+    FLAT_UNIT = "flat buffer per unit"
+    ROWS = "dim-0 chunks per parameter"
+    PER_PARAMETER = "flat padded buffer per parameter"
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def expected_local_numel(
+    layout: ShardLayout, shapes: list[torch.Size], index: int | None, rank: int, world_size: int
+) -> int:
+    """Elements rank ``rank`` stores of parameter ``index`` of a unit whose parameters have
+    ``shapes`` (registration order), or of the unit's flat parameter (``index`` None, FLAT_UNIT
+    only). FLAT_UNIT assumes no gaps between parameters: exact for one-parameter units, where
+    the alignment padding a backend may insert between parameters cannot arise."""
+    numels = [shape.numel() for shape in shapes]
+    if layout is ShardLayout.FLAT_UNIT:
+        chunk = _ceil_div(sum(numels), world_size)
+        if index is None:
+            return chunk
+        start = sum(numels[:index])
+        stop = start + numels[index]
+        return max(0, min(stop, (rank + 1) * chunk) - max(start, rank * chunk))
+    if index is None:
+        raise ValueError(f"{layout.name} has no flat parameter per unit: name a parameter")
+    shape = shapes[index]
+    if layout is ShardLayout.ROWS:
+        rows = shape[0] if len(shape) else 1
+        per_row = numels[index] // rows if rows else 0
+        chunk = _ceil_div(rows, world_size)
+        return max(0, min(rows, (rank + 1) * chunk) - rank * chunk) * per_row
+    return _ceil_div(numels[index], world_size)
+
+
+def expected_unsharded_numel(layout: ShardLayout, shapes: list[torch.Size], world_size: int) -> int:
+    """Elements of a unit's unsharded storage while it is allocated (padding included)."""
+    numels = [shape.numel() for shape in shapes]
+    if layout is ShardLayout.FLAT_UNIT:
+        return _ceil_div(sum(numels), world_size) * world_size
+    if layout is ShardLayout.ROWS:
+        total = 0
+        for shape, numel in zip(shapes, numels):
+            rows = shape[0] if len(shape) else 1
+            total += _ceil_div(rows, world_size) * world_size * (numel // rows if rows else 0)
+        return total
+    return sum(_ceil_div(numel, world_size) * world_size for numel in numels)
+
+
 @dataclass(frozen=True)
 class BackendEnv:
     """Where an adapter runs: the default process group is already initialised."""
@@ -308,7 +377,7 @@ class ShardEvent:
 # The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
 # an older one keeps running, with one warning naming what it does not declare of what came
 # later and how many scenarios that costs (conformance.versions).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # The public methods that check the declared capabilities, then call the adapter's
 # implementation: public name -> the method an adapter implements.
@@ -364,6 +433,14 @@ class BackendAdapter(abc.ABC):
     # How each misuse is refused; a misuse left out is held to the seeds' refusal.
     REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
     MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
+    # How parameters are split over the ranks (protocol 4): local_shard sizes and, with
+    # INTROSPECT_STORAGE, unsharded storage sizes are checked exactly against it.
+    SHARD_LAYOUT: ClassVar[ShardLayout] = ShardLayout.FLAT_UNIT
+    # What the module shard() returns puts in front of every original FQN in the names it lists
+    # inside the unshard context (its own child attribute, for an adapter whose root wrapper does
+    # not hide itself): "" (the seeds') means named_parameters() / named_buffers() list exactly
+    # the unsharded model's names. Scenarios compare raw names with it, nothing stripped.
+    UNSHARDED_NAME_PREFIX: ClassVar[str] = ""
     # Where the backend runs (conformance.platforms): device kind ("cpu", "cuda") -> the torch
     # versions it runs on there, as an expectation's `when.torch` (">=2.7"; "" for every torch).
     # A device kind left out is not supported. A session whose devices or torch the backend does
@@ -578,6 +655,15 @@ class BackendAdapter(abc.ABC):
         require(self, Capability.INTROSPECT_UNSHARDED)
         raise AssertionError(f"{type(self).__name__} declares INTROSPECT_UNSHARDED but lacks it")
 
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        """Elements of storage this rank holds allocated right now for the unsharded parameters
+        of the unit at FQN ``unit`` (every copy counted: a compute-dtype buffer and a
+        full-precision one both allocated count twice): 0 once freed; while unsharded, the
+        padded size the declared ``SHARD_LAYOUT`` gives (:func:`expected_unsharded_numel`).
+        Reads only (no collective). Only for sharded units (a NO_SHARD unit is never freed)."""
+        require(self, Capability.INTROSPECT_STORAGE)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_STORAGE but lacks unsharded_storage_numel")
+
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
         """Unit FQN -> FQNs (from the model root) of the parameters that unit manages."""
         require(self, Capability.INTROSPECT_UNIT_FQNS)
@@ -714,6 +800,14 @@ def _adopt_implementations(cls: type[BackendAdapter]) -> None:
 def declared_fqn(backend: BackendAdapter, name: str) -> str:
     """``name`` without the path components ``backend`` declares in ``WRAPPER_COMPONENTS``."""
     return strip_path_components(name, type(backend).WRAPPER_COMPONENTS)
+
+
+def unsharded_name(backend: BackendAdapter, name: str, prefix: str = "") -> str:
+    """The raw name ``backend`` must list inside the unshard context for the unsharded model's
+    ``name`` (listed with ``prefix``): the declared ``UNSHARDED_NAME_PREFIX`` inserted after the
+    caller's prefix, nothing else."""
+    parts = [prefix, type(backend).UNSHARDED_NAME_PREFIX, name[len(prefix) + 1 :] if prefix else name]
+    return ".".join(part for part in parts if part)
 
 
 def flat_param_fqn(backend: BackendAdapter, unit: str) -> str:

@@ -30,6 +30,7 @@ from conformance.protocol import (
     Capability,
     ShardingSpec,
     ShardingStrategy,
+    ShardLayout,
     StateDictKind,
     declared_fqn,
     require,
@@ -101,6 +102,7 @@ def test_full_state_dict(
         _zero_local_storage(backend, target)
         _assert_all_zero(backend.state_dict(target, StateDictKind.FULL), where)
         backend.load_state_dict(target, copy.deepcopy(state), StateDictKind.FULL)
+        _assert_model_parity(backend, target, saved, local, f"{where}: loaded model vs the model saved from", device)
         _assert_same_state(
             backend.state_dict(target, StateDictKind.FULL),
             expected,
@@ -181,6 +183,7 @@ def test_save_load_flow(
         _zero_local_storage(backend, target)
         _assert_stored_zero(backend.state_dict(target, kind), where, device)
         backend.load_state_dict(target, checkpoint, kind)
+        _assert_model_parity(backend, target, saved, local, f"{where}: loaded model vs the trained model", device)
         _assert_stores_alike(
             backend.state_dict(target, kind),
             backend.state_dict(saved, kind),
@@ -556,6 +559,41 @@ def _assert_stores_alike(
             problems.append(f"{key}: {got[key]!r} differs from {want[key]!r}")
     problems += differences(tensors_got, tensors_want, tolerance)
     _fail_together(problems, where, device)
+
+
+def _assert_model_parity(
+    backend: BackendAdapter,
+    loaded: nn.Module,
+    saved: nn.Module,
+    unsharded: nn.Module,
+    where: str,
+    device: torch.device,
+) -> None:
+    """The seed's model parity: both models list the same raw parameter names in the same
+    order, and each rank stores bit-equal values of every parameter (``local_shard``, padding
+    left out: its content is unspecified; no gather, so a shard loaded off by one ulp, or put
+    into another rank's place, shows). ``unsharded`` gives each parameter's size."""
+    names = [name for name, _ in loaded.named_parameters()]
+    wanted = [name for name, _ in saved.named_parameters()]
+    problems = [] if names == wanted else [f"parameters are named {names}, the saved model's {wanted}"]
+    if not problems:
+        numels = {name: p.numel() for name, p in unsharded.named_parameters()}
+        got, want = {}, {}
+        for fqn in (backend.original_fqn(name) for name in names):
+            got[fqn] = _real_part(backend, backend.local_shard(loaded, fqn), numels[fqn])
+            want[fqn] = _real_part(backend, backend.local_shard(saved, fqn), numels[fqn])
+        problems += differences(got, want, EXACT)
+    _fail_together(problems, where, device)
+
+
+def _real_part(backend: BackendAdapter, stored: torch.Tensor, numel: int) -> torch.Tensor:
+    """What a rank stores of a parameter of ``numel`` elements, without padding: only a
+    PER_PARAMETER layout pads an original parameter's part (at the end of the flat whole), and
+    a whole parameter (a replicated or ignored one) has none."""
+    if type(backend).SHARD_LAYOUT is not ShardLayout.PER_PARAMETER or stored.numel() == numel:
+        return stored
+    chunk, rank = stored.numel(), dist.get_rank()
+    return stored.reshape(-1)[: max(0, min(chunk, numel - rank * chunk))]
 
 
 def _assert_stored_zero(state: Mapping[str, Any], where: str, device: torch.device) -> None:

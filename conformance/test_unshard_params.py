@@ -16,14 +16,16 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
   dtype (``shows_compute_dtype``), and an unshard between forward and backward keeps the root
   unsharded or reshards it (``root_stays_unsharded``); each is checked as declared.
 * Names: outside the context a unit with original parameters shows them under their original
-  FQNs, one with flat parameters (``use_orig_params=False``) shows ``<unit FQN>._flat_param``;
-  inside, every unshared unit shows its original parameters under their original FQNs. Names
-  are compared after removing only the adapter's declared ``WRAPPER_COMPONENTS``.
-* Storage (read through the adapter's ``local_shard``, what a rank stores): each rank's flat
-  parameter of a unit managing N elements holds ceil(N / world size) elements (the padding that
-  evens out the shards); of a sharded original parameter no rank shows the full tensor, and
-  the parts the ranks store add up to N plus at most the padding that evens them out (between
-  N and ceil(N / world size) x world size). Scenarios write into a rank's part only through
+  FQNs, one with flat parameters (``use_orig_params=False``) shows ``<unit FQN>._flat_param``
+  (compared after removing only the adapter's declared ``WRAPPER_COMPONENTS``); inside, the
+  sharded root lists exactly the unsharded model's names, raw, with only the adapter's declared
+  ``UNSHARDED_NAME_PREFIX`` inserted (the seeds': none).
+* Storage, exactly as the adapter's declared ``SHARD_LAYOUT`` gives it
+  (``conformance.protocol.ShardLayout``): what each rank stores (``local_shard``) of a flat
+  parameter (ceil(N / world size) elements for a unit of N) or of a sharded original parameter
+  (no rank shows the full tensor), and, where the adapter reports it (``INTROSPECT_STORAGE``),
+  the elements a unit's unsharded storage holds: the layout's padded size while unsharded, 0
+  once freed (the seed's ``numel * world_size`` / ``0``). Scenarios write into a rank's part only through
   ``set_local_shard`` (under DeepSpeed ZeRO-3 the parameter itself is an empty placeholder).
 * Refusals: unsharding during forward or backward, ``rank0_only`` with ``writeback``, and
   ``offload_to_cpu`` with ``NO_SHARD`` each raise what the adapter declares in ``REFUSALS``
@@ -54,12 +56,15 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     declared_fqn,
+    expected_local_numel,
+    expected_unsharded_numel,
     flat_param_fqn,
     mixed_precision_dtype,
     refused,
     require,
     require_all,
     unshard_capabilities,
+    unsharded_name,
 )
 from harness import current_seed
 
@@ -329,36 +334,71 @@ def _check_param_data(
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
-            if rank0_only and rank != 0:
-                for unit in fixtures.NestedModel.UNIT_FQNS:
-                    assert not backend.is_unsharded(sharded, unit), (
-                        f"{form.value}: rank {rank} holds unit {unit} unsharded under rank0_only"
-                    )
-                continue
-            pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
-            for (name, expected), (seen_name, seen) in pairs:
-                assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
-                    f"{form.value}: parameter {seen_name!r} where {name!r} was expected"
+            _check_param_data_inside(backend, sharded, local, spec, form, rank0_only, offload_to_cpu, rank, device)
+        _check_several_roots(backend, sharded, form)
+
+
+def _check_several_roots(backend: BackendAdapter, sharded: nn.Module, form: ApiForm) -> None:
+    """The seed's root checks, after the context ran (lazy initialisation done): the plain
+    root is no unit, and the units form more than one root (units under no other unit)."""
+    if not backend.supports(Capability.INTROSPECT_UNIT_FQNS):
+        return  # the names and values checked inside are all a backend without it can show
+    units = set(backend.unit_fqns(sharded))
+    assert "" not in units, f"{form.value}: the plain root (shard_root=False) is a unit: {sorted(units)}"
+    roots = sorted(u for u in units if not any(u.startswith(f"{other}.") for other in units if other != u))
+    assert len(roots) > 1, f"{form.value}: units {sorted(units)} form the roots {roots}; expected more than one"
+
+
+def _check_param_data_inside(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    local: nn.Module,
+    spec: ShardingSpec,
+    form: ApiForm,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Inside the context of :func:`_check_param_data`: every full parameter, or (rank0_only,
+    other ranks) every unit still sharded."""
+    if rank0_only and rank != 0:
+        for unit in fixtures.NestedModel.UNIT_FQNS:
+            assert not backend.is_unsharded(sharded, unit), (
+                f"{form.value}: rank {rank} holds unit {unit} unsharded under rank0_only"
+            )
+            # The seed's proxy is each flat parameter's sharded size; the storage says it exactly.
+            if backend.supports(Capability.INTROSPECT_STORAGE):
+                held = backend.unsharded_storage_numel(sharded, unit)
+                assert held == 0, (
+                    f"{form.value}: rank {rank} holds {held} elements of unit {unit}'s unsharded "
+                    "storage under rank0_only, expected 0"
                 )
-                assert isinstance(seen, nn.Parameter), f"{form.value}: {name} is {type(seen)}"
-                assert _shows_full(seen, expected.shape), (
-                    f"{form.value}: {name} shows {type(seen).__name__} {tuple(seen.shape)}, "
-                    f"expected full {tuple(expected.shape)}"
-                )
-                managed = name not in fixtures.NestedModel.UNMANAGED_PARAMS
-                want_device = torch.device("cpu") if offload_to_cpu and managed else device
-                assert seen.device == want_device, f"{form.value}: {name} is on {seen.device}, expected {want_device}"
-                shown = _shown_dtype(backend, spec.param_dtype) if managed else expected.dtype
-                assert seen.dtype == shown, (
-                    f"{form.value}: {name} shows {seen.dtype}: full parameters must be in {shown} "
-                    f"(the original {expected.dtype}, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
-                )
-                torch.testing.assert_close(
-                    seen.detach(),
-                    expected.detach().to(seen.device, shown),
-                    **EXACT,
-                    msg=lambda m, name=name: f"{form.value}: full {name} differs\n{m}",
-                )
+        return
+    pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
+    for (name, expected), (seen_name, seen) in pairs:
+        assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
+            f"{form.value}: parameter {seen_name!r} where {name!r} was expected"
+        )
+        assert isinstance(seen, nn.Parameter), f"{form.value}: {name} is {type(seen)}"
+        assert _shows_full(seen, expected.shape), (
+            f"{form.value}: {name} shows {type(seen).__name__} {tuple(seen.shape)}, "
+            f"expected full {tuple(expected.shape)}"
+        )
+        managed = name not in fixtures.NestedModel.UNMANAGED_PARAMS
+        want_device = torch.device("cpu") if offload_to_cpu and managed else device
+        assert seen.device == want_device, f"{form.value}: {name} is on {seen.device}, expected {want_device}"
+        shown = _shown_dtype(backend, spec.param_dtype) if managed else expected.dtype
+        assert seen.dtype == shown, (
+            f"{form.value}: {name} shows {seen.dtype}: full parameters must be in {shown} "
+            f"(the original {expected.dtype}, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
+        )
+        torch.testing.assert_close(
+            seen.detach(),
+            expected.detach().to(seen.device, shown),
+            **EXACT,
+            msg=lambda m, name=name: f"{form.value}: full {name} differs\n{m}",
+        )
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -419,24 +459,29 @@ def test_unshard_param_data_no_shard(
 @pytest.mark.world_size(min=2, default=2)
 @orig_params_axis
 def test_unshard_singleton_writeback(
-    backend: BackendAdapter, use_orig_params: bool, rank: int, device: torch.device
+    backend: BackendAdapter, use_orig_params: bool, rank: int, world_size: int, device: torch.device
 ) -> None:
     """A 1-element weight: padding written on the other ranks never reaches the real value.
 
-    Every rank writes ``rank + 2`` into what it stores (beyond rank 0 that is padding, or nothing);
-    the full weight then reads 2 (rank 0's). Zeroing it with writeback leaves rank 0's stored
-    element and the full weight at 0. What happens to padding itself is not specified.
+    Each rank stores exactly what the declared ``SHARD_LAYOUT`` gives (a flat parameter, or
+    DeepSpeed's padded part: one element on every rank; otherwise the weight on rank 0 and
+    nothing elsewhere). Every rank writes ``rank + 2`` into what it stores (beyond rank 0 that is
+    padding, or nothing); the full weight then reads 2 (rank 0's). Zeroing it with writeback
+    leaves rank 0's stored element and the full weight at 0, and, as the seed checks, the
+    padding the other ranks store keeps ``rank + 2``: writeback writes real elements only.
     """
     _require_unshard(backend, writeback=True)
     spec = ShardingSpec(use_orig_params=use_orig_params)
+    layout = type(backend).SHARD_LAYOUT
     for form, sharded in _sharded_models(backend, Singleton, spec, device):
         names = list(_named_params(backend, sharded))
         sizes = [backend.local_shard(sharded, name).numel() for name in names]
-        if not use_orig_params:
-            assert sizes == [1], (
-                f"{form.value}: a flat parameter of one element should be padded to one element "
-                f"per rank, rank {rank} stores {dict(zip(names, sizes))}"
-            )
+        index = 0 if use_orig_params else None
+        wanted = [expected_local_numel(layout, [torch.Size([1, 1])], index, rank, world_size)]
+        assert sizes == wanted, (
+            f"{form.value}: rank {rank} stores {dict(zip(names, sizes))} elements of the 1-element "
+            f"weight; {layout.name} ({layout.value}) gives {wanted}"
+        )
         for name, size in zip(names, sizes):
             if size:
                 part = backend.local_shard(sharded, name)
@@ -453,14 +498,17 @@ def test_unshard_singleton_writeback(
             assert weight.shape == (1, 1), f"{form.value}: full weight has shape {weight.shape}"
             weight.zero_()
         # Read everything (the full view is a collective) before any rank asserts alone.
-        kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if rank == 0 else 0.0
+        kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if sizes[0] else None
         shown = _full_values(backend, sharded)["0.weight"].item()
         assert shown == 0.0, (
             f"{form.value}: the full 0.weight reads {shown} after a writeback context that zeroed it, expected 0.0"
         )
-        assert kept == 0.0, (
-            f"{form.value}: rank 0 stores {kept} for {names[0]} after a writeback context "
-            "that zeroed the full weight, expected 0.0"
+        # Rank 0 stores the real element; any other rank that stores something stores padding.
+        want_kept = 0.0 if rank == 0 else float(rank + 2)
+        assert kept in (None, want_kept), (
+            f"{form.value}: rank {rank} stores {kept} for {names[0]} after a writeback context "
+            f"that zeroed the full weight, expected {want_kept} "
+            + ("(the real element)" if rank == 0 else "(padding it wrote before: writeback must not touch padding)")
         )
 
 
@@ -478,12 +526,15 @@ def test_unshard_respects_reshard(
     offload_to_cpu: bool,
     mixed_precision: bool,
     use_orig_params: bool,
+    world_size: int,
     device: torch.device,
 ) -> None:
     """FULL_SHARD: forward leaves the root unsharded and unit ``0`` resharded, backward
     reshards both; an unshard between them or after backward changes none of that, except
     that under mixed precision an unshard between them reshards the root (backward gathers
-    again) unless the adapter declares ``MIXED_PRECISION_UNSHARD.root_stays_unsharded``."""
+    again) unless the adapter declares ``MIXED_PRECISION_UNSHARD.root_stays_unsharded``.
+    With ``INTROSPECT_STORAGE`` each state is also read as the seed reads it, from the storage:
+    exactly the layout's padded size while unsharded, 0 once freed."""
     writeback = _read_only_writeback(backend, rank0_only)
     _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     require(backend, Capability.INTROSPECT_UNSHARDED)
@@ -496,6 +547,7 @@ def test_unshard_respects_reshard(
     def check(sharded: nn.Module, root: bool, when: str) -> None:
         state = {unit: backend.is_unsharded(sharded, unit) for unit in ("", "0")}
         assert state == {"": root, "0": False}, f"{when}: unsharded per unit {state}"
+        _check_unsharded_storage(backend, sharded, {"": root, "0": False}, world_size, when)
 
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
         where = form.value
@@ -521,6 +573,29 @@ def test_unshard_respects_reshard(
 _TWO_LAYER_UNITS = {"": ("1.weight",), "0": ("0.weight",)}
 
 
+def _check_unsharded_storage(
+    backend: BackendAdapter, sharded: nn.Module, unsharded: dict[str, bool], world_size: int, where: str
+) -> None:
+    """Where the backend reports storage (``INTROSPECT_STORAGE``), each TwoLayer unit's allocated
+    unsharded storage is exactly its padded size under the declared ``SHARD_LAYOUT`` while
+    unsharded and 0 once freed: a buffer left allocated, or freed only in part, fails (the
+    seed's ``numel * world_size`` / ``0`` checks). Without it, ``is_unsharded`` is what there is."""
+    if not backend.supports(Capability.INTROSPECT_STORAGE):
+        return
+    layout = type(backend).SHARD_LAYOUT
+    shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
+    seen, wanted = {}, {}
+    for unit, names in _TWO_LAYER_UNITS.items():
+        seen[unit] = backend.unsharded_storage_numel(sharded, unit)
+        padded = expected_unsharded_numel(layout, [shapes[name] for name in names], world_size)
+        wanted[unit] = padded if unsharded[unit] else 0
+    assert seen == wanted, (
+        f"{where}: unsharded storage per unit holds {seen} elements, expected {wanted} "
+        f"({layout.name}: the padded size while unsharded, 0 once freed; unsharded units: "
+        f"{sorted(u for u, state in unsharded.items() if state)})"
+    )
+
+
 def _check_names_and_storage(
     backend: BackendAdapter,
     sharded: nn.Module,
@@ -533,11 +608,11 @@ def _check_names_and_storage(
     """TwoLayer's parameter names and per-rank storage, given which units are unsharded.
 
     Unsharded unit: its original parameters, full shape. Sharded unit: with original parameters,
-    no rank shows the full parameter, and what the ranks store of it (``local_shard``) adds up
-    to its size, plus at most the padding that evens out the parts (summed over ranks, between
-    N and ceil(N / world size) x world size: nothing dropped, nothing stored twice); with flat
-    parameters, ``<unit>._flat_param`` of ceil(N / world size) elements on every rank.
-    Collective (one all-reduce), so every rank calls it at the same point.
+    no rank shows the full parameter, and each rank stores of it (``local_shard``) exactly what
+    the declared ``SHARD_LAYOUT`` gives that rank; with flat parameters, ``<unit>._flat_param``
+    of ceil(N / world size) elements on every rank. With ``INTROSPECT_STORAGE``, each unit's
+    unsharded storage is exact too (:func:`_check_unsharded_storage`).
+    Collective (one all-gather), so every rank calls it at the same point.
     """
     shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
     params = _named_params(backend, sharded)
@@ -554,23 +629,26 @@ def _check_names_and_storage(
     partitioned = [
         name for unit, names in _TWO_LAYER_UNITS.items() if not unsharded[unit] and use_orig_params for name in names
     ]
+    layout = type(backend).SHARD_LAYOUT
     local_sizes = torch.tensor(
         [backend.local_shard(sharded, name).numel() for name in partitioned],
         dtype=torch.int64,
         device=device,
     )
-    dist.all_reduce(local_sizes)
-    for name, total in zip(partitioned, local_sizes.tolist()):
-        numel = shapes[name].numel()
-        padded = -(-numel // world_size) * world_size
+    per_rank = [torch.zeros_like(local_sizes) for _ in range(world_size)]
+    dist.all_gather(per_rank, local_sizes)
+    for index, name in enumerate(partitioned):
+        seen = [int(sizes[index]) for sizes in per_rank]
+        wanted = [expected_local_numel(layout, [shapes[name]], 0, r, world_size) for r in range(world_size)]
         assert not _shows_full(params[name], shapes[name]), (
             f"{where}: sharded {name} shows {type(params[name]).__name__} "
             f"{tuple(params[name].shape)} on this rank, its full shape"
         )
-        assert numel <= total <= padded, (
-            f"{where}: the ranks store {total} elements of sharded {name} in all; parts of its "
-            f"{numel} elements (padding included) add up to between {numel} and {padded}"
+        assert seen == wanted, (
+            f"{where}: ranks 0..{world_size - 1} store {seen} elements of sharded {name} "
+            f"{tuple(shapes[name])}; {layout.name} ({layout.value}) gives {wanted}"
         )
+    _check_unsharded_storage(backend, sharded, unsharded, world_size, where)
     for unit, names in _TWO_LAYER_UNITS.items():
         if unsharded[unit]:
             for name in names:
@@ -614,8 +692,8 @@ def test_unshard_names_and_storage(
         where = f"{form.value}, {'original' if use_orig_params else 'flat'} parameters"
         _check_names_and_storage(backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, before")
         with backend.unshard(sharded, writeback=False):
-            names = [declared_fqn(backend, name) for name, _ in sharded.named_parameters()]
-            expected = [name for name, _ in TwoLayer().named_parameters()]
+            names = [name for name, _ in sharded.named_parameters()]
+            expected = [unsharded_name(backend, name) for name, _ in TwoLayer().named_parameters()]
             assert names == expected, f"{where}: inside the context {names}, expected {expected}"
             _check_names_and_storage(
                 backend, sharded, everything, use_orig_params, world_size, device, f"{where}, inside"
@@ -674,21 +752,25 @@ def test_unshard_named_parameters_and_buffers(
 ) -> None:
     """Inside the context the sharded root lists the same (name, tensor) pairs as the
     unsharded model, for ``named_parameters`` and ``named_buffers`` with ``prefix`` and
-    ``recurse``. The extra buffer is registered on the module ``shard()`` returned, i.e. on
-    what the user holds as the root."""
+    ``recurse``. Names are compared raw, as the seed does: exactly the unsharded model's, with
+    only the adapter's declared ``UNSHARDED_NAME_PREFIX`` inserted after ``prefix``. The extra
+    buffer is registered on the module ``shard()`` returned, i.e. on what the user holds as the
+    root, so its name has no such prefix."""
     _require_unshard(backend)
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
     local.register_buffer("buffer", torch.ones(1, device=device))
     spec = ShardingSpec(use_orig_params=use_orig_params)
+    own_buffer = f"{prefix}.buffer" if prefix else "buffer"
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
         sharded.register_buffer("buffer", torch.ones(1, device=device))
         with backend.unshard(sharded, writeback=False):
             for call in ("named_parameters", "named_buffers"):
-                seen = [
-                    (declared_fqn(backend, name), tensor)
-                    for name, tensor in getattr(sharded, call)(prefix=prefix, recurse=recurse)
+                seen = list(getattr(sharded, call)(prefix=prefix, recurse=recurse))
+                wanted = [
+                    # the extra buffer is the returned root's own: no prefix of the adapter's
+                    (name if name == own_buffer else unsharded_name(backend, name, prefix), tensor)
+                    for name, tensor in getattr(local, call)(prefix=prefix, recurse=recurse)
                 ]
-                wanted = list(getattr(local, call)(prefix=prefix, recurse=recurse))
                 assert [n for n, _ in seen] == [n for n, _ in wanted], (
                     f"{form.value}: {call}(prefix={prefix!r}, recurse={recurse}) gives "
                     f"{[n for n, _ in seen]}, the unsharded model {[n for n, _ in wanted]}"
@@ -756,8 +838,8 @@ def test_unshard_with_grads(
             with context, torch.no_grad():
                 pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
                 for (name, expected), (seen_name, seen) in pairs:
-                    assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
-                        f"{form.value}: {seen_name!r} where {name!r} was expected"
+                    assert seen_name == unsharded_name(backend, name), (  # raw, as the seed compares
+                        f"{form.value}: {seen_name!r} where {unsharded_name(backend, name)!r} was expected"
                     )
                     assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
                     torch.testing.assert_close(
@@ -941,17 +1023,22 @@ def test_unshard_rank0_only_with_writeback_raises(backend: BackendAdapter, devic
 
 
 @pytest.mark.world_size(min=2, default=2)
-def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, device: torch.device) -> None:
+@pytest.mark.parametrize("call", ["offload_to_cpu", "seed_call"])
+def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, call: str, device: torch.device) -> None:
     """``offload_to_cpu`` with NO_SHARD is refused (parameters are never gathered there).
 
-    The upstream seed passes ``rank0_only=True, writeback=True`` here, which trips the other
-    refusal first; this scenario isolates the intended one (``writeback=False``).
+    ``offload_to_cpu``: the intended refusal in isolation (``offload_to_cpu=True,
+    writeback=False``). ``seed_call``: the upstream seed's literal call on the same NO_SHARD
+    model, ``rank0_only=True, writeback=True`` (no ``offload_to_cpu``), which the seed expects
+    refused as "is not supported": the ``rank0_only`` with ``writeback`` refusal, declared as such.
     """
-    _require_unshard(backend, offload_to_cpu=True)
+    if call == "offload_to_cpu":
+        options, misuse = {"offload_to_cpu": True, "writeback": False}, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD
+        _require_unshard(backend, offload_to_cpu=True)
+    else:  # needs only rank0_only, as test_unshard_rank0_only_with_writeback_raises
+        options, misuse = {"rank0_only": True, "writeback": True}, Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK
+        _require_unshard(backend, rank0_only=True)
     spec = ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS)
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with (
-            refused(backend, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD, form.value),
-            backend.unshard(sharded, offload_to_cpu=True, writeback=False),
-        ):
+        with refused(backend, misuse, form.value), backend.unshard(sharded, **options):
             pass

@@ -49,6 +49,11 @@ ADDED: dict[int, Additions] = {
         capabilities=frozenset({Capability.NATIVE_CHECKPOINT}),
         facts=("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD"),
     ),
+    # Seed strength for storage and names (issue 23): exact storage sizes, raw names.
+    4: Additions(
+        capabilities=frozenset({Capability.INTROSPECT_STORAGE}),
+        facts=("SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX"),
+    ),
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.versions.ADDED must describe every protocol version"
 

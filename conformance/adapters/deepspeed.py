@@ -63,6 +63,7 @@ from conformance.protocol import (
     OptimizerFactory,
     ShardingSpec,
     ShardingStrategy,
+    ShardLayout,
     StateDictKind,
     innermost_first,
     submodule,
@@ -207,7 +208,7 @@ class DeepSpeedModel(nn.Module):
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
     CAPABILITIES = frozenset(
@@ -227,6 +228,7 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.FULL_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
             Capability.INTROSPECT_UNSHARDED,
+            Capability.INTROSPECT_STORAGE,
             Capability.NATIVE_CHECKPOINT,
         }
     )
@@ -234,6 +236,12 @@ class DeepSpeedAdapter(BackendAdapter):
     # installed): its bf16/fp16 mode casts the model's parameters to the low dtype (float32 lives
     # only in the ZeRO optimizer's master partitions), so GatheredParameters shows that dtype.
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True)
+    # ZeRO-3 partitions each parameter on its own: flattened, padded to a multiple of the world
+    # size, ceil(numel / world size) elements in every rank's ds_tensor (what local_shard returns).
+    SHARD_LAYOUT = ShardLayout.PER_PARAMETER
+    # The module shard() returns holds the user's model as its child _deepspeed_wrapped_module,
+    # so the names it lists (inside GatheredParameters too) start with that.
+    UNSHARDED_NAME_PREFIX = _WRAPPED
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (
@@ -653,6 +661,18 @@ class DeepSpeedAdapter(BackendAdapter):
         status = self._ds.zero.ZeroParamStatus
         # Outside stage 3 parameters are never partitioned: always unsharded.
         return all(getattr(p, "ds_status", status.AVAILABLE) == status.AVAILABLE for p in params)
+
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        root = _root(model)
+        if root.stage() < 3:
+            stage = root.stage()
+            raise ValueError(f"ZeRO stage {stage} keeps every parameter whole: it has no unsharded storage to free")
+        if unit not in root.units:
+            raise ValueError(f"{unit!r} is not a unit; units are {root.units}")
+        # A released ZeRO-3 parameter's data is an empty tensor; a gathered one is a view of the
+        # gather buffer (parameters gathered together may share one): each storage counted once.
+        storages = {p.data.untyped_storage().data_ptr(): p.data for p in root.own_params(unit)}
+        return sum(t.untyped_storage().nbytes() // t.element_size() for ptr, t in storages.items() if ptr)
 
 
 _CHECKPOINT_TAG = "conformance"

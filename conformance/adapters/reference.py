@@ -53,7 +53,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
@@ -150,7 +150,7 @@ class ReferenceAdapter(BackendAdapter):
     # -- state dicts ----------------------------------------------------------------------
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         engine.set_state_dict_type(model, _KINDS[kind])
-        return {_clean(key): value for key, value in model.state_dict().items()}
+        return model.state_dict()  # raw: the engine keys it by original FQNs itself
 
     def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         engine.set_state_dict_type(model, _KINDS[kind])
@@ -175,8 +175,33 @@ class ReferenceAdapter(BackendAdapter):
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         return engine.is_unsharded(_module_at(model, unit))
 
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        units = {
+            _join(prefix, _clean(found.module_fqn)): found
+            for prefix, root in _sharded_roots(model)
+            for found in engine.units(root)
+        }
+        if unit not in units:
+            raise ValueError(f"{unit!r} is not a unit; units are {sorted(units)}")
+        sharded_unit = units[unit]
+        if sharded_unit.topology.shard_group is None:
+            raise ValueError(f"unit {unit!r} is not sharded: it has no unsharded buffer to free")
+        total = sharded_unit.unsharded_storage_numel
+        # The unshard context may show a buffer of its own (full precision under mixed
+        # precision, a CPU copy with offload_to_cpu): count it too.
+        _state, shown = sharded_unit.exposure.snapshot()
+        own = sharded_unit._full.untyped_storage().data_ptr()
+        extra = {t.untyped_storage().data_ptr(): t for t in shown if t.untyped_storage().data_ptr() != own}
+        if sharded_unit.shown_by_unshard:
+            total += sum(t.untyped_storage().nbytes() // t.element_size() for t in extra.values())
+        return total
+
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
-        return {_clean(unit): [_clean(p) for p in params] for unit, params in engine.unit_fqns(model)}
+        units = {}
+        for prefix, root in _sharded_roots(model):
+            for unit, params in engine.unit_fqns(root):
+                units[_join(prefix, _clean(unit))] = [_join(prefix, _clean(p)) for p in params]
+        return units
 
     @contextlib.contextmanager
     def record_events(self, model: nn.Module) -> Iterator[list[ShardEvent]]:
@@ -186,6 +211,27 @@ class ReferenceAdapter(BackendAdapter):
             yield recorded
         finally:
             recorded.extend(ShardEvent(kind, _clean(unit)) for kind, unit in engine.events(model))
+
+
+def _sharded_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(original FQN, module) of each outermost module the engine shards: ``model`` itself, or,
+    under a plain root (``shard_root=False``), each top-level sharded submodule."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name == found or name.startswith(f"{found}.") for found, _ in roots if found):
+            continue
+        try:
+            engine.unit_fqns(module)
+        except ValueError:  # not managed by the engine: a plain module above the units
+            continue
+        roots.append((name, module))
+        if not name:
+            break  # the model itself is the root
+    return [(_clean(name), module) for name, module in roots]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _module_at(model: nn.Module, fqn: str) -> nn.Module:

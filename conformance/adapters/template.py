@@ -39,6 +39,7 @@ from conformance.protocol import (
     Requirement,
     ShardEvent,
     ShardingSpec,
+    ShardLayout,
     StateDictKind,
     declared_fqn,
 )
@@ -49,7 +50,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 3
+    PROTOCOL_VERSION = 4
     # Test ids, reports and expectations use it; the expectations file is
     # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
     name = "template-ddp"
@@ -87,6 +88,14 @@ class TemplateAdapter(BackendAdapter):
     REFUSALS = {}
     # Under mixed precision: is unshard() shown in the compute dtype, does the root stay gathered?
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=False, root_stays_unsharded=False)
+    # How parameters are split over the ranks: what local_shard returns and how large a unit's
+    # unsharded storage is, both checked exactly (ShardLayout: FLAT_UNIT as FSDP1, ROWS as
+    # FSDP2, PER_PARAMETER as DeepSpeed ZeRO-3). DDP splits nothing; with NO_SHARD only, no
+    # scenario reads it.
+    SHARD_LAYOUT = ShardLayout.FLAT_UNIT
+    # Inside unshard(), what your root puts before every original name in named_parameters()
+    # and named_buffers(), compared raw (nothing stripped). DDP lists "module.<name>".
+    UNSHARDED_NAME_PREFIX = "module"
     # Where it runs (docs/writing-an-adapter.md, "Devices and torch versions"): device kind -> the
     # torch versions it runs on there ("" for every torch; a kind left out is not supported), and
     # why not where it does not. A session elsewhere refuses the backend once, at start. DDP: anywhere.
@@ -187,6 +196,13 @@ class TemplateAdapter(BackendAdapter):
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         # Whether the unit at FQN `unit` holds unsharded storage now (INTROSPECT_UNSHARDED).
         return super().is_unsharded(model, unit)  # not declared: the base class skips
+
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        # Elements of unsharded parameter storage the unit holds allocated now, every copy
+        # counted: 0 once freed, the SHARD_LAYOUT's padded size while unsharded
+        # (INTROSPECT_STORAGE). Read it from the storage itself (untyped_storage().nbytes()),
+        # not from a flag: an unfreed buffer must show.
+        return super().unsharded_storage_numel(model, unit)
 
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
         # Unit FQN -> FQNs of the parameters it manages (INTROSPECT_UNIT_FQNS).

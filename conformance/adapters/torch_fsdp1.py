@@ -41,6 +41,7 @@ from conformance.protocol import (
     ApiForm,
     Capability,
     Misuse,
+    Requirement,
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
@@ -53,6 +54,18 @@ from conformance.protocol import (
 # torch 2.6 and 2.13 (seen; tests/conformance/test_declared_absences.py proves it where declared);
 # torch 2.14.1 gives the right values.
 OFFLOAD_TO_CPU_BROKEN_ON_CPU = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14)
+
+# On a CPU device summon_full_params(offload_to_cpu=True) of a unit it gathers (every strategy
+# but NO_SHARD) is broken (proven in tests/conformance/test_declared_absences.py).
+_OFFLOAD_BROKEN_REASON = (
+    "on a CPU device summon_full_params(offload_to_cpu=True) 'copies' the full parameter to CPU "
+    "in place, then frees that storage: the views it exposes point at freed memory (RuntimeError "
+    "'setStorage: ... out of bounds', or SIGSEGV)"
+)
+_OFFLOAD_TO_CPU_ON_CPU: Mapping[frozenset[Requirement], str] = {
+    frozenset({Capability.UNSHARD_OFFLOAD_TO_CPU, Capability.for_strategy(strategy)}): _OFFLOAD_BROKEN_REASON
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD)
+}
 
 _STRATEGIES = {
     ShardingStrategy.FULL_SHARD: TorchStrategy.FULL_SHARD,
@@ -88,7 +101,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
@@ -120,18 +133,19 @@ class TorchFSDP1Adapter(TorchAdapter):
             "torch.distributed._composable.fully_shard (FSDP1's composable form) was removed "
             "from torch; use the torch-fsdp2 backend for fully_shard"
         ),
-        Capability.UNSHARD_OFFLOAD_TO_CPU: (
-            "on a CPU device summon_full_params(offload_to_cpu=True) 'copies' the full "
-            "parameter to CPU in place, then frees that storage: the views it exposes point at "
-            "freed memory (RuntimeError 'setStorage: ... out of bounds', or SIGSEGV)"
-        ),
     }
 
     def capabilities(self) -> frozenset[Capability]:
         if self.env.device.type == "cpu":
-            broken = {Capability.UNSHARD_OFFLOAD_TO_CPU} if OFFLOAD_TO_CPU_BROKEN_ON_CPU else set()
-            return self.CAPABILITIES - {Capability.CPU_OFFLOAD, *broken}
+            return self.CAPABILITIES - {Capability.CPU_OFFLOAD}
         return self.CAPABILITIES
+
+    def unsupported_combinations(self) -> Mapping[frozenset[Requirement], str]:
+        # offload_to_cpu is broken on a CPU device (torch < 2.14) only where it gathers: a
+        # NO_SHARD unit refuses it before touching memory, which the refusal scenario checks.
+        if self.env.device.type == "cpu" and OFFLOAD_TO_CPU_BROKEN_ON_CPU:
+            return {**self.UNSUPPORTED_COMBINATIONS, **_OFFLOAD_TO_CPU_ON_CPU}
+        return self.UNSUPPORTED_COMBINATIONS
 
     # -- collective labels (the unit FQNs published by the wrappers _label_collectives installs)
     def collective_label(self) -> str | None:
@@ -209,6 +223,9 @@ class TorchFSDP1Adapter(TorchAdapter):
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         return _holds_unsharded(_handle(_wrapped_submodule(model, unit)))
 
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        return _unsharded_storage_numel(_handle(_wrapped_submodule(model, unit)))
+
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
         units = {}
         for fqn, module in model.named_modules():
@@ -247,6 +264,20 @@ def _holds_unsharded(handle: Any) -> bool:
         padded is not None and padded.untyped_storage().size() > 0
         for padded in (getattr(handle.flat_param, name, None) for name in buffers)
     )
+
+
+def _unsharded_storage_numel(handle: Any) -> int:
+    """Elements allocated in the handle's unsharded buffers: the compute one (low precision
+    under mixed precision) and summon_full_params' full-precision one, both counted (the seed
+    reads ``_full_param_padded``; an unfreed full-precision copy must show too)."""
+    if not handle.uses_sharded_strategy:
+        raise ValueError("a NO_SHARD unit keeps its parameters unsharded: it has no unsharded buffer to free")
+    total = 0
+    for name in ("_full_param_padded", "_full_prec_full_param_padded"):
+        padded = getattr(handle.flat_param, name, None)
+        if padded is not None:
+            total += padded.untyped_storage().nbytes() // padded.element_size()
+    return total
 
 
 def _handle(module: nn.Module) -> Any:

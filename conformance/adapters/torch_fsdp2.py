@@ -46,6 +46,7 @@ from conformance.protocol import (
     ShardEvent,
     ShardingSpec,
     ShardingStrategy,
+    ShardLayout,
     StateDictKind,
     innermost_first,
     submodule,
@@ -74,7 +75,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 3  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
@@ -93,6 +94,10 @@ class TorchFSDP2Adapter(TorchAdapter):
     # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
     # held to the seeds' (see its expectations).
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
+    # Each parameter is split along dim 0 (Shard(0)): to_local() is this rank's rows, unpadded;
+    # the all-gather output a parameter's unsharded view lives in holds ceil(rows / world size)
+    # x world size rows (proven in tests/conformance/test_declared_facts.py).
+    SHARD_LAYOUT = ShardLayout.ROWS
     if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance/test_declared_absences.py
         CAPABILITIES -= {Capability.IGNORED_MODULES}
     # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.
@@ -232,6 +237,14 @@ class TorchFSDP2Adapter(TorchAdapter):
             raise ValueError(f"unit {unit!r} manages no parameters")
         return all(group.is_unsharded for group in groups)
 
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        return sum(
+            _allocated_numel(output)
+            for group in _param_groups(_fsdp_module(submodule(model, unit)))
+            for fsdp_param in group.fsdp_params
+            for output in fsdp_param.all_gather_outputs
+        )
+
     def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
         module_names = {id(m): name for name, m in model.named_modules()}
         units = {}
@@ -270,6 +283,11 @@ def _param_groups(module: FSDPModule) -> list[Any]:
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def _allocated_numel(tensor: Any) -> int:
+    """Elements the storage behind ``tensor`` holds now (0 once FSDP2 freed it)."""
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
 
 
 def _is_unsharded(group: Any) -> bool:

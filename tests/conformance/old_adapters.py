@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.protocol import ApiForm, BackendAdapter, Capability, ShardingSpec, StateDictKind
+from conformance.protocol import PROTOCOL_VERSION, ApiForm, BackendAdapter, Capability, ShardingSpec, StateDictKind
 
 
 class OldStyleAdapter(BackendAdapter):
@@ -56,7 +56,7 @@ class Incomplete(BackendAdapter):
     """Current protocol, but two of the abstract methods are missing."""
 
     name = "incomplete"
-    PROTOCOL_VERSION = 3
+    PROTOCOL_VERSION = PROTOCOL_VERSION
     CAPABILITIES = frozenset({Capability.COMPOSABLE})
 
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

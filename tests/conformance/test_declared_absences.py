@@ -375,21 +375,35 @@ def _fsdp1_cannot_offload_on_cpu(rank: int, world_size: int, device: torch.devic
         model(torch.ones(1, 4, device=device))
 
 
-def _fsdp1_offload_to_cpu_is_broken_on_cpu(rank: int, world_size: int, device: torch.device) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _fsdp1_offload_to_cpu_is_broken_on_cpu(strategy_name: str) -> Proof:
+    """On a CPU device, summon_full_params(offload_to_cpu=True) of a unit it gathers (every
+    strategy but NO_SHARD, which refuses it before touching memory) exposes freed memory."""
 
-    # Flat parameters raise; with use_orig_params=True the views point at freed memory and the
-    # process may crash instead, so only the flat case is shown here.
-    model = FSDP(_two_linears(device), device_id=device, use_orig_params=False)
-    with (
-        pytest.raises(RuntimeError, match=r"setStorage: .* out of bounds for storage of size 0"),
-        FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
-    ):
-        pass
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        kwargs: dict[str, Any] = {"sharding_strategy": ShardingStrategy[strategy_name]}
+        if strategy_name == "HYBRID_SHARD":  # shard within each (one-rank-group) row: (replicate, shard)
+            kwargs["device_mesh"] = init_device_mesh(device.type, (1, world_size))
+        # Flat parameters raise; with use_orig_params=True the views point at freed memory and
+        # the process may crash instead, so only the flat case is shown here.
+        model = FSDP(_two_linears(device), device_id=device, use_orig_params=False, **kwargs)
+        with (
+            pytest.raises(RuntimeError, match=r"setStorage: .* out of bounds for storage of size 0"),
+            FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
+        ):
+            pass
+
+    return proof
 
 
 if OFFLOAD_TO_CPU_BROKEN_ON_CPU:  # declared where seen (torch < 2.14); 2.14.1 gives the right values
-    proves("torch-fsdp1", Capability.UNSHARD_OFFLOAD_TO_CPU)(_fsdp1_offload_to_cpu_is_broken_on_cpu)
+    for _strategy in (Capability.FULL_SHARD, Capability.SHARD_GRAD_OP, Capability.HYBRID_SHARD):
+        COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_OFFLOAD_TO_CPU, _strategy})] = (
+            _fsdp1_offload_to_cpu_is_broken_on_cpu(_strategy.name)
+        )
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------

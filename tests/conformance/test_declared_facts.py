@@ -20,12 +20,19 @@ import torch.nn as nn
 
 import fixtures
 from conformance import registry
-from conformance.protocol import BackendAdapter, BackendEnv, Misuse, declared_refusal
+from conformance.protocol import (
+    BackendAdapter,
+    BackendEnv,
+    Misuse,
+    declared_refusal,
+    expected_local_numel,
+    expected_unsharded_numel,
+)
 from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]
 PROOFS: dict[tuple[str, str], Proof] = {}
-FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS")
+FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS", "SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX")
 
 
 def proves(backend: str, fact: str) -> Callable[[Proof], Proof]:
@@ -239,7 +246,89 @@ def _fsdp2_unshards_in_the_compute_dtype_and_keeps_the_root(rank: int, world_siz
     output.sum().backward()
 
 
+@proves("torch-fsdp2", "SHARD_LAYOUT")
+def _fsdp2_splits_rows(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    layout = registry.load("torch-fsdp2").SHARD_LAYOUT
+    # 5 and 3 rows: uneven at world size 2 (and 4), so the padding shows.
+    model = fixtures.build(
+        lambda: nn.Sequential(nn.Linear(5, 5, bias=False), nn.Linear(5, 3, bias=False)), current_seed(), device
+    )
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    fully_shard(model[0])
+    fully_shard(model)
+    for name, param in model.named_parameters():
+        wanted = expected_local_numel(layout, [shapes[name]], 0, rank, world_size)
+        assert param.to_local().numel() == wanted, (name, param.to_local().shape, wanted)
+
+    def allocated(unit: nn.Module) -> int:  # torch's private all-gather outputs: no public accessor
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+        outputs = [t for group in groups for p in group.fsdp_params for t in p.all_gather_outputs]
+        return sum(t.untyped_storage().nbytes() // t.element_size() for t in outputs)
+
+    model.unshard()  # each FSDPModule gathers only its own parameters
+    model[0].unshard()
+    full = {"": allocated(model), "0": allocated(model[0])}
+    model.reshard()
+    model[0].reshard()
+    wanted = {
+        "": expected_unsharded_numel(layout, [shapes["1.weight"]], world_size),
+        "0": expected_unsharded_numel(layout, [shapes["0.weight"]], world_size),
+    }
+    assert full == wanted, (full, wanted)
+    assert allocated(model) == allocated(model[0]) == 0
+
+
 # -- DeepSpeed -----------------------------------------------------------------------------------
+
+
+def _deepspeed_stage3(deepspeed: object, model: nn.Module) -> object:
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    return engine
+
+
+@proves("deepspeed", "SHARD_LAYOUT")
+def _deepspeed_pads_each_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    import deepspeed
+
+    layout = registry.load("deepspeed").SHARD_LAYOUT
+    model = fixtures.build(lambda: nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 3)), current_seed(), device)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    engine = _deepspeed_stage3(deepspeed, model)
+    try:
+        for name, param in engine.module.named_parameters():
+            wanted = expected_local_numel(layout, [shapes[name]], 0, rank, world_size)
+            assert param.ds_tensor.numel() == wanted, (name, param.ds_tensor.numel(), wanted)
+    finally:
+        engine.destroy()
+
+
+@proves("deepspeed", "UNSHARDED_NAME_PREFIX")
+def _deepspeed_keeps_names(rank: int, world_size: int, device: torch.device) -> None:
+    """DeepSpeed itself lists the original names inside GatheredParameters; the prefix is the
+    attribute under which the adapter's root (DeepSpeedModel) holds the model."""
+    import deepspeed
+
+    from conformance.adapters.deepspeed import DeepSpeedModel
+
+    prefix = registry.load("deepspeed").UNSHARDED_NAME_PREFIX
+    model = _two_linears(device)
+    names = [name for name, _ in model.named_parameters()]
+    engine = _deepspeed_stage3(deepspeed, model)
+    try:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            assert [name for name, _ in engine.module.named_parameters()] == names
+        root = DeepSpeedModel(engine.module, spec=None, config={}, units=[])  # type: ignore[arg-type]
+        assert [name for name, _ in root.named_parameters()] == [f"{prefix}.{name}" for name in names]
+    finally:
+        engine.destroy()
 
 
 @proves("deepspeed", "MIXED_PRECISION_UNSHARD")

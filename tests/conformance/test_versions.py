@@ -15,13 +15,20 @@ from tests.conformance.old_adapters import FirstProtocolAdapter
 def test_an_older_adapter_is_told_what_it_does_not_declare() -> None:
     shortfall = versions.shortfall(FirstProtocolAdapter)
     assert shortfall is not None and shortfall.version == 1
-    assert shortfall.capabilities == versions.ADDED[2].capabilities | versions.ADDED[3].capabilities  # none
+    later = [versions.ADDED[v].capabilities for v in range(2, PROTOCOL_VERSION + 1)]
+    assert shortfall.capabilities == frozenset().union(*later)  # it declares none of them
     assert "make_optimizer" in shortfall.hooks and "collective_label" in shortfall.hooks
-    assert shortfall.facts == ("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD")
+    assert shortfall.facts == (
+        "FLAT_PARAMETER_NAME",
+        "REFUSALS",
+        "MIXED_PRECISION_UNSHARD",
+        "SHARD_LAYOUT",
+        "UNSHARDED_NAME_PREFIX",
+    )
     assert shortfall.costs(f"unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
     assert not shortfall.costs(f"unsupported: {Capability.WRAPPER.value}: no wrapper")  # a version-1 capability
     text = shortfall.describe("first-protocol", 3)
-    assert "written for protocol version 1 (current: 3)" in text and "(3 scenarios skipped" in text
+    assert f"written for protocol version 1 (current: {PROTOCOL_VERSION})" in text and "(3 scenarios skipped" in text
     assert f"set PROTOCOL_VERSION = {PROTOCOL_VERSION}" in text
 
 
@@ -65,8 +72,8 @@ def test_older_adapter_runs_with_one_warning_and_its_cost(tmp_path) -> None:
     assert "1 passed, 2 skipped" in output
     assert output.count("was written for protocol version 1") == 1, output
     assert (
-        "does not declare the capabilities MIXED_STRATEGIES, NATIVE_CHECKPOINT, SHARD_OPTIM_STATE, UNITS, "
-        "UNMANAGED_ROOT (2 scenarios" in output
+        "does not declare the capabilities INTROSPECT_STORAGE, MIXED_STRATEGIES, NATIVE_CHECKPOINT, SHARD_OPTIM_STATE, "
+        "UNITS, UNMANAGED_ROOT (2 scenarios" in output
     )
 
 
