@@ -36,6 +36,7 @@ _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
+_WRITTEN = pytest.StashKey["list[str]"]()  # the matrix files written at session finish
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     directory = Path(reports_dir(config))
     (directory / "conformance.md").write_text(render_markdown(matrix), encoding="utf-8")
     (directory / "conformance.html").write_text(render_html(matrix), encoding="utf-8")
+    config.stash[_WRITTEN] = [str(directory / "conformance.md"), str(directory / "conformance.html")]
+
+
+def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
+    """The matrix files (written at session finish), for the end-of-run summary's list."""
+    return config.stash.get(_WRITTEN, [])
+
+
+def pytest_harness_summary_lines(config: pytest.Config) -> list[str]:
+    """The backends this run tested, first in the end-of-run summary (-q hides the header)."""
+    state = config.stash.get(_STATE, None)
+    return [] if state is None else [f"backends: {', '.join(state.name(s) for s in state.backends)}"]
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -25,6 +25,7 @@ from harness import hookspecs, rank_fixtures, repro, world_sizes
 from harness.devices import DEVICE_CHOICES, DeviceTally, plan_devices, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
+from harness.run_summary import RunSummary
 from harness.session import HarnessSession, session_properties
 from harness.signals import SignalGuard
 from harness.world_sizes import world_size_of  # also imported from here by other plugins
@@ -33,6 +34,7 @@ _SESSION = pytest.StashKey["HarnessSession"]()
 _SIGNALS = pytest.StashKey[SignalGuard]()
 _DEVICES = pytest.StashKey[DeviceTally]()
 _JUNIT_PLUGIN = "harness-junit"
+_SUMMARY_PLUGIN = "harness-run-summary"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -174,6 +176,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
+    config.pluginmanager.register(RunSummary(config, reports_dir, session.summary), _SUMMARY_PLUGIN)
 
 
 def _launched_by_torchrun() -> bool:
@@ -293,11 +296,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for line in world_sizes.summary_lines(config):
         terminalreporter.write_line(line)
     session = config.stash.get(_SESSION, None)
-    if session is not None and session.published:
-        files = session.finish()
-        terminalreporter.write_line(
-            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}"
-        )
+    summary = config.pluginmanager.get_plugin(_SUMMARY_PLUGIN)
+    if session is not None and summary is not None and (session.published or summary.incomplete):
+        summary.write(terminalreporter, session.finish())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -319,5 +320,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if junit is not None:
             junit.release()
             config.pluginmanager.unregister(junit)
+        if config.pluginmanager.get_plugin(_SUMMARY_PLUGIN) is not None:
+            config.pluginmanager.unregister(name=_SUMMARY_PLUGIN)
         if guard is not None:
             guard.uninstall()
