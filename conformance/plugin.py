@@ -11,8 +11,10 @@ are reported as stale, and fail the run under ``--strict-expectations``.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import sysconfig
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,10 @@ import pytest
 import torch
 
 from conformance import admission, expectations, platforms, registry, versions
-from conformance.matrix import Matrix, classify, render_html, render_markdown
-from harness import repro
+from conformance.matrix import Matrix, RunDetails, classify, render_markdown
+from conformance.report_html import render_html
+from conformance.trace_report import index_trace_reports
+from harness import failure_reason, incomplete_reason, repro
 from harness.devices import plan_devices
 from harness.plugin import reports_dir, world_size_of
 
@@ -37,6 +41,7 @@ _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
 _WRITTEN = pytest.StashKey["list[str]"]()  # the matrix files written at session finish
+_STARTED = pytest.StashKey[float]()  # when the session started (older trace files are not this run's)
 
 
 @dataclass(frozen=True)
@@ -122,9 +127,23 @@ def pytest_configure(config: pytest.Config) -> None:
         _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_MATRIX] = Matrix()
+    config.stash[_MATRIX] = Matrix(run=_run_details(config, config.stash[_STATE]))
+    config.stash[_STARTED] = time.time()
     config.stash[_RUN] = expectations.RunRecord()
     config.stash[_SKIPS] = {}
+
+
+def _run_details(config: pytest.Config, state: BackendSelection) -> RunDetails:
+    """What the matrix pages say about the run, above the matrix."""
+    return RunDetails(
+        command=f"cd {shlex.quote(str(config.invocation_params.dir))} && python -m pytest "
+        + shlex.join(config.invocation_params.args),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        seed=str(config.getoption("seed", None)),
+        torch_version=torch.__version__,
+        python_version=sys.version.split()[0],
+        backends=dict(state.origins),
+    )
 
 
 def _select(config: pytest.Config) -> BackendSelection:
@@ -290,6 +309,7 @@ def pytest_runtest_makereport(
     if selection is None:
         return report
     scenario = expectations.scenario_id(item.nodeid, selection)
+    entry = None
     if report.when == "call":
         entries = item.config.stash[_STATE].expected.get(selection)
         matching = entries.matching(scenario, run_context(item)) if entries else []
@@ -306,7 +326,7 @@ def pytest_runtest_makereport(
                 original = report.longreprtext
                 report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
     if report.when == "call" or report.failed or report.skipped:
-        _record(item, selection, report)
+        _record(item, selection, report, entry)
     if report.skipped and not getattr(report, "wasxfail", None):
         item.config.stash[_SKIPS].setdefault(selection, []).append(_skip_reason(report))
         context = run_context(item)
@@ -322,14 +342,43 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> None:
+def _record(
+    item: pytest.Item, selection: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
+) -> None:
     """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
     skip_reason = _skip_reason(report)
     outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
-    module, _, function = item.nodeid.partition("::")
-    scenario = f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
     text = skip_reason if outcome == "unsupported" else report.longreprtext
-    item.config.stash[_MATRIX].record(scenario, selection, item.nodeid, outcome, text)
+    reason = entry.reason if outcome == "expected-fail" and entry else failure_reason(text) if outcome == "fail" else ""
+    context = run_context(item)
+    item.config.stash[_MATRIX].record(
+        _scenario(item),
+        selection,
+        item.nodeid,
+        outcome,
+        text,
+        reason=reason,
+        link=entry.link if entry else None,
+        device=context.device,
+        world_size=context.world_size,
+    )
+
+
+def _scenario(item: pytest.Item) -> str:
+    """The matrix row of a test: its file's name and function, without parameters."""
+    module, _, function = item.nodeid.partition("::")
+    return f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every selected test is planned in its matrix cell: one that never reports is "not run"."""
+    matrix = session.config.stash.get(_MATRIX, None)
+    if matrix is None:
+        return
+    for item in session.items:
+        name = _backend_name(item)
+        if name is not None:
+            matrix.plan(_scenario(item), name)
 
 
 def _backend_path_args(item: pytest.Item) -> list[str]:
@@ -410,12 +459,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if stale and config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     matrix = config.stash.get(_MATRIX, None)
-    if matrix is None or not (matrix.cells or stale):
+    if matrix is None or not (matrix.cells or matrix.planned or stale):
         return
     matrix.stale = [str(entry) for entry in stale]
+    matrix.incomplete = incomplete_reason(session, sum(sum(c.values()) for c in matrix.cells.values()))
     directory = Path(reports_dir(config))
+    matrix.traces = index_trace_reports(str(directory / "traces"), config.stash[_STARTED] - 1)
     (directory / "conformance.md").write_text(render_markdown(matrix), encoding="utf-8")
-    (directory / "conformance.html").write_text(render_html(matrix), encoding="utf-8")
+    (directory / "conformance.html").write_text(render_html(matrix, str(directory)), encoding="utf-8")
     config.stash[_WRITTEN] = [str(directory / "conformance.md"), str(directory / "conformance.html")]
 
 

@@ -8,13 +8,16 @@ diff, `name_tensor` names a tensor (or a module's parameters) a collective carri
 marks rank-conditional code whose call sites and tensors differ on purpose, and
 `skip_call_sites_in` leaves a backend's own frames out of call sites; `collectives_issued()` counts
 what a rank issued so far in the test. Report formats plug in through
-the hooks of `harness.hookspecs`.
+the hooks of `harness.hookspecs`; `failure_reason` (one line that explains a failed test's text)
+and `incomplete_reason` (why a session stopped before running every selected test) serve them.
 """
 
 from harness.call_sites import asymmetric, skip_call_sites_in
 from harness.isolation import current_seed, seed_everything
 from harness.labels import register_label_provider
 from harness.rank_fixtures import RankContext, rank_fixture
+from harness.run_summary import incomplete_reason
+from harness.run_summary import reason as failure_reason
 from harness.tensor_names import name_tensor
 from harness.world_sizes import WorldShape
 
@@ -41,6 +44,8 @@ __all__ = [
     "asymmetric",
     "collectives_issued",
     "current_seed",
+    "failure_reason",
+    "incomplete_reason",
     "name_tensor",
     "rank_fixture",
     "rank_seed",

@@ -46,6 +46,7 @@ _REASON_CHARS = 300
 _SECTION = re.compile(r"^={3,} rank (\d+): (\w+)(?: \(after rank \d+\))? ={3,}$")
 _FIRST = re.compile(r"^rank (\d+) failed first \((.*)\); .*$")
 _DIVERGENCE = "ranks issued divergent collectives:"
+_INTERRUPT = pytest.StashKey[str]()  # what interrupted the session (pytest_keyboard_interrupt)
 
 
 def reason(text: str) -> str:
@@ -59,7 +60,8 @@ def reason(text: str) -> str:
     for line in lines:
         found = _FIRST.match(line)
         if found:
-            return _cut(f"rank {found.group(1)} failed first: {found.group(2)}")
+            rank = found.group(1)
+            return _cut(f"rank {rank} failed first: {found.group(2).removeprefix(f'rank {rank} ')}")
     causes: dict[str, list[int]] = {}
     for rank, body in _sections(lines):
         causes.setdefault(_cause(rank, body), []).append(rank)
@@ -117,7 +119,7 @@ def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | 
     None when it ran them all. `ran`: how many tests were reported, when the caller counted."""
     status = session.exitstatus
     if status == pytest.ExitCode.INTERRUPTED:
-        why = "interrupted (Ctrl-C, SIGTERM or a timeout of the whole session)"
+        why = f"interrupted ({session.config.stash.get(_INTERRUPT, 'KeyboardInterrupt')})"
     elif session.shouldfail:
         why = f"stopped early ({session.shouldfail})"
     elif session.shouldstop:
@@ -163,6 +165,11 @@ class RunSummary:
         if report.failed and item.get_closest_marker("world_size") is not None:
             give_reason(report, reason(report.longreprtext))
         return report
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """Ctrl-C, SIGTERM (`harness.signals`), or pytest's own stop ("1 error during collection")."""
+        lines = excinfo.exconly().strip().splitlines()
+        self.config.stash[_INTERRUPT] = lines[0] if lines else excinfo.typename
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
