@@ -7,59 +7,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conformance.matrix import Matrix, RunDetails, render_markdown
+from conformance.matrix import render_markdown
 from conformance.report_html import render_html
 from conformance.trace_report import read_trace_report
-from harness.divergence import first_divergence, format_trace_table
-from harness.tracefile import CollectiveRecord
-
-LONG_LABEL = "layers.0.attention.q_proj.weight, " * 10 + "layers.0.mlp.weight"
-FAILED_ID = "conformance/test_divergence.py::test_same_shape_divergence_is_not_silent[torch-fsdp2-ws2]"
-SCENARIO = "test_divergence.py::test_same_shape_divergence_is_not_silent"
-REPRO = f"REPRO: cd /x && python -m pytest '{FAILED_ID}' --backend torch-fsdp2"
-
-
-def _record(rank: int, index: int, label: str, **fields: object) -> CollectiveRecord:
-    values: dict = {
-        "rank": rank,
-        "index": index,
-        "seq": index,
-        "op": "all_gather_into_tensor",
-        "group": (0, 1),
-        "shapes": ((36,),),
-        "dtypes": ("float32",),
-        "numel": 36,
-        "label": label,
-        "completed": True,
-        "site": "conformance/test_divergence.py:60",
-    }
-    values.update(fields)
-    return CollectiveRecord(**values)  # type: ignore[arg-type]
-
-
-def diverging_traces() -> dict[int, list[CollectiveRecord]]:
-    """Rank 0 gathers `first` where rank 1 gathers `second` (collective #3); every column the
-    table has is used, with a label of 300+ characters."""
-    shared = [
-        _record(0, 0, LONG_LABEL, args=(("op", "SUM"),), async_op=True, tensors=("stem.weight", "")),
-        _record(0, 1, "stem.bias", op="broadcast", args=(("root", "0"),)),
-    ]
-    rank0 = [*shared, _record(0, 2, "first.weight"), _record(0, 3, "second.weight", completed=False)]
-    rank1 = [
-        *[_record(1, r.index, r.label, op=r.op, args=r.args, async_op=r.async_op, tensors=r.tensors) for r in shared],
-        _record(1, 2, "second.weight", asymmetric=True),
-        _record(1, 3, "", op="all_reduce", skipped=True, fault="skip all_reduce on rank 1"),
-    ]
-    return {0: rank0, 1: rank1}
-
-
-def write_trace_file(directory: Path, nodeid: str, traces: dict[int, list[CollectiveRecord]]) -> Path:
-    """A trace report as the harness writes one (`HarnessSession._write_trace`)."""
-    divergence = first_divergence(traces, sorted(traces))
-    header = f"first divergence: {divergence.describe()}" if divergence else "no divergence between ranks"
-    path = directory / (re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_") + ".txt")
-    path.write_text(f"{nodeid}\n{header}\n\n{format_trace_table(traces)}\n", encoding="utf-8")
-    return path
+from harness.divergence import first_divergence
+from tests.conformance.report_samples import (
+    FAILED_ID,
+    LONG_LABEL,
+    REPRO,
+    SCENARIO,
+    diverging_traces,
+    sample_matrix,
+    write_trace_file,
+)
 
 
 def test_trace_reports_read_back_every_cell(tmp_path: Path) -> None:
@@ -84,54 +44,12 @@ def test_a_rank_that_stopped_is_marked_after_its_last_collective(tmp_path: Path)
     traces[1] = traces[1][:2]  # rank 1 issued nothing after the broadcast
     report = read_trace_report(str(write_trace_file(tmp_path, FAILED_ID, traces)))
     assert report.first_divergence() == {0: 3, 1: None}
-    assert "stopped before the first divergence" in render_html(_matrix(tmp_path, report_path=None, trace=traces))
-
-
-def _matrix(tmp_path: Path, report_path: Path | None = None, trace: dict | None = None) -> Matrix:
-    matrix = Matrix(
-        run=RunDetails(
-            command="cd /x && python -m pytest conformance --backend reference --backend torch-fsdp2",
-            date="2026-11-25 17:00:00 UTC",
-            seed="1234",
-            torch_version="2.13.0+cpu",
-            python_version="3.11.7",
-            backends={"reference": "built-in reference", "torch-fsdp2": "built-in torch_fsdp2"},
-        )
-    )
-    for index in range(2):
-        matrix.record(
-            "test_runtime.py::test_training", "reference", f"r{index}", "pass", "", device="cpu", world_size=2
-        )
-        matrix.record("test_runtime.py::test_training", "torch-fsdp2", f"f{index}", "pass", "", world_size=4)
-        matrix.record(
-            "test_runtime.py::test_training",
-            "torch-fsdp2",
-            f"u{index}",
-            "unsupported",
-            "unsupported: HYBRID_SHARD: no replica groups",
-        )
-    matrix.record(
-        "test_exec_order.py::test_first",
-        "torch-fsdp2",
-        "x0",
-        "expected-fail",
-        "t",
-        reason="no order check",
-        link="https://example.org/1",
-    )
-    matrix.record(
-        SCENARIO, "torch-fsdp2", FAILED_ID, "fail", f"boom\n{REPRO}", reason="ranks issued divergent collectives"
-    )
-    matrix.record(SCENARIO, "reference", "ok", "pass", "")
-    if trace is not None:
-        path = write_trace_file(tmp_path, FAILED_ID, trace)
-        matrix.traces[FAILED_ID] = str(path)
-    return matrix
+    assert "stopped before the first divergence" in render_html(sample_matrix(tmp_path, trace=traces))
 
 
 def test_the_page_shows_what_the_run_was_and_why(tmp_path: Path) -> None:
     (tmp_path / "traces").mkdir()
-    matrix = _matrix(tmp_path / "traces", trace=diverging_traces())
+    matrix = sample_matrix(tmp_path / "traces", trace=diverging_traces())
     page = render_html(matrix, str(tmp_path))
     # A legend, and a cell split by outcome: 2 pass and 2 unsupported are two equal segments.
     assert 'id="legend"' in page and "<b>unsupported</b>" in page and "<b>not run</b>" in page
@@ -160,7 +78,7 @@ def test_the_page_shows_what_the_run_was_and_why(tmp_path: Path) -> None:
 
 
 def test_an_incomplete_run_says_so_and_counts_what_did_not_run(tmp_path: Path) -> None:
-    matrix = _matrix(tmp_path)
+    matrix = sample_matrix(tmp_path)
     for _ in range(3):
         matrix.plan(SCENARIO, "reference")  # 3 selected, 1 reported
     matrix.incomplete = "interrupted (Ctrl-C) after 9 of 11 tests"
