@@ -52,7 +52,7 @@ table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:3px 8px;text-
 .legend{display:flex;flex-wrap:wrap;gap:.4em 1.4em;margin:.6em 0}
 .legend span.key{display:inline-block;width:1.1em;height:1.1em;vertical-align:middle;border:1px solid #888;
 margin-right:.3em}
-.matrix td{min-width:11em}.matrix td a{color:inherit}
+.matrix{font-size:.92em}.matrix td{min-width:7em}.matrix td a{color:inherit}
 .bar{display:flex;height:.9em;border:1px solid #888;margin-bottom:2px}
 .bar span{display:block;height:100%}
 .counts{font-size:.85em;white-space:nowrap}
@@ -73,14 +73,13 @@ def render_html(matrix: Matrix, reports_dir: str | None = None) -> str:
         "<h1>Conformance matrix</h1>",
         _banner(matrix),
         _summary_line(matrix),
-        _details(matrix),
-        "<h2>Matrix</h2>",
         _legend(),
         _table(matrix),
         _failures(matrix, reports_dir),
         _expected_failures(matrix),
         _unsupported(matrix),
         _stale(matrix),
+        _details(matrix),
     ]
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Conformance matrix</title>"
@@ -98,10 +97,17 @@ def _banner(matrix: Matrix) -> str:
 
 
 def _summary_line(matrix: Matrix) -> str:
+    """The run in one line under the title (every detail at the end of the page)."""
     total: Counter[str] = Counter()
     for backend in matrix.backends:
         total.update(matrix.totals(backend))
-    return f'<p class="total">{sum(total.values())} tests: {escape(cell_text(total))}</p>'
+    rows = dict(run_rows(matrix))
+    context = " · ".join(f"{name} {rows[name]}" for name in ("torch", "device", "world sizes", "seed") if name in rows)
+    when = f"{escape(rows['date'])} · {escape(context)} · " if rows else ""
+    return (
+        f'<p class="total">{when}<b>{sum(total.values())} tests: {escape(cell_text(total))}</b> '
+        f'(<a href="#run">run details</a>)</p>'
+    )
 
 
 def _details(matrix: Matrix) -> str:
@@ -110,7 +116,7 @@ def _details(matrix: Matrix) -> str:
         return ""
     shown = {name: f"<code>{escape(value)}</code>" if name == "command" else escape(value) for name, value in rows}
     cells = "".join(f"<tr><th>{escape(name)}</th><td>{value}</td></tr>" for name, value in shown.items())
-    return f'<h2>Run</h2><table class="details">{cells}</table>'
+    return f'<h2 id="run">Run details</h2><table class="details">{cells}</table>'
 
 
 def _legend() -> str:

@@ -15,7 +15,7 @@ terminal summary writes one section:
     reports: reports/junit/rank-0.xml, rank-1.xml, rank-2.xml, rank-3.xml
              reports/conformance.md, conformance.html
              reports/traces/ (1 file)
-    INCOMPLETE: interrupted (KeyboardInterrupt) after 5 of 12 tests; the reports hold only those
+    INCOMPLETE: interrupted (KeyboardInterrupt) with 5 of 12 tests finished; the reports hold only the tests that ran
 
 A failed distributed test's text starts with a per-rank account ("distributed test failed: rank 0
 failed, rank 1 passed"), which says nothing on its own; pytest's short summary shows only the
@@ -37,7 +37,9 @@ from typing import Any
 
 import pytest
 
+from harness import world_sizes
 from harness.reports import DistributedTestResult
+from harness.text import describe_exception
 
 __all__ = ["RunSummary", "incomplete_reason", "reason"]
 
@@ -128,7 +130,7 @@ def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | 
         return None
     selected = len(getattr(session, "items", []) or [])
     if ran is not None and selected:
-        why += f" after {ran} of {selected} tests"
+        why += f" with {ran} of {selected} tests finished"
     return why
 
 
@@ -162,14 +164,13 @@ class RunSummary:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         report = yield
-        if report.failed and item.get_closest_marker("world_size") is not None:
+        if report.failed and world_sizes.is_distributed(item):
             give_reason(report, reason(report.longreprtext))
         return report
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         """Ctrl-C, SIGTERM (`harness.signals`), or pytest's own stop ("1 error during collection")."""
-        lines = excinfo.exconly().strip().splitlines()
-        self.config.stash[_INTERRUPT] = lines[0] if lines else excinfo.typename
+        self.config.stash[_INTERRUPT] = describe_exception(excinfo.value)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

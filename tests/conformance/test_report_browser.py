@@ -88,7 +88,9 @@ class DevTools:
         target = self.call("Target.createTarget", url=url)["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         deadline = time.monotonic() + _TIMEOUT_S
-        while self.evaluate("document.readyState") != "complete":
+        # The new tab shows about:blank (also "complete") until the navigation commits.
+        loaded = f"location.href === {json.dumps(url)} && document.readyState === 'complete'"
+        while not self.evaluate(loaded):
             assert time.monotonic() < deadline, f"{url} did not finish loading in {_TIMEOUT_S} s"
             time.sleep(0.1)
 

@@ -81,12 +81,12 @@ def test_an_incomplete_run_says_so_and_counts_what_did_not_run(tmp_path: Path) -
     matrix = sample_matrix(tmp_path)
     for _ in range(3):
         matrix.plan(SCENARIO, "reference")  # 3 selected, 1 reported
-    matrix.incomplete = "interrupted (Ctrl-C) after 9 of 11 tests"
+    matrix.incomplete = "interrupted (Ctrl-C) with 9 of 11 tests finished"
     page = render_html(matrix)
-    assert 'class="banner" id="incomplete">INCOMPLETE: interrupted (Ctrl-C) after 9 of 11 tests' in page
+    assert 'class="banner" id="incomplete">INCOMPLETE: interrupted (Ctrl-C) with 9 of 11 tests finished' in page
     assert "1 pass / 2 not run" in page and 'class="seg-not-run"' in page
     markdown = render_markdown(matrix)
-    assert "**INCOMPLETE: interrupted (Ctrl-C) after 9 of 11 tests**" in markdown
+    assert "**INCOMPLETE: interrupted (Ctrl-C) with 9 of 11 tests finished**" in markdown
     assert (
         "| `test_divergence.py::test_same_shape_divergence_is_not_silent` | 1 pass / 2 not run | **1 fail** |"
         in markdown

@@ -57,15 +57,15 @@ def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: P
         f"reports: {shown}/junit/rank-0.xml, rank-1.xml",
         f"         {shown}/conformance.md, conformance.html",
         f"         {shown}/traces/ (1 file from this run)",
-        "INCOMPLETE: stopped early (stopping after 1 failures) after 3 of 4 tests; the reports hold only the tests "
-        "that ran",
+        "INCOMPLETE: stopped early (stopping after 1 failures) with 3 of 4 tests finished; the reports hold only "
+        "the tests that ran",
         "FAILED test_inner.py::test_fails_on_rank_1[template-ddp] - rank 1: AssertionError: rank 1 disagrees",
     ]
     summary = output[output.index("run summary") :]
     for line in expected_lines:
         assert line in summary, f"{line!r} missing from:\n{summary}"
     markdown = (reports / "conformance.md").read_text()
-    assert "**INCOMPLETE: stopped early (stopping after 1 failures) after 3 of 4 tests**" in markdown
+    assert "**INCOMPLETE: stopped early (stopping after 1 failures) with 3 of 4 tests finished**" in markdown
     assert "| `test_inner.py::test_never_reached` | 1 not run |" in markdown
     page = (reports / "conformance.html").read_text()
     assert 'class="banner" id="incomplete">INCOMPLETE: stopped early' in page
