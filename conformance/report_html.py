@@ -55,7 +55,7 @@ margin-right:.3em}
 .matrix{font-size:.92em}.matrix td{min-width:7em}.matrix td a{color:inherit}
 .bar{display:flex;height:.9em;border:1px solid #888;margin-bottom:2px}
 .bar span{display:block;height:100%}
-.counts{font-size:.85em;white-space:nowrap}
+.counts{font-size:.85em}
 .cellfail{outline:2px solid #e15759}
 .failure{border-left:4px solid #e15759;padding-left:1em;margin:1.2em 0}
 .reason{font-weight:bold}
@@ -76,7 +76,7 @@ def render_html(matrix: Matrix, reports_dir: str | None = None) -> str:
         _legend(),
         _table(matrix),
         _failures(matrix, reports_dir),
-        _expected_failures(matrix),
+        _expected_failures(matrix, reports_dir),
         _unsupported(matrix),
         _stale(matrix),
         _details(matrix),
@@ -183,8 +183,7 @@ def _failure(failure: Failure, number: int, trace_path: str | None, reports_dir:
         parts.append(f'<pre class="repro">{escape(failure.repro)}</pre>')
     if trace_path is not None:
         shown = os.path.relpath(trace_path, reports_dir) if reports_dir else trace_path
-        href = shown.replace(os.sep, "/")
-        link = f'<a class="trace-link" href="{escape(href, quote=True)}">{escape(shown)}</a>'
+        link = f'<a class="trace-link" href="{_href(trace_path, reports_dir)}">{escape(shown)}</a>'
         parts.append(f"<p>collective trace: {link}</p>")
         parts.append(_trace_view(trace_path))
     parts.append(f"<details><summary>failure text</summary><pre>{escape(failure.text)}</pre></details></section>")
@@ -220,20 +219,28 @@ def _trace_table(report: TraceReport, rank: int, diverged: int | None) -> str:
     return f'<table class="trace"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def _expected_failures(matrix: Matrix) -> str:
+def _expected_failures(matrix: Matrix, reports_dir: str | None) -> str:
     if not matrix.expected_failures:
         return ""
     rows = []
     for entry in matrix.expected_failures:
         link = f'<a href="{escape(entry.link, quote=True)}">{escape(entry.link)}</a>' if entry.link else "-"
+        trace = matrix.traces.get(entry.test_id)
+        trace_link = f'<a href="{_href(trace, reports_dir)}">trace</a>' if trace else "-"
         rows.append(
             f"<tr><td>{escape(entry.backend)}</td><td><code>{escape(entry.test_id)}</code></td>"
-            f"<td>{escape(entry.reason)}</td><td>{link}</td></tr>"
+            f"<td>{escape(entry.reason)}</td><td>{link}</td><td>{trace_link}</td></tr>"
         )
     return (
         "<h2 id='expected-failures'>Expected failures</h2><table><tr><th>backend</th><th>test</th>"
-        f"<th>reason</th><th>link</th></tr>{''.join(rows)}</table>"
+        f"<th>reason</th><th>link</th><th>collectives</th></tr>{''.join(rows)}</table>"
     )
+
+
+def _href(path: str, reports_dir: str | None) -> str:
+    """A trace file as a link from the page (relative, so the reports directory can move)."""
+    shown = os.path.relpath(path, reports_dir) if reports_dir else path
+    return escape(shown.replace(os.sep, "/"), quote=True)
 
 
 def _unsupported(matrix: Matrix) -> str:

@@ -6,6 +6,7 @@ Without Chromium the test skips, naming the package to install."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -40,6 +41,14 @@ class DevTools:
         self._from_browser, from_browser = os.pipe()
         # The child gets its ends as fds 3 and 4: dup2 makes inheritable copies there, and
         # close_fds=False keeps them (our pipe fds themselves are close-on-exec).
+
+        def child_fds() -> None:
+            # Copies above 9 first: a pipe end may itself be fd 3 or 4 (dup2 onto itself would
+            # keep close-on-exec; onto the other end would close that).
+            reading, writing = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_browser, from_browser))
+            os.dup2(reading, 3)
+            os.dup2(writing, 4)
+
         self.process = subprocess.Popen(
             [
                 browser,
@@ -53,7 +62,7 @@ class DevTools:
                 "about:blank",
             ],
             close_fds=False,
-            preexec_fn=lambda: (os.dup2(to_browser, 3), os.dup2(from_browser, 4)),
+            preexec_fn=child_fds,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
