@@ -25,23 +25,24 @@ def shard(backend, device):
 def test_shards(backend, device):
     shard(backend, device)
 
-@pytest.mark.world_size(1)
+@pytest.mark.world_size(2)
+@pytest.mark.skip(reason="unsupported: nothing of the kind")  # decided in the parent: no rank time
 def test_skips(backend):
-    pytest.skip("unsupported: nothing of the kind")
+    pass
 
 @pytest.mark.world_size(2)
 def test_fails_on_rank_1(backend, device, rank):
     shard(backend, device)
     assert rank != 1, "rank 1 disagrees"
 
-@pytest.mark.world_size(1)
+@pytest.mark.world_size(2)
 def test_never_reached(backend, device):
     shard(backend, device)
 """
 
 
 def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: Path, monkeypatch) -> None:
-    """One inner session (~2 s warm): -x stops it after the failure, before the last test."""
+    """One inner session, one pool (world size 2): -x stops it after the failure, before the last test."""
     monkeypatch.setenv("COLUMNS", "300")  # pytest fits the FAILED line to the terminal's width
     result = run_inner_session(tmp_path, TESTS, ["conformance.adapters.template:TemplateAdapter"], "-x")
     output = result.stdout + result.stderr
@@ -50,8 +51,8 @@ def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: P
     shown = "reports"  # relative to the inner session's directory, where it ran
     expected_lines = [
         "backends: template-ddp",
-        "harness: 3 distributed tests, ",
-        "; device: cpu; world sizes: 1, 2",
+        "harness: 2 distributed tests, 1 pool starts",
+        "; device: cpu; world sizes: 2",
         "skipped: 1 test, by reason:",
         "  1  unsupported: nothing of the kind",
         f"reports: {shown}/junit/rank-0.xml, rank-1.xml",
