@@ -164,7 +164,9 @@ class RunSummary:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         report = yield
-        if report.failed and world_sizes.is_distributed(item):
+        # The call phase: the harness's verdict (or the text a plugin made of it); a fixture's
+        # error in setup or teardown keeps pytest's own message, its exception.
+        if report.failed and report.when == "call" and world_sizes.is_distributed(item):
             give_reason(report, reason(report.longreprtext))
         return report
 
