@@ -46,7 +46,8 @@ _LONG_TRACE = 40
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
 h1{margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ccc}
-table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;max-width:100%}
+td,th{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
 .banner{background:#e15759;color:#fff;padding:.6em 1em;font-weight:bold;font-size:1.1em}
 .details th{background:#f4f4f4;font-weight:normal;color:#555}
 .legend{display:flex;flex-wrap:wrap;gap:.4em 1.4em;margin:.6em 0}
