@@ -47,7 +47,8 @@ _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
 h1{margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;max-width:100%}
-td,th{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
+td,th{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:break-word}
+td code{word-break:break-all}td.name{white-space:nowrap}
 .banner{background:#e15759;color:#fff;padding:.6em 1em;font-weight:bold;font-size:1.1em}
 .details th{background:#f4f4f4;font-weight:normal;color:#555}
 .legend{display:flex;flex-wrap:wrap;gap:.4em 1.4em;margin:.6em 0}
@@ -229,8 +230,8 @@ def _expected_failures(matrix: Matrix, reports_dir: str | None) -> str:
         trace = matrix.traces.get(entry.test_id)
         trace_link = f'<a href="{_href(trace, reports_dir)}">trace</a>' if trace else "-"
         rows.append(
-            f"<tr><td>{escape(entry.backend)}</td><td><code>{escape(entry.test_id)}</code></td>"
-            f"<td>{escape(entry.reason)}</td><td>{link}</td><td>{trace_link}</td></tr>"
+            f'<tr><td class="name">{escape(entry.backend)}</td><td><code>{escape(entry.test_id)}</code></td>'
+            f'<td>{escape(entry.reason)}</td><td>{link}</td><td class="name">{trace_link}</td></tr>'
         )
     return (
         "<h2 id='expected-failures'>Expected failures</h2><table><tr><th>backend</th><th>test</th>"
@@ -248,7 +249,7 @@ def _unsupported(matrix: Matrix) -> str:
     if not matrix.unsupported:
         return ""
     rows = "".join(
-        f"<tr><td>{escape(backend)}</td><td>{escape(reason)}</td><td>{count}</td></tr>"
+        f'<tr><td class="name">{escape(backend)}</td><td>{escape(reason)}</td><td>{count}</td></tr>'
         for (backend, reason), count in sorted(matrix.unsupported.items())
     )
     return (

@@ -64,7 +64,7 @@ def test_the_page_shows_what_the_run_was_and_why(tmp_path: Path) -> None:
     # Expected failure with its reason and link; the unsupported table.
     assert "no order check" in page and '<a href="https://example.org/1">' in page
     assert "<h2 id='unsupported'>Unsupported capabilities</h2>" in page
-    assert "<td>torch-fsdp2</td><td>unsupported: HYBRID_SHARD: no replica groups</td><td>2</td>" in page
+    assert '<td class="name">torch-fsdp2</td><td>unsupported: HYBRID_SHARD: no replica groups</td><td>2</td>' in page
     # The failed cell links to its section; the failure has its reason, REPRO line, trace link, timeline.
     target = re.search(r'<td class="cellfail"[^>]*><a href="#([^"]+)">', page)
     assert target is not None and f'id="{target.group(1)}"' in page
