@@ -31,6 +31,10 @@ def test_skips(backend):
     pass
 
 @pytest.mark.world_size(2)
+def test_listed_but_passes(backend, device):
+    shard(backend, device)
+
+@pytest.mark.world_size(2)
 def test_fails_on_rank_1(backend, device, rank):
     shard(backend, device)
     assert rank != 1, "rank 1 disagrees"
@@ -42,31 +46,40 @@ def test_never_reached(backend, device):
 
 
 def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: Path, monkeypatch) -> None:
-    """One inner session, one pool (world size 2): -x stops it after the failure, before the last test."""
+    """One inner session, one pool (world size 2): --maxfail=2 stops it after the second failure,
+    before the last test. The first failure is a plugin's verdict (an expected failure that
+    passed), the second the ranks'."""
     monkeypatch.setenv("COLUMNS", "300")  # pytest fits the FAILED line to the terminal's width
-    result = run_inner_session(tmp_path, TESTS, ["conformance.adapters.template:TemplateAdapter"], "-x")
+    (tmp_path / "expectations").mkdir()
+    (tmp_path / "expectations" / "template-ddp.toml").write_text(
+        '[[expected_failure]]\nscenario = "test_inner.py::test_listed_but_passes"\nfailure = "x"\nreason = "r"\n'
+    )
+    adapter = "conformance.adapters.template:TemplateAdapter"
+    result = run_inner_session(tmp_path, TESTS, [adapter], "--maxfail=2")
     output = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
     reports = tmp_path / "reports"
     shown = "reports"  # relative to the inner session's directory, where it ran
     expected_lines = [
         "backends: template-ddp",
-        "harness: 2 distributed tests, 1 pool starts",
+        "harness: 3 distributed tests, 1 pool starts",
         "; device: cpu; world sizes: 2",
         "skipped: 1 test, by reason:",
         "  1  unsupported: nothing of the kind",
         f"reports: {shown}/junit/rank-0.xml, rank-1.xml",
         f"         {shown}/conformance.md, conformance.html",
         f"         {shown}/traces/ (1 file from this run)",
-        "INCOMPLETE: stopped early (stopping after 1 failures) with 3 of 4 tests finished; the reports hold only "
+        "INCOMPLETE: stopped early (stopping after 2 failures) with 4 of 5 tests finished; the reports hold only "
         "the tests that ran",
+        "FAILED test_inner.py::test_listed_but_passes[template-ddp] - unexpected pass: test_inner.py::"
+        "test_listed_but_passes is listed as an expected failure (r); remove the entry",
         "FAILED test_inner.py::test_fails_on_rank_1[template-ddp] - rank 1: AssertionError: rank 1 disagrees",
     ]
     summary = output[output.index("run summary") :]
     for line in expected_lines:
         assert line in summary, f"{line!r} missing from:\n{summary}"
     markdown = (reports / "conformance.md").read_text()
-    assert "**INCOMPLETE: stopped early (stopping after 1 failures) with 3 of 4 tests finished**" in markdown
+    assert "**INCOMPLETE: stopped early (stopping after 2 failures) with 4 of 5 tests finished**" in markdown
     assert "| `test_inner.py::test_never_reached` | 1 not run |" in markdown
     page = (reports / "conformance.html").read_text()
     assert 'class="banner" id="incomplete">INCOMPLETE: stopped early' in page
