@@ -239,8 +239,9 @@ class _Crash:
 
 
 class ReasonedText:
-    """A failure text with a crash message (pytest reads `reprcrash.message` for the short summary
-    line; a plain string has none, so the line would carry no reason)."""
+    """A failure text with a crash message: pytest reads `reprcrash.message` for the short summary
+    line. A plugin's plain-text verdict (the conformance expectations') has none; pytest 9 shows a
+    text's first line itself, older pytest 8 releases showed nothing, so the text gets one."""
 
     def __init__(self, text: str, line: str) -> None:
         self.text = text
