@@ -1,18 +1,19 @@
 """The conformance matrix: scenario x backend with pass / fail / expected-fail / unsupported counts.
 
-Written after a run as `reports/conformance.md` (for a CI job summary) and
-`reports/conformance.html`, where each failed cell links to its failures' text and repro lines.
-Stale expected-failure entries (see `conformance.expectations`) get a section of their own.
+Written after a run as `reports/conformance.md` (for a CI job summary, rendered here) and
+`reports/conformance.html` (`conformance.report_html`: the page people open first). Both say when
+the run was incomplete (interrupted, -x): every test collected but not run is counted as
+"not run" in its cell, so an interrupted run never looks complete. Stale expected-failure
+entries (see `conformance.expectations`) get a section of their own.
 """
 
 from __future__ import annotations
 
-import html
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-OUTCOMES = ("pass", "fail", "expected-fail", "unsupported", "skip")
+OUTCOMES = ("pass", "fail", "expected-fail", "unsupported", "skip", "not run")
 _REPRO = re.compile(r"^REPRO: .*$", re.M)
 _MAX_TEXT = 6000
 
@@ -21,11 +22,34 @@ _MAX_TEXT = 6000
 class Failure:
     test_id: str
     text: str
+    reason: str = ""  # one line that explains it (harness.failure_reason)
 
     @property
     def repro(self) -> str:
         found = _REPRO.findall(self.text)
         return found[-1] if found else ""
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    """A test that failed as its backend's expectations file says, with the entry's reason."""
+
+    backend: str
+    test_id: str
+    reason: str
+    link: str | None = None
+
+
+@dataclass
+class RunDetails:
+    """What the run was: shown above the matrix."""
+
+    command: str
+    date: str
+    seed: str
+    torch_version: str
+    python_version: str
+    backends: dict[str, str]  # name -> where it came from, with its library's version
 
 
 @dataclass
@@ -35,25 +59,65 @@ class Matrix:
     unsupported: Counter[tuple[str, str]] = field(default_factory=Counter)
     backends: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)  # one line per stale expectation entry
+    planned: Counter[tuple[str, str]] = field(default_factory=Counter)  # tests selected per cell
+    expected_failures: list[ExpectedFailure] = field(default_factory=list)
+    devices: set[str] = field(default_factory=set)
+    world_sizes: set[int] = field(default_factory=set)
+    run: RunDetails | None = None
+    incomplete: str | None = None  # why the run stopped early (harness.incomplete_reason)
+    traces: dict[str, str] = field(default_factory=dict)  # test id -> its trace report file
 
-    def record(self, scenario: str, backend: str, test_id: str, outcome: str, text: str) -> None:
+    def plan(self, scenario: str, backend: str) -> None:
+        """A selected test of this cell: one not recorded by the end is counted "not run"."""
+        if backend not in self.backends:
+            self.backends.append(backend)
+        self.planned[scenario, backend] += 1
+
+    def record(
+        self,
+        scenario: str,
+        backend: str,
+        test_id: str,
+        outcome: str,
+        text: str,
+        *,
+        reason: str = "",
+        link: str | None = None,
+        device: str | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """One test's outcome. `reason`: a failure's one line, an expected failure's entry reason
+        (with the entry's `link`)."""
         if backend not in self.backends:
             self.backends.append(backend)
         self.cells[scenario, backend][outcome] += 1
+        if device is not None:
+            self.devices.add(device)
+        if world_size is not None:
+            self.world_sizes.add(world_size)
         if outcome == "fail":
-            self.failures[scenario, backend].append(Failure(test_id, text[-_MAX_TEXT:]))
+            self.failures[scenario, backend].append(Failure(test_id, text[-_MAX_TEXT:], reason))
+        elif outcome == "expected-fail":
+            self.expected_failures.append(ExpectedFailure(backend, test_id, reason, link))
         elif outcome == "unsupported":
             self.unsupported[backend, text.split("\n")[0][:200]] += 1
 
+    def counts(self, scenario: str, backend: str) -> Counter[str]:
+        """The cell's outcomes, with the selected tests that never reported as "not run"."""
+        counts = Counter(self.cells.get((scenario, backend), Counter()))
+        missing = self.planned[scenario, backend] - sum(counts.values())
+        if missing > 0:
+            counts["not run"] = missing
+        return counts
+
     @property
     def scenarios(self) -> list[str]:
-        return sorted({scenario for scenario, _ in self.cells})
+        return sorted({scenario for scenario, _ in self.cells} | {scenario for scenario, _ in self.planned})
 
     def totals(self, backend: str) -> Counter[str]:
         total: Counter[str] = Counter()
-        for (_, cell_backend), counts in self.cells.items():
-            if cell_backend == backend:
-                total.update(counts)
+        for scenario in self.scenarios:
+            total.update(self.counts(scenario, backend))
         return total
 
 
@@ -65,29 +129,33 @@ def classify(outcome: str, wasxfail: str | None, skip_reason: str) -> str:
     return {"passed": "pass", "failed": "fail"}.get(outcome, outcome)
 
 
-def _cell_text(counts: Counter[str]) -> str:
+def cell_text(counts: Counter[str]) -> str:
     return " / ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o]) or "-"
 
 
-def _anchor(scenario: str, backend: str) -> str:
+def anchor(scenario: str, backend: str) -> str:
     return "fail-" + re.sub(r"[^A-Za-z0-9]+", "-", f"{backend}-{scenario}").strip("-")
 
 
 def render_markdown(matrix: Matrix) -> str:
-    lines = [
-        "# Conformance matrix",
-        "",
+    lines = ["# Conformance matrix", ""]
+    if matrix.incomplete:
+        notice = 'cells count only the tests that ran ("not run": the rest)'
+        lines += [f"**INCOMPLETE: {matrix.incomplete}**; {notice}.", ""]
+    if matrix.run is not None:
+        lines += [f"{name}: {value}  " for name, value in run_rows(matrix)] + [""]
+    lines += [
         "| scenario | " + " | ".join(matrix.backends) + " |",
         "| --- |" + " --- |" * len(matrix.backends),
     ]
     for scenario in matrix.scenarios:
         cells = []
         for backend in matrix.backends:
-            counts = matrix.cells.get((scenario, backend), Counter())
-            text = _cell_text(counts)
+            counts = matrix.counts(scenario, backend)
+            text = cell_text(counts)
             cells.append(f"**{text}**" if counts["fail"] else text)
         lines.append(f"| `{scenario}` | " + " | ".join(cells) + " |")
-    lines.append("| **total** | " + " | ".join(_cell_text(matrix.totals(b)) for b in matrix.backends) + " |")
+    lines.append("| **total** | " + " | ".join(cell_text(matrix.totals(b)) for b in matrix.backends) + " |")
     if matrix.unsupported:
         lines += ["", "## Unsupported capabilities", "", "| backend | reason | tests |", "| --- | --- | --- |"]
         for (backend, reason), count in sorted(matrix.unsupported.items()):
@@ -99,47 +167,25 @@ def render_markdown(matrix: Matrix) -> str:
         lines += ["", "## Failures", ""]
         for (_scenario, _backend), failures in sorted(matrix.failures.items()):
             for failure in failures:
-                first = next((line for line in failure.text.splitlines() if line.strip()), "")
+                first = failure.reason or next((line for line in failure.text.splitlines() if line.strip()), "")
                 lines.append(f"- `{failure.test_id}`: {first[:300]}")
                 if failure.repro:
                     lines.append(f"  `{failure.repro}`")
     return "\n".join(lines) + "\n"
 
 
-def render_html(matrix: Matrix) -> str:
-    esc = html.escape
-    head = "".join(f"<th>{esc(b)}</th>" for b in matrix.backends)
-    rows = []
-    for scenario in matrix.scenarios:
-        cells = []
-        for backend in matrix.backends:
-            counts = matrix.cells.get((scenario, backend), Counter())
-            text = esc(_cell_text(counts))
-            if counts["fail"]:
-                cells.append(f'<td class="fail"><a href="#{_anchor(scenario, backend)}">{text}</a></td>')
-            else:
-                status = "xfail" if counts["expected-fail"] else "unsup" if counts["unsupported"] else "ok"
-                cells.append(f'<td class="{status}">{text}</td>')
-        rows.append(f"<tr><th>{esc(scenario)}</th>{''.join(cells)}</tr>")
-    totals = "".join(f"<td>{esc(_cell_text(matrix.totals(b)))}</td>" for b in matrix.backends)
-    details = []
-    for (scenario, backend), failures in sorted(matrix.failures.items()):
-        details.append(f'<h3 id="{_anchor(scenario, backend)}">{esc(backend)}: {esc(scenario)}</h3>')
-        for failure in failures:
-            details.append(f"<h4>{esc(failure.test_id)}</h4>")
-            if failure.repro:
-                details.append(f"<p><code>{esc(failure.repro)}</code></p>")
-            details.append(f"<pre>{esc(failure.text)}</pre>")
-    stale = "".join(f"<li>{esc(entry)}</li>" for entry in matrix.stale)
-    stale_section = f"<h2>Stale expectations</h2><ul>{stale}</ul>" if stale else ""
-    style = (
-        "body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
-        "padding:3px 8px;text-align:left}.fail{background:#f8c0c0}.xfail{background:#f4e6b0}"
-        ".unsup{background:#dde4f0}.ok{background:#c8ecc8}pre{background:#f4f4f4;padding:6px;overflow:auto}"
-    )
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>Conformance matrix</title>"
-        f"<style>{style}</style></head><body><h1>Conformance matrix</h1>"
-        f"<table><tr><th>scenario</th>{head}</tr>{''.join(rows)}<tr><th>total</th>{totals}</tr></table>"
-        f"{stale_section}<h2>Failures</h2>{''.join(details) or '<p>none</p>'}</body></html>\n"
-    )
+def run_rows(matrix: Matrix) -> list[tuple[str, str]]:
+    """The run's details as (name, value) rows; none before the plugin set `matrix.run`."""
+    run = matrix.run
+    if run is None:
+        return []
+    rows = [
+        ("date", run.date),
+        ("command", run.command),
+        ("torch", run.torch_version),
+        ("Python", run.python_version),
+        ("seed", run.seed),
+        ("device", ", ".join(sorted(matrix.devices)) or "-"),
+        ("world sizes", ", ".join(map(str, sorted(matrix.world_sizes))) or "-"),
+    ]
+    return rows + [(f"backend {name}", origin) for name, origin in run.backends.items()]

@@ -12,8 +12,10 @@ are reported as stale, and fail the run under ``--strict-expectations``.
 from __future__ import annotations
 
 import fnmatch
+import shlex
 import sys
 import sysconfig
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,9 @@ import torch
 
 import harness
 from conformance import admission, expectations, platforms, registry, versions
-from conformance.matrix import Matrix, classify, render_html, render_markdown
+from conformance.matrix import Matrix, RunDetails, classify, render_markdown
+from conformance.report_html import render_html
+from conformance.trace_report import index_trace_reports
 from harness import skip_reason as skip_reason_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
@@ -36,6 +40,10 @@ _RUN = pytest.StashKey[expectations.RunRecord]()
 _STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
 _SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
 _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
+_INCOMPLETE = pytest.StashKey[
+    "str | None"
+]()  # why the run stopped early (harness.incomplete_reason), at session finish
+_STARTED = pytest.StashKey[float]()  # when the session started (older trace files are not this run's)
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _admit(config, config.stash[_STATE])
     except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
         raise pytest.UsageError(str(error)) from None
+    config.stash[_STARTED] = time.time()
     config.stash[_RUN] = expectations.RunRecord()
     config.stash[_SKIPS] = {}
 
@@ -140,7 +149,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     harness.require_writable(
         files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
     )
-    session.config.stash[_MATRIX] = Matrix()
+    session.config.stash[_MATRIX] = Matrix(run=_run_details(session.config, session.config.stash[_STATE]))
 
 
 def _require_harness(config: pytest.Config) -> None:
@@ -152,6 +161,19 @@ def _require_harness(config: pytest.Config) -> None:
             "-p no:harness.plugin, or also pass -p no:conformance.plugin to run only tests that "
             "need neither"
         )
+
+
+def _run_details(config: pytest.Config, state: BackendSelection) -> RunDetails:
+    """What the matrix pages say about the run, above the matrix."""
+    return RunDetails(
+        command=f"cd {shlex.quote(str(config.invocation_params.dir))} && python -m pytest "
+        + shlex.join(config.invocation_params.args),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        seed=str(config.getoption("seed", None)),
+        torch_version=torch.__version__,
+        python_version=sys.version.split()[0],
+        backends=dict(state.origins),
+    )
 
 
 def _select(config: pytest.Config) -> BackendSelection:
@@ -321,6 +343,7 @@ def pytest_runtest_makereport(
     if selection is None:
         return report
     scenario = expectations.scenario_id(item.nodeid, selection)
+    entry = None
     if report.when == "call":
         entries = item.config.stash[_STATE].expected.get(selection)
         matching = entries.matching(scenario, run_context(item)) if entries else []
@@ -337,7 +360,7 @@ def pytest_runtest_makereport(
                 original = report.longreprtext
                 report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
     if report.when == "call" or report.failed or report.skipped:
-        _record(item, selection, report)
+        _record(item, selection, report, entry)
     if report.skipped and not getattr(report, "wasxfail", None):
         item.config.stash[_SKIPS].setdefault(selection, []).append(skip_reason_of(report))
         context = run_context(item)
@@ -348,14 +371,49 @@ def pytest_runtest_makereport(
     return report
 
 
-def _record(item: pytest.Item, selection: str, report: pytest.TestReport) -> None:
+def _record(
+    item: pytest.Item, selection: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
+) -> None:
     """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
     skip_reason = skip_reason_of(report)
     outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
-    module, _, function = item.nodeid.partition("::")
-    scenario = f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
     text = skip_reason if outcome == "unsupported" else report.longreprtext
-    item.config.stash[_MATRIX].record(scenario, selection, item.nodeid, outcome, text)
+    reason = (
+        entry.reason
+        if outcome == "expected-fail" and entry
+        else harness.failure_reason(text)
+        if outcome == "fail"
+        else ""
+    )
+    context = run_context(item)
+    item.config.stash[_MATRIX].record(
+        _scenario(item),
+        selection,
+        item.nodeid,
+        outcome,
+        text,
+        reason=reason,
+        link=entry.link if entry else None,
+        device=context.device,
+        world_size=context.world_size,
+    )
+
+
+def _scenario(item: pytest.Item) -> str:
+    """The matrix row of a test: its file's name and function, without parameters."""
+    module, _, function = item.nodeid.partition("::")
+    return f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every selected test is planned in its matrix cell: one that never reports is "not run"."""
+    matrix = session.config.stash.get(_MATRIX, None)
+    if matrix is None:
+        return
+    for item in session.items:
+        name = _backend_name(item)
+        if name is not None:
+            matrix.plan(_scenario(item), name)
 
 
 def _backend_path_args(item: pytest.Item) -> list[str]:
@@ -442,24 +500,40 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if _STATE not in config.stash:
         return
     stale = config.stash[_STALE] = _stale(config)
+    matrix = config.stash.get(_MATRIX, None)
+    if matrix is not None:  # the matrix is written later (pytest_harness_write_reports), without the session
+        config.stash[_INCOMPLETE] = harness.incomplete_reason(
+            session, sum(sum(c.values()) for c in matrix.cells.values())
+        )
     if stale and config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
     """The conformance matrix, a report plugin like the harness's own (after ``pytest_sessionfinish``
-    has found the stale entries it lists)."""
+    has found the stale entries it lists and whether the run stopped early)."""
     matrix = config.stash.get(_MATRIX, None)
     stale = config.stash.get(_STALE, [])
-    if matrix is None or not (matrix.cells or stale):
+    if matrix is None or not (matrix.cells or matrix.planned or stale):
         return []
     matrix.stale = [str(entry) for entry in stale]
+    matrix.incomplete = config.stash.get(_INCOMPLETE, None)
     directory = Path(harness.reports_dir(config))
+    matrix.traces = index_trace_reports(str(directory / "traces"), config.stash[_STARTED] - 1)
     written = []
-    for name, render in (("conformance.md", render_markdown), ("conformance.html", render_html)):
-        (directory / name).write_text(render(matrix), encoding="utf-8")
+    for name, text in (
+        ("conformance.md", render_markdown(matrix)),
+        ("conformance.html", render_html(matrix, str(directory))),
+    ):
+        (directory / name).write_text(text, encoding="utf-8")
         written.append(str(directory / name))
     return written
+
+
+def pytest_harness_summary_lines(config: pytest.Config) -> list[str]:
+    """The backends this run tested, first in the end-of-run summary (-q hides the header)."""
+    state = config.stash.get(_STATE, None)
+    return [] if state is None else [f"backends: {', '.join(state.name(s) for s in state.backends)}"]
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -15,8 +15,9 @@ Public API for other pytest plugins (the conformance suite uses nothing else of 
 `run_context(item)` (the world size and device the harness chose for a test, a `RunContext`),
 `world_device(config, world_size)` and `device_kinds(config)` (the same decision before any test
 runs), `reports_dir(config)` (where reports go), `require_writable` (refuse, before the first test,
-report paths that could not be written), and `Carried` / `NotCarried` / `ReproPolicy`
-for the `pytest_harness_repro_options` hook.
+report paths that could not be written), `failure_reason` (one line that explains a failed test's
+text) and `incomplete_reason` (why a session stopped before running every selected test), and
+`Carried` / `NotCarried` / `ReproPolicy` for the `pytest_harness_repro_options` hook.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from harness.preflight import require_writable
 from harness.rank_fixtures import RankContext, rank_fixture
 from harness.reports import skip_reason
 from harness.repro import Carried, NotCarried, ReproPolicy
+from harness.run_summary import incomplete_reason
+from harness.run_summary import reason as failure_reason
 from harness.tensor_names import name_tensor, strip_path_components
 from harness.tracefile import CollectiveRecord
 from harness.world_sizes import WorldShape, world_size_of
@@ -112,6 +115,8 @@ __all__ = [
     "collectives_issued",
     "current_seed",
     "device_kinds",
+    "failure_reason",
+    "incomplete_reason",
     "name_tensor",
     "rank_fixture",
     "rank_seed",

@@ -81,3 +81,10 @@ def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
     unconfigures; always after `pytest_sessionfinish`.
     """
     raise NotImplementedError
+
+
+def pytest_harness_summary_lines(config: pytest.Config) -> list[str]:
+    """Lines this plugin adds at the top of the end-of-run summary (`harness.run_summary`), e.g.
+    the conformance plugin's "backends: reference, torch-fsdp2". Called once, at the terminal
+    summary; every implementation's lines are shown, one after the other."""
+    raise NotImplementedError

@@ -25,6 +25,7 @@ from harness import devices, hookspecs, preflight, rank_fixtures, repro, world_s
 from harness.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
 from harness.junit import JUnitReport
 from harness.pool_session import PoolSession
+from harness.run_summary import RunSummary
 from harness.session import HarnessSession, session_properties
 from harness.signals import SignalGuard
 from harness.trace_files import TraceFiles
@@ -36,6 +37,7 @@ _DEVICES = pytest.StashKey[DeviceTally]()
 _PLAN = pytest.StashKey[DevicePlan]()  # per item: the device decision, made once
 _JUNIT_PLUGIN = "harness-junit"
 _TRACES_PLUGIN = "harness-traces"
+_SUMMARY_PLUGIN = "harness-run-summary"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -195,6 +197,7 @@ def pytest_configure(config: pytest.Config) -> None:
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
     config.pluginmanager.register(TraceFiles(os.path.join(reports_dir, "traces")), _TRACES_PLUGIN)
+    config.pluginmanager.register(RunSummary(config, reports_dir, session.summary), _SUMMARY_PLUGIN)
 
 
 def _launched_by_torchrun() -> bool:
@@ -371,11 +374,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for line in world_sizes.summary_lines(config):
         terminalreporter.write_line(line)
     session = config.stash.get(_SESSION, None)
-    if session is not None and session.published:
-        files = session.finish()
-        terminalreporter.write_line(
-            f"harness: {session.summary()}; reports: {', '.join(os.path.relpath(f) for f in files)}"
-        )
+    summary = config.pluginmanager.get_plugin(_SUMMARY_PLUGIN)
+    if session is not None and summary is not None and (session.published or summary.incomplete):
+        summary.write(terminalreporter, session.finish())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -400,5 +401,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         traces = config.pluginmanager.get_plugin(_TRACES_PLUGIN)
         if traces is not None:
             config.pluginmanager.unregister(traces)
+        if config.pluginmanager.get_plugin(_SUMMARY_PLUGIN) is not None:
+            config.pluginmanager.unregister(name=_SUMMARY_PLUGIN)
         if guard is not None:
             guard.uninstall()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from conformance.matrix import Matrix, classify, render_html, render_markdown
+from conformance.matrix import Matrix, classify, render_markdown
+from conformance.report_html import render_html
 
 
 def test_outcomes_are_classified() -> None:
@@ -36,5 +37,6 @@ def test_matrix_renders_counts_and_failure_links() -> None:
     assert "REPRO: cd /x && python -m pytest t --backend torch-fsdp2" in markdown
     assert "| torch-fsdp2 | unsupported: execution order validation: FSDP2 has none | 1 |" in markdown
     page = render_html(matrix)
-    assert '<a href="#fail-torch-fsdp2-test-runtime-py-test-training">1 fail</a>' in page
+    assert '<a href="#fail-torch-fsdp2-test-runtime-py-test-training">' in page
+    assert '<div class="counts">1 fail</div>' in page
     assert 'id="fail-torch-fsdp2-test-runtime-py-test-training"' in page and "<pre>boom" in page

@@ -119,6 +119,8 @@ def test_an_interrupted_session_reports_what_finished_and_the_interrupted_test(
 ) -> None:
     run = stopped[name]
     assert run.returncode == 2, run.output  # pytest's "interrupted"
+    stop = "SessionTerminated: SIGTERM received" if name == "sigterm" else "KeyboardInterrupt"
+    assert f"INCOMPLETE: interrupted ({stop}" in run.output, run.output  # the run summary says so
     assert run.stop_s < STOP_S, run.stop_s
     for rank in (0, 1):
         cases = read_cases(run.inner.junit(rank))

@@ -1,0 +1,113 @@
+"""The end of a run: what ran where, every report, skips by reason, a reason on each FAILED line,
+and a run that stopped early marked incomplete in the summary and in the matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from adapter_testing import run_inner_session
+
+from harness.messages import RankLoss, RankOutcome
+from harness.run_summary import reason
+from harness.verdict import decide
+
+TESTS = """
+import pytest
+import torch.nn as nn
+from conformance.protocol import ApiForm, ShardingSpec, ShardingStrategy
+
+def shard(backend, device):
+    spec = ShardingSpec(strategy=ShardingStrategy.NO_SHARD)
+    return backend.shard(nn.Linear(2, 2).to(device), spec, ApiForm.WRAPPER)
+
+@pytest.mark.world_size(2)
+def test_shards(backend, device):
+    shard(backend, device)
+
+@pytest.mark.world_size(2)
+@pytest.mark.skip(reason="unsupported: nothing of the kind")  # decided in the parent: no rank time
+def test_skips(backend):
+    pass
+
+@pytest.mark.world_size(2)
+def test_listed_but_passes(backend, device):
+    shard(backend, device)
+
+@pytest.mark.world_size(2)
+def test_fails_on_rank_1(backend, device, rank):
+    shard(backend, device)
+    assert rank != 1, "rank 1 disagrees"
+
+@pytest.mark.world_size(2)
+def test_never_reached(backend, device):
+    shard(backend, device)
+"""
+
+
+def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: Path, monkeypatch) -> None:
+    """One inner session, one pool (world size 2): --maxfail=2 stops it after the second failure,
+    before the last test. The first failure is a plugin's verdict (an expected failure that
+    passed), the second the ranks'."""
+    monkeypatch.setenv("COLUMNS", "300")  # pytest fits the FAILED line to the terminal's width
+    (tmp_path / "expectations").mkdir()
+    (tmp_path / "expectations" / "template-ddp.toml").write_text(
+        '[[expected_failure]]\nscenario = "test_inner.py::test_listed_but_passes"\nfailure = "x"\nreason = "r"\n'
+    )
+    adapter = "conformance.adapters.template:TemplateAdapter"
+    result = run_inner_session(tmp_path, TESTS, [adapter], "--maxfail=2")
+    output = result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.TESTS_FAILED, output
+    reports = tmp_path / "reports"
+    shown = "reports"  # relative to the inner session's directory, where it ran
+    expected_lines = [
+        "backends: template-ddp",
+        "harness: 3 distributed tests, 1 pool starts",
+        "; device: cpu; world sizes: 2",
+        "skipped: 1 test, by reason:",
+        "  1  unsupported: nothing of the kind",
+        f"reports: {shown}/junit/rank-0.xml, rank-1.xml",
+        f"         {shown}/conformance.md, conformance.html",
+        f"         {shown}/traces/ (1 file from this run)",
+        "INCOMPLETE: stopped early (stopping after 2 failures) with 4 of 5 tests finished; the reports hold only "
+        "the tests that ran",
+        "FAILED test_inner.py::test_listed_but_passes[template-ddp] - unexpected pass: test_inner.py::"
+        "test_listed_but_passes is listed as an expected failure (r); remove the entry",
+        "FAILED test_inner.py::test_fails_on_rank_1[template-ddp] - rank 1: AssertionError: rank 1 disagrees",
+    ]
+    summary = output[output.index("run summary") :]
+    for line in expected_lines:
+        assert line in summary, f"{line!r} missing from:\n{summary}"
+    markdown = (reports / "conformance.md").read_text()
+    assert "**INCOMPLETE: stopped early (stopping after 2 failures) with 4 of 5 tests finished**" in markdown
+    assert "| `test_inner.py::test_never_reached` | 1 not run |" in markdown
+    page = (reports / "conformance.html").read_text()
+    assert 'class="banner" id="incomplete">INCOMPLETE: stopped early' in page
+    assert '<p class="reason">rank 1: AssertionError: rank 1 disagrees</p>' in page
+    assert 'href="traces/test_inner.py_test_fails_on_rank_1_template-ddp.txt"' in page
+
+
+def _failed(rank: int, error: str) -> RankOutcome:
+    trace = f'Traceback (most recent call last):\n  File "t.py", line 3, in test\n    check()\n{error}\nassert 1 == 2'
+    return RankOutcome(rank, "failed", 1.0, error, trace)
+
+
+def test_the_reason_is_the_line_that_explains_the_failure() -> None:
+    """From the verdict's own text (harness.verdict.decide), whatever decided it."""
+    passed = RankOutcome(0, "passed", 1.0)
+    one = decide({0: passed, 1: _failed(1, "AssertionError: rank 1 disagrees")}).message
+    assert reason(one) == "rank 1: AssertionError: rank 1 disagrees"
+    same = decide({0: _failed(0, "ValueError: bad"), 1: _failed(1, "ValueError: bad")}).message
+    assert reason(same) == "ranks 0, 1: ValueError: bad"
+    first = decide(
+        {0: _failed(0, "AssertionError: mine"), 1: _failed(1, "RuntimeError: Connection closed by peer")}
+    ).message
+    assert reason(first) == "rank 0 failed first: AssertionError: mine at t.py:3"
+    lost = decide({0: passed, 1: RankLoss(1, "was killed by SIGKILL (9)")}).message
+    assert reason(lost) == "rank 1: was killed by SIGKILL (9)"
+    diverged = decide({0: passed, 1: RankOutcome(1, "passed", 1.0)}, "collective #2 on group [0, 1]: ...").message
+    assert reason(diverged) == "ranks issued divergent collectives: collective #2 on group [0, 1]: ..."
+    assert reason("unexpected pass: x is listed as an expected failure\n\nmore") == (
+        "unexpected pass: x is listed as an expected failure"
+    )
+    assert reason("Failed: could not start a world of 2 (cpu): boom") == "could not start a world of 2 (cpu): boom"
