@@ -362,6 +362,10 @@ class BackendAdapter(abc.ABC):
     # How each misuse is refused; a misuse left out is held to the seeds' refusal.
     REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
     MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
+    # With TENSOR_PARALLEL: where a sharded 2-D state dict puts the values tensor parallelism
+    # left whole. "2-D" (the seed's, FSDP1): on the 2-D mesh, placements (Shard(0), Replicate());
+    # "dp": on the dp mesh, (Shard(0),). Tensor-parallel values are always on the 2-D mesh.
+    NON_TP_2D_STATE_DICT_MESH: ClassVar[str] = "2-D"
     # Where the backend runs (conformance.platforms): device kind ("cpu", "cuda") -> the torch
     # versions it runs on there, as an expectation's `when.torch` (">=2.7"; "" for every torch).
     # A device kind left out is not supported. A session whose devices or torch the backend does

@@ -93,6 +93,7 @@ class TorchFSDP2Adapter(TorchAdapter):
     # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
     # held to the seeds' (see its expectations).
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
+    NON_TP_2D_STATE_DICT_MESH = "dp"  # fully_shard keeps them on the dp mesh; test_declared_facts.py
     if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance/test_declared_absences.py
         CAPABILITIES -= {Capability.IGNORED_MODULES}
     # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.

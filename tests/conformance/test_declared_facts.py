@@ -25,7 +25,7 @@ from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]
 PROOFS: dict[tuple[str, str], Proof] = {}
-FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS")
+FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS", "NON_TP_2D_STATE_DICT_MESH")
 
 
 def proves(backend: str, fact: str) -> Callable[[Proof], Proof]:
@@ -262,6 +262,50 @@ def _deepspeed_gathers_the_low_precision_parameters(rank: int, world_size: int, 
         assert shown == {torch.bfloat16 if declared.shows_compute_dtype else torch.float32}, shown
     finally:
         engine.destroy()
+
+
+# -- 2-D sharded state dicts (both libraries) ----------------------------------------------------
+
+
+def _non_tp_layout(
+    backend: str, world_size: int, device: torch.device, shard: Callable[[nn.Module, object], nn.Module]
+) -> None:
+    """Shard a model whose first layer is tensor-parallel over the "tp" dimension of a
+    (world size / 2, 2) mesh with ``shard(model, dp mesh)``; the layer TP left whole must sit
+    where ``backend`` declares (``NON_TP_2D_STATE_DICT_MESH``), the TP one on the 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_two_linears(device), mesh["tp"], {"0": ColwiseParallel()})
+    state = shard(model, mesh["dp"]).state_dict()
+    tp_value, whole = state["0.weight"], state["1.weight"]
+    assert isinstance(tp_value, DTensor) and tp_value.device_mesh == mesh, tp_value
+    assert isinstance(whole, DTensor), type(whole)
+    if registry.load(backend).NON_TP_2D_STATE_DICT_MESH == "2-D":
+        assert (whole.device_mesh, tuple(whole.placements)) == (mesh, (Shard(0), Replicate())), whole
+    else:
+        assert (whole.device_mesh, tuple(whole.placements)) == (mesh["dp"], (Shard(0),)), whole
+
+
+@proves("reference", "NON_TP_2D_STATE_DICT_MESH")
+def _engine_keeps_non_tp_values_on_the_dp_mesh(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+
+    def shard(model: nn.Module, dp_mesh: object) -> nn.Module:
+        sharded = engine.fully_shard(model, mesh=dp_mesh, device=device)
+        engine.set_state_dict_type(sharded, engine.StateDictKind.SHARDED)
+        return sharded
+
+    _non_tp_layout("reference", world_size, device, shard)
+
+
+@proves("torch-fsdp2", "NON_TP_2D_STATE_DICT_MESH")
+def _fsdp2_keeps_non_tp_values_on_the_dp_mesh(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    _non_tp_layout("torch-fsdp2", world_size, device, lambda model, dp_mesh: fully_shard(model, mesh=dp_mesh))
 
 
 # -- the tests -----------------------------------------------------------------------------------
