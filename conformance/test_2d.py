@@ -566,7 +566,7 @@ def _assert_layout(
         and getattr(dp_placement, "split_factor", None) == mesh["tp"].size()
     )
     assert dp_placement == Shard(0) or (expected_tp == Shard(0) and strided), (
-        f"{where}: dp placement {dp_placement}, expected Shard(dim=0)"
+        f"{where}: dp placement {dp_placement!r}, expected Shard(dim=0)"
     )
     sharded_over = 1
     for dim, placement in enumerate(placements):

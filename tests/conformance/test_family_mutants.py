@@ -1,0 +1,138 @@
+"""Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1 and divergence.
+
+For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
+scenario runs with the mutant adapter and must fail with the message that names the defect. The
+scenario functions are called directly in the ranks (no inner session, no extra pool), except
+for divergence: there the verdict is the harness's trace diff, which only a session gives, so one
+inner session runs the clean and the mutant reference engine together. The unmutated backends
+pass the same scenarios in the suite itself, which is what makes these failures the mutation's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import family_mutants  # tests/conformance/family_mutants.py
+import pytest
+import torch
+import torch.distributed as dist
+from adapter_testing import run_inner_session
+
+import conformance.test_2d as two_d  # modules, so their tests are not collected here
+import conformance.test_exec_order as exec_order
+import conformance.test_runtime as runtime
+from conformance import registry
+from conformance.protocol import BackendEnv, ShardingStrategy
+
+Scenario = Callable[..., None]
+
+
+def _failures(mutation: str, backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device):
+    """Every rank's assertion message from ``scenario`` run with the mutant (None: passed there)."""
+    adapter = family_mutants.mutant(registry.load(backend_name), mutation)(BackendEnv(rank, world_size, device))
+    failure = None
+    try:
+        scenario(backend=adapter, rank=rank, device=device)
+    except AssertionError as error:
+        failure = str(error)
+    finally:
+        family_mutants.restore()
+    per_rank: list[str | None] = [None] * world_size
+    dist.all_gather_object(per_rank, failure)
+    return [text for text in per_rank if text is not None]
+
+
+def _params(mutation: str) -> list[object]:
+    return [
+        pytest.param(
+            name,
+            marks=()
+            if family_mutants.installed(name)
+            else pytest.mark.skip(reason=f"{name}'s library is not installed: its mutant runs where it is"),
+        )
+        for name in family_mutants.APPLIES_TO[mutation]
+    ]
+
+
+# Without the later-iteration warning the ranks go on to the mismatched (equal-sized)
+# collectives the scenario provokes on purpose; the scenario itself is marked the same way.
+@pytest.mark.expect_divergence
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("exec_order"))
+def test_exec_order_family_catches_a_missing_later_iteration_check(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        exec_order.test_later_iteration_order_change_warns_once,
+        setup="seed",
+        strategy=ShardingStrategy.FULL_SHARD,
+        iters_before_path_change=1,
+    )
+    texts = _failures("exec_order", backend_name, scenario, rank, world_size, device)
+    assert texts, f"test_later_iteration_order_change_warns_once passed for {backend_name} without the check"
+    assert all(re.search(r"rank \d+: expected one order warning from the forward call", t) for t in texts), texts
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("backend_name", _params("two_d"))
+def test_2d_family_catches_dim_1_sharded_over_dp(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(two_d.test_2d_sharded_state_dict, model_name="even", world_size=world_size)
+    texts = _failures("two_d", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_2d_sharded_state_dict passed on some rank for {backend_name}: {texts}"
+    assert all(re.search(r"dp placement Shard\(dim=1\), expected Shard\(dim=0\)", t) for t in texts), texts
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("zero1"))
+def test_zero1_family_catches_an_optimizer_shard_updated_twice(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        runtime.test_training,
+        wrap="auto",
+        strategy=ShardingStrategy.SHARD_OPTIM_STATE,
+        optimizer="sgd",
+        param_offload=False,
+        world_size=world_size,
+    )
+    texts = _failures("zero1", backend_name, scenario, rank, world_size, device)
+    assert texts, f"test_training[...SHARD_OPTIM_STATE-sgd] passed for {backend_name} with a shard stepped twice"
+    named = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
+    assert any(float(m["size"]) > 0 for t in texts for m in named.finditer(t)), texts
+
+
+DIVERGENCE_INNER_TESTS = """
+import pytest
+from conformance.test_divergence import test_same_shape_divergence_is_not_silent as same_shape
+
+@pytest.mark.world_size(2)
+def test_same_shape(backend, rank, device):
+    same_shape(backend=backend, rank=rank, device=device)
+"""
+
+
+def test_divergence_family_catches_a_backend_without_its_order_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``test_same_shape_divergence_is_not_silent`` on the clean reference engine passes (its order
+    check raises on every rank); with the check off the step completes and the harness's trace
+    diff fails the scenario. torch FSDP1 and FSDP2 are this mutant out of the box: their clean
+    runs are expected failures for exactly this reason (``test_backend_divergence.py``)."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    mutant = family_mutants.selection("reference", "divergence")
+    result = run_inner_session(tmp_path, DIVERGENCE_INNER_TESTS, ["reference", mutant], "--collective-timeout=10")
+    output = result.stdout + result.stderr
+    assert "1 failed, 1 passed" in output, output
+    assert "PASSED test_inner.py::test_same_shape[reference]" in output, output
+    section = re.search(r"_ test_same_shape\[reference\+divergence\] _+\n(?P<body>.*?)\nREPRO:", output, re.S)
+    assert section is not None, output
+    failure = section["body"]
+    assert "ranks issued divergent collectives" in failure, failure
+    assert "Forward order differs" not in failure, failure
