@@ -469,6 +469,54 @@ def test_2d_optim_state_dict(backend: BackendAdapter, kind: StateDictKind, rank:
         )
 
 
+@two_d_world
+@pytest.mark.parametrize("mesh_kind", ["2d_slice", "1d"])
+def test_2d_state_dict_extension(backend: BackendAdapter, mesh_kind: str, rank: int, device: torch.device) -> None:
+    """The backend's 2-D state-dict handling is on exactly when the dp mesh is a slice of a 2-D
+    mesh (the seed's ``test_2d_fsdp_state_enable_extension`` and ``test_fsdp_2d_extension``).
+
+    The seed reads FSDP1's private ``_fsdp_extension`` (a ``DTensorExtensions`` with
+    ``mesh_2d["dp"]``, None with a 1-D mesh); a backend-neutral suite checks what that switch
+    decides, the sharded state dict. ``2d_slice``: a plain ``ThreeLayerMLP`` (no tensor
+    parallelism, as in the seed) sharded over ``mesh["dp"]`` of the (dp, tp) mesh: every value
+    is laid out as the backend declares for values TP left whole (``NON_TP_2D_STATE_DICT_MESH``;
+    "2-D": on the 2-D mesh, ``(Shard(0), Replicate())``, the extension engaged). ``1d``: the
+    same model over a 1-D mesh of every rank: every value is a DTensor on exactly that mesh with
+    ``(Shard(0),)`` (no extension: nothing 2-D). FSDP1's own switch is checked literally where
+    its fact is proven (``tests/conformance/test_declared_facts.py``).
+    """
+    require(backend, Capability.TENSOR_PARALLEL)
+    require(backend, Capability.SHARDED_STATE_DICT)
+    unwrapped = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+    expected = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
+    mesh = _mesh(device)
+    one_d = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    for form in backend.forms():
+        where = f"rank {rank}: {form.value}, {mesh_kind}"
+        model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+        dp_mesh = mesh["dp"] if mesh_kind == "2d_slice" else one_d
+        state = backend.state_dict(backend.shard(model, ShardingSpec(mesh=dp_mesh), form), StateDictKind.SHARDED)
+        gathered = _gather_dtensors(state, device)
+
+        assert list(state) == list(expected), f"{where}: keys {list(state)} differ from {list(expected)}"
+        for name, want in expected.items():
+            if mesh_kind == "2d_slice":
+                _assert_layout(
+                    state[name], gathered[name], mesh, None, backend.NON_TP_2D_STATE_DICT_MESH, f"{where}: {name}"
+                )
+            else:
+                value = state[name]
+                assert isinstance(value, DTensor), f"{where}: {name} is {type(value).__name__}, not a DTensor"
+                assert value.device_mesh == one_d and tuple(value.placements) == (Shard(0),), (
+                    f"{where}: {name} on {value.device_mesh} with {value.placements}: a 1-D mesh gets no "
+                    f"2-D layout, expected (Shard(dim=0),) on {one_d}"
+                )
+            full = gathered[name][0]
+            assert torch.equal(full.cpu(), want.cpu()), (
+                f"{where}: {name}: full_tensor() differs from the unwrapped value"
+            )
+
+
 # -- helpers ----------------------------------------------------------------------------------
 
 
