@@ -275,7 +275,7 @@ def _deepspeed_gathers_the_low_precision_parameters(rank: int, world_size: int, 
 
 def _non_tp_layout(
     backend: str, world_size: int, device: torch.device, shard: Callable[[nn.Module, object], nn.Module]
-) -> None:
+) -> dict[str, object]:
     """Shard a model whose first layer is tensor-parallel over the "tp" dimension of a
     (world size / 2, 2) mesh with ``shard(model, dp mesh)``; the layer TP left whole must sit
     where ``backend`` declares (``NON_TP_2D_STATE_DICT_MESH``), the TP one on the 2-D mesh."""
@@ -293,6 +293,7 @@ def _non_tp_layout(
         assert (whole.device_mesh, tuple(whole.placements)) == (mesh, (Shard(0), Replicate())), whole
     else:
         assert (whole.device_mesh, tuple(whole.placements)) == (mesh["dp"], (Shard(0),)), whole
+    return state
 
 
 @proves("reference", "NON_TP_2D_STATE_DICT_MESH", world_size=4)
@@ -315,6 +316,7 @@ def _fsdp1_extension_puts_non_tp_values_on_the_2d_mesh(rank: int, world_size: in
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
     from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 
     def shard(model: nn.Module, dp_mesh: object) -> nn.Module:
@@ -323,7 +325,9 @@ def _fsdp1_extension_puts_non_tp_values_on_the_2d_mesh(rank: int, world_size: in
         FSDP.set_state_dict_type(sharded, StateDictType.SHARDED_STATE_DICT)
         return sharded
 
-    _non_tp_layout("torch-fsdp1", world_size, device, shard)
+    state = _non_tp_layout("torch-fsdp1", world_size, device, shard)
+    # The seed's test_2d_state_dict, literally: every value's first (dp) placement is Shard(0).
+    assert all(value.placements[0] == Shard(0) for value in state.values()), state
     one_d = init_device_mesh(device.type, (world_size,))
     assert (
         _get_module_fsdp_state(FSDP(_two_linears(device), device_mesh=one_d, device_id=device))._fsdp_extension is None
