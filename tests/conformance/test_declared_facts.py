@@ -1,6 +1,7 @@
 """Every backend fact a built-in adapter declares is true of its real library.
 
-A declared fact (``FLAT_PARAMETER_NAME``, ``REFUSALS``, ``MIXED_PRECISION_UNSHARD``; see
+A declared fact (``FLAT_PARAMETER_NAME``, ``REFUSALS``, ``MIXED_PRECISION_UNSHARD``,
+``NON_TP_2D_STATE_DICT_MESH``; see
 docs/writing-an-adapter.md, "Backend facts") changes what the scenarios accept, so each is a
 claim about the backend, backed here by a proof that calls the library itself, not the adapter.
 The meta-test fails when a built-in declares a fact without a proof, or a proof outlives its
