@@ -6,6 +6,8 @@ here belong to the other families and are injected the same way, from outside th
 * ``exec_order`` -- the forward-order check runs in the first iteration only: a later change of
   the forward order issues no warning (every ``warnings.warn`` whose text is the later-iteration
   order warning is dropped while the mutant is active);
+* ``eval_ignored`` -- ``eval()`` on the module ``shard()`` returns leaves it (and its units) in
+  training mode, so eval forwards are order-checked like training ones;
 * ``two_d`` -- the sharded 2-D state dict shards dimension 1 over dp (``Shard(1)`` where the
   seed requires ``Shard(0)``; same values, another layout a checkpoint consumer would misread);
 * ``zero1`` -- rank 1's optimizer steps its shard twice per step (SHARD_OPTIM_STATE, ZeRO-1);
@@ -41,6 +43,7 @@ LATER_ORDER_WARNING = "Forward order differs from that of the first iteration"
 
 MUTATIONS: dict[str, str] = {
     "exec_order": "no forward-order warning after the first iteration",
+    "eval_ignored": "eval() ignored by the sharded module: eval forwards checked as training ones",
     "two_d": "dimension 1 sharded over dp in the sharded 2-D state dict (Shard(1), not Shard(0))",
     "zero1": f"rank {DOUBLE_STEP_RANK}'s optimizer shard updated twice per step",
     "divergence": "forward-order validation switched off (reference engine: check_exec_order=False)",
@@ -48,6 +51,7 @@ MUTATIONS: dict[str, str] = {
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
     "exec_order": ("reference", "torch-fsdp1"),  # the backends with EXEC_ORDER_CHECK
+    "eval_ignored": ("reference", "torch-fsdp1"),
     "two_d": ("reference", "torch-fsdp1", "torch-fsdp2"),  # TENSOR_PARALLEL + SHARDED_STATE_DICT
     "zero1": ("reference", "deepspeed"),  # SHARD_OPTIM_STATE
     "divergence": ("reference",),  # the only built-in whose order check is on by default
@@ -129,7 +133,12 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
         def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
             if mutation == "divergence" and not hasattr(base, "_options"):
                 raise TypeError(f"the divergence mutant needs the reference adapter, not {base.name}")
-            return super()._shard(model, spec, form)
+            sharded = super()._shard(model, spec, form)
+            if mutation == "eval_ignored":
+                # nn.Module.eval() calls self.train(False): answer every call with train(True).
+                always_train = type(sharded).train
+                sharded.train = lambda mode=True: always_train(sharded, True)  # type: ignore[method-assign]
+            return sharded
 
     Mutant.__name__ = Mutant.__qualname__ = f"{base.__name__}_{mutation}"
     return Mutant

@@ -77,6 +77,19 @@ def test_exec_order_family_catches_a_missing_later_iteration_check(
     assert all(re.search(r"rank \d+: expected one order warning from the forward call", t) for t in texts), texts
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("eval_ignored"))
+def test_exec_order_family_catches_eval_forwards_checked_as_training(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        exec_order.test_train_eval_alternation_warns_nothing, setup="seed", strategy=ShardingStrategy.FULL_SHARD
+    )
+    texts = _failures("eval_ignored", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_train_eval_alternation_warns_nothing passed on some rank: {texts}"
+    assert all(re.search(r"warned about eval forwards: \[.Forward order differs", t) for t in texts), texts
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("backend_name", _params("two_d"))
 def test_2d_family_catches_dim_1_sharded_over_dp(
