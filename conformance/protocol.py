@@ -441,6 +441,10 @@ class BackendAdapter(abc.ABC):
     # not hide itself): "" (the seeds') means named_parameters() / named_buffers() list exactly
     # the unsharded model's names. Scenarios compare raw names with it, nothing stripped.
     UNSHARDED_NAME_PREFIX: ClassVar[str] = ""
+    # With TENSOR_PARALLEL: where a sharded 2-D state dict puts the values tensor parallelism
+    # left whole. "2-D" (the seed's, FSDP1): on the 2-D mesh, placements (Shard(0), Replicate());
+    # "dp": on the dp mesh, (Shard(0),). Tensor-parallel values are always on the 2-D mesh.
+    NON_TP_2D_STATE_DICT_MESH: ClassVar[str] = "2-D"
     # Where the backend runs (conformance.platforms): device kind ("cpu", "cuda") -> the torch
     # versions it runs on there, as an expectation's `when.torch` (">=2.7"; "" for every torch).
     # A device kind left out is not supported. A session whose devices or torch the backend does

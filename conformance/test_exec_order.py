@@ -7,9 +7,16 @@ The scenarios shard :class:`fixtures.TwoPathModel`: ``stem`` is the root unit, `
 the collective library notices, only an execution-order check can. The first-iteration check
 also runs on the seed's own model (:class:`fixtures.UnequalTwoPathModel`), whose paths differ in
 shape: there the check must fire before the first mismatched collective, which gloo would
-answer by aborting the process (the harness turns that into this test's failure). The
-later-iteration scenarios keep the equal-shape model: after the warning the ranks issue the
-mismatched collectives on purpose, and with unequal sizes no backend could complete them.
+answer by aborting the process (the harness turns that into this test's failure).
+
+The later-iteration and train/eval scenarios run two setups (the ``setup`` axis): ``equal``
+(:class:`fixtures.TwoPathModel` with original parameters) and ``seed`` (the seed's own
+configuration: its 6 -> 3 -> 6 model with flat parameters, ``use_orig_params=False``). After the
+warning the ranks issue the mismatched collectives on purpose; both setups keep those the same
+size (equal shapes, or one unpadded 36-element flat parameter per path), so they complete.
+
+``EXEC_ORDER_CHECK`` is *forward*-order validation, as in the seed: the later-iteration warning
+must be issued by the forward call of the changed step, not by its backward.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from harness import current_seed
 
 STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
 MODELS = {"equal": fixtures.TwoPathModel, "seed": fixtures.UnequalTwoPathModel}
+# The later-iteration / train-eval setups: (model, use_orig_params). "seed" is the seed's own:
+# its 6 -> 3 -> 6 path with flat parameters.
+SETUPS = {"equal": (fixtures.TwoPathModel, True), "seed": (fixtures.UnequalTwoPathModel, False)}
 LOCAL_BATCH = 8
 ORDER_WARNING_PREFIX = "Forward order differs"
 # The seed's later-iteration warning, verbatim up to the rank's own details.
@@ -80,6 +90,14 @@ def _inputs(model: fixtures.TwoPathModel, iteration: int, rank: int, device: tor
     )
 
 
+def _order_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, UserWarning) and str(w.message).startswith(ORDER_WARNING_PREFIX)
+    ]
+
+
 def _train_step(
     backend: BackendAdapter,
     model: fixtures.TwoPathModel,
@@ -87,17 +105,16 @@ def _train_step(
     iteration: int,
     rank: int,
     device: torch.device,
-) -> list[str]:
-    """One forward + backward (through the adapter); returns the order warnings it issued."""
-    with warnings.catch_warnings(record=True) as caught:
+) -> tuple[list[str], list[str]]:
+    """One forward + backward (through the adapter); returns the order warnings issued by the
+    forward call and by the backward, separately (the seed expects the warning in forward)."""
+    with warnings.catch_warnings(record=True) as in_forward:
         warnings.simplefilter("always")  # count every issue, not just the first per location
         loss = model.loss(sharded(*_inputs(model, iteration, rank, device)))
+    with warnings.catch_warnings(record=True) as in_backward:
+        warnings.simplefilter("always")
         backend.backward(sharded, loss)
-    return [
-        str(w.message)
-        for w in caught
-        if issubclass(w.category, UserWarning) and str(w.message).startswith(ORDER_WARNING_PREFIX)
-    ]
+    return _order_warnings(in_forward), _order_warnings(in_backward)
 
 
 # The order check is itself a collective, issued from inside the unit about to run: when the
@@ -141,76 +158,100 @@ def test_first_iteration_order_mismatch_raises(
 @pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("iters_before_path_change", [1, 3])
+@pytest.mark.parametrize("setup", list(SETUPS))
 def test_later_iteration_order_change_warns_once(
     backend: BackendAdapter,
+    setup: str,
     strategy: ShardingStrategy,
     iters_before_path_change: int,
     rank: int,
     device: torch.device,
 ) -> None:
-    """A path change after the first iteration warns once, on the changing ranks only.
+    """A path change after the first iteration warns once, from the forward call, on the
+    changing ranks only.
 
     All ranks train ``iters_before_path_change`` steps on ``path_a``; then every rank but 0
     switches to ``path_b``. Each switching rank R issues exactly one ``UserWarning("Forward
     order differs from that of the first iteration on rank R. Collectives are unchecked and may
-    give incorrect results or hang ...")`` (the seed's text) during the changed step and none
-    in the step after; rank 0 and the steps before the change warn nothing.
+    give incorrect results or hang ...")`` (the seed's text) from the forward call of the
+    changed step (its backward warns nothing) and none in the step after; rank 0 and the steps
+    before the change warn nothing. ``setup``: module docstring.
 
     Marked ``expect_divergence``: after the switch the ranks issue collectives for different
     units on purpose (equal sizes, so they still pair up and complete), which the harness's
     trace diff would otherwise report as a failure.
     """
     expected_warning = "^" + re.escape(LATER_WARNING.format(rank=rank))
-    for model, sharded in _sharded_models(backend, strategy, device):
-        for iteration in range(iters_before_path_change):
-            assert _train_step(backend, model, sharded, iteration, rank, device) == [], (
-                f"rank {rank} warned before any path changed (iteration {iteration})"
-            )
+    model_cls, use_orig_params = SETUPS[setup]
+    # Every form runs to the end before any (rank-dependent) assertion, so a rank that fails
+    # never leaves its peers in the next form's collectives.
+    runs = []
+    for model, sharded in _sharded_models(backend, strategy, device, use_orig_params, model_cls):
+        before = [_train_step(backend, model, sharded, i, rank, device) for i in range(iters_before_path_change)]
         if rank != 0:
             model.flip_path()
-        changed = _train_step(backend, model, sharded, iters_before_path_change, rank, device)
+        changed, changed_backward = _train_step(backend, model, sharded, iters_before_path_change, rank, device)
         after = _train_step(backend, model, sharded, iters_before_path_change + 1, rank, device)
+        runs.append((before, changed, changed_backward, after))
+    for before, changed, changed_backward, after in runs:
+        for iteration, issued in enumerate(before):
+            assert issued == ([], []), f"rank {rank} warned before any path changed (iteration {iteration}): {issued}"
         if rank == 0:
             assert changed == [], f"rank 0 kept its path but warned: {changed}"
         else:
-            assert len(changed) == 1, f"rank {rank}: expected one warning, got {changed}"
+            assert len(changed) == 1, (
+                f"rank {rank}: expected one order warning from the forward call of the changed step, "
+                f"got {changed} (its backward warned {changed_backward})"
+            )
             assert re.search(expected_warning, changed[0]), (
                 f"rank {rank}: {changed[0]!r} does not match {expected_warning!r}"
             )
-        assert after == [], f"rank {rank} warned again in the step after the change: {after}"
+        assert changed_backward == [], (
+            f"rank {rank}: the backward of the changed step warned {changed_backward}; the check "
+            "validates the forward order and warns once, from forward"
+        )
+        assert after == ([], []), f"rank {rank} warned again in the step after the change: {after}"
 
 
 @pytest.mark.world_size(min=2, default=[2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("setup", list(SETUPS))
 def test_train_eval_alternation_warns_nothing(
-    backend: BackendAdapter, strategy: ShardingStrategy, rank: int, device: torch.device
+    backend: BackendAdapter, setup: str, strategy: ShardingStrategy, rank: int, device: torch.device
 ) -> None:
     """Eval forwards are not order-checked; switching between train and eval is not a change.
 
     Two epochs of three training steps on ``path_a`` and three eval forwards on ``path_b``
-    (every rank). A backend that checked eval forwards against the first training iteration,
-    or that took the eval forwards as a new first iteration, would warn. None may warn.
+    (every rank), the eval forwards with autograd on and their loss computed, as in the seed
+    (``eval()`` alone, not ``no_grad``, must turn the check off). A backend that checked eval
+    forwards against the first training iteration, or that took the eval forwards as a new
+    first iteration, would warn. None may warn. ``setup``: module docstring.
 
     Every rank takes the same eval path: with rank-dependent eval paths, a strategy that keeps
-    units unsharded after a no-grad forward (SHARD_GRAD_OP) leaves different units unsharded
-    per rank, and the next training forward issues different all-gathers — a user error about
+    units unsharded after a forward (SHARD_GRAD_OP) leaves different units unsharded per rank,
+    and the next training forward issues different all-gathers — a user error about
     collectives, not about the order check this scenario is for.
     """
-    for model, sharded in _sharded_models(backend, strategy, device):
-        issued: list[str] = []
+    model_cls, use_orig_params = SETUPS[setup]
+    issued: list[str] = []  # asserted once every form has run (a failing rank never strands its peers)
+    for model, sharded in _sharded_models(backend, strategy, device, use_orig_params, model_cls):
         iteration = 0
         for _epoch in range(2):
             sharded.train()
             for _ in range(3):
-                issued += _train_step(backend, model, sharded, iteration, rank, device)
+                in_forward, in_backward = _train_step(backend, model, sharded, iteration, rank, device)
+                issued += in_forward + in_backward
                 iteration += 1
             sharded.eval()
-            model.flip_path()
-            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            # Only the route changes: flipping requires_grad here would edit parameters an
+            # autograd-on forward may still hold unsharded (a user error of its own).
+            model.use_path_b = True
+            with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for _ in range(3):
+                    assert torch.is_grad_enabled(), "the eval forwards must run with autograd on, as in the seed"
                     model.loss(sharded(*_inputs(model, iteration, rank, device)))
                     iteration += 1
-            issued += [str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING_PREFIX)]
-            model.flip_path()
-        assert issued == [], f"rank {rank} warned about eval forwards: {issued}"
+            issued += _order_warnings(caught)
+            model.use_path_b = False
+    assert issued == [], f"rank {rank} warned about eval forwards: {issued}"

@@ -40,12 +40,21 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 # Tolerances against the oracle. Sharded training sums each gradient from W per-rank partial
 # products (reduce-scatter / all-reduce) where the oracle does one matmul over the global batch,
-# so fp32 results differ by reduction order: ~1e-6 relative in the losses (observed at ws2/ws4).
+# so fp32 results differ by reduction order. Losses, measured per optimizer (CPU, torch 2.13,
+# seed 1234, ws2 and ws4, every strategy, wrap mode, form and offload setting of the reference,
+# FSDP1, FSDP2 and DeepSpeed; FSDP1's expected HYBRID_SHARD failure left out): at most 9.6e-7
+# relative with Adam (whose sqrt(v) amplifies the noise over the steps; losses up to ~3e4, so
+# 2.7e-2 absolute) and 3.5e-7 relative with SGD. The bounds are about five times that, the
+# seed's float32 default atol (1e-5) beside them; the seed's own check (wrapper vs composable
+# loss, float32 default rtol 1.3e-6) runs too where a backend has both forms. A real defect (a
+# missing gradient sync, a wrong shard) moves losses by >1e-2 relative.
+LOSS_TOLERANCE = {
+    "adam": {"rtol": 5e-6, "atol": 1e-5},
+    "sgd": {"rtol": 2e-6, "atol": 1e-5},
+}
 # Adam divides by sqrt(v), which turns that noise in near-zero gradient entries into parameter
-# differences of up to ~1e-4 of a step over five iterations (observed 6e-5). A real defect (a
-# missing gradient sync, a wrong shard) moves losses by >1e-2 relative and parameters by whole
-# Adam steps (lr = 1e-2), so these bounds keep two orders of magnitude on both sides.
-LOSS_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+# differences of up to ~1e-4 of a step over five iterations (observed 6e-5); a real defect
+# moves parameters by whole Adam steps (lr = 1e-2).
 PARAM_TOLERANCE = {
     "adam": Tolerance(rtol=1e-3, atol=1e-3),
     # SGD adds lr x (gradient noise ~1e-6 relative) per step: parameters agree to 2e-8
@@ -208,7 +217,7 @@ def test_training(
                     PARAM_TOLERANCE[optimizer],
                 )
             )
-        if not torch.allclose(losses, oracle_losses, **LOSS_TOLERANCE):
+        if not torch.allclose(losses, oracle_losses, **LOSS_TOLERANCE[optimizer]):
             problems.append(
                 f"{form.value} form: local losses diverge from the single-process oracle:\n"
                 f"  sharded {losses.tolist()}\n  oracle  {oracle_losses.tolist()}"

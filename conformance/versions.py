@@ -49,10 +49,10 @@ ADDED: dict[int, Additions] = {
         capabilities=frozenset({Capability.NATIVE_CHECKPOINT}),
         facts=("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD"),
     ),
-    # Seed strength for storage and names (issue 23): exact storage sizes, raw names.
+    # Seed strength (issue 23): exact storage sizes, raw names, the 2-D layout of non-TP values.
     4: Additions(
         capabilities=frozenset({Capability.INTROSPECT_STORAGE}),
-        facts=("SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX"),
+        facts=("SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX", "NON_TP_2D_STATE_DICT_MESH"),
     ),
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.versions.ADDED must describe every protocol version"

@@ -58,6 +58,7 @@ class ReferenceAdapter(BackendAdapter):
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
+    NON_TP_2D_STATE_DICT_MESH = "dp"  # engine/state_dict.py; proven in test_declared_facts.py
     # The engine's own refusals (engine/unshard.py, engine/topology.py): a call in the wrong state
     # is Python's RuntimeError where FSDP1 raises AssertionError; the unsupported unshard options
     # are the seeds' NotImplementedError. Proven in tests/conformance/test_declared_facts.py.

@@ -113,6 +113,7 @@ class TorchFSDP1Adapter(TorchAdapter):
     # the protocol's default (the seeds').
     FLAT_PARAMETER_NAME = "_flat_param"
     REFUSALS = {misuse: SEED_REFUSALS[misuse] for misuse in Misuse if misuse.name.startswith("UNSHARD_")}
+    NON_TP_2D_STATE_DICT_MESH = "2-D"  # the seed's: its DTensorExtensions put them on the 2-D mesh
     UNSUPPORTED_COMBINATIONS = {
         frozenset({Capability.UNSHARD_WITH_GRADS, Capability.UNSHARD_OFFLOAD_TO_CPU}): (
             "summon_full_params refuses with_grads together with offload_to_cpu (NotImplementedError "

@@ -98,6 +98,7 @@ class TorchFSDP2Adapter(TorchAdapter):
     # the all-gather output a parameter's unsharded view lives in holds ceil(rows / world size)
     # x world size rows (proven in tests/conformance/test_declared_facts.py).
     SHARD_LAYOUT = ShardLayout.ROWS
+    NON_TP_2D_STATE_DICT_MESH = "dp"  # fully_shard keeps them on the dp mesh; test_declared_facts.py
     if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance/test_declared_absences.py
         CAPABILITIES -= {Capability.IGNORED_MODULES}
     # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.

@@ -1,81 +1,102 @@
-"""Deliberately broken backends for the unshard-params and checkpoint scenario families.
+"""Scenario-family mutants: built-in adapters with one defect of the kind a scenario family is for.
 
-``mutant_backends`` breaks training (reductions, gathers, steps); the defects here are of the
-kinds the unshard and checkpoint seeds were written for, each injected from outside the backend
-(through the adapter protocol's storage accessors or, for freed memory, the storage the backend
-itself reports), so the backend's own code stays untouched:
+``mutant_backends`` breaks the training arithmetic (what ``test_runtime`` catches); the defects
+here belong to the other families and are injected the same way, from outside the backend:
 
-* ``leaked_unshard_buffer``: the unshard context marks its units resharded again on exit but
-  leaves their gathered buffer's memory allocated (a reshard that forgets ``resize_(0)``). Only
-  the exact storage check sees it where the backend's resharded flag is a state flag
-  (reference, FSDP2); for FSDP1 the flag is the storage itself.
-* ``writeback_ignored``: ``writeback=True`` persists nothing (the context discards changes as
-  with ``writeback=False``: a writeback flag not passed on). On every rank alike, so that every
-  rank fails at the same check and none runs on into collectives its peers never issue.
-* ``loaded_one_ulp_off``: loading a state dict leaves one stored element one ulp off on every
-  rank (a cast or copy that rounds).
-* ``renamed_state_dict_key``: the state dict names one parameter with a wrapper component left
-  in its key (a key cleaner that misses a path).
+* ``exec_order`` -- the forward-order check runs in the first iteration only: a later change of
+  the forward order issues no warning (every ``warnings.warn`` whose text is the later-iteration
+  order warning is dropped while the mutant is active);
+* ``eval_ignored`` -- ``eval()`` on the module ``shard()`` returns leaves it (and its units) in
+  training mode, so eval forwards are order-checked like training ones;
+* ``two_d`` -- the sharded 2-D state dict shards dimension 1 over dp (``Shard(1)`` where the
+  seed requires ``Shard(0)``; same values, another layout a checkpoint consumer would misread);
+* ``zero1`` -- rank 1's optimizer steps its shard twice per step (SHARD_OPTIM_STATE, ZeRO-1);
+* ``divergence`` -- the reference engine's forward-order validation is switched off (its
+  ``check_exec_order`` option, on by default): ranks running equal-sized units in different
+  orders then pair each other's collectives silently, which is what torch FSDP1 (without
+  TORCH_DISTRIBUTED_DEBUG=DETAIL) and FSDP2 do out of the box.
 
-``tests/conformance/test_family_mutants.py`` runs the scenarios that must catch each one.
+``tests/conformance/test_family_mutants.py`` runs each family's scenarios against the mutants.
+The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
+a session can use one: ``--backend family_mutants:reference__divergence`` with this directory
+on ``PYTHONPATH`` (and an empty ``--expectations-dir``). Call :func:`restore` after a mutant ran
+in a process: it removes what the mutant installed globally.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+import functools
+import importlib.util
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
-from conformance.protocol import BackendAdapter, StateDictKind
+from conformance import registry
+from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, ShardingSpec, StateDictKind
+
+DOUBLE_STEP_RANK = 1
+LATER_ORDER_WARNING = "Forward order differs from that of the first iteration"
 
 MUTATIONS: dict[str, str] = {
-    "leaked_unshard_buffer": "the unshard context leaves its gathered buffers allocated after exit",
-    "writeback_ignored": "writeback=True persists nothing",
-    "loaded_one_ulp_off": "loading a state dict leaves one stored element one ulp off",
-    "renamed_state_dict_key": "one state-dict key keeps a wrapper component",
+    "exec_order": "no forward-order warning after the first iteration",
+    "eval_ignored": "eval() ignored by the sharded module: eval forwards checked as training ones",
+    "two_d": "dimension 1 sharded over dp in the sharded 2-D state dict (Shard(1), not Shard(0))",
+    "zero1": f"rank {DOUBLE_STEP_RANK}'s optimizer shard updated twice per step",
+    "divergence": "forward-order validation switched off (reference engine: check_exec_order=False)",
+}
+# The built-in backends each mutation applies to (a family's scenarios need what they need).
+APPLIES_TO: dict[str, tuple[str, ...]] = {
+    "exec_order": ("reference", "torch-fsdp1"),  # the backends with EXEC_ORDER_CHECK
+    "eval_ignored": ("reference", "torch-fsdp1"),
+    "two_d": ("reference", "torch-fsdp1", "torch-fsdp2"),  # TENSOR_PARALLEL + SHARDED_STATE_DICT
+    "zero1": ("reference", "deepspeed"),  # SHARD_OPTIM_STATE
+    "divergence": ("reference",),  # the only built-in whose order check is on by default
 }
 
-
-# -- leaked unshard buffers: per backend, the buffer its storage report reads -------------------
-
-
-def _gathered_buffers(adapter: BackendAdapter, model: nn.Module) -> list[torch.Tensor]:
-    """Every buffer the backend gathers units into, allocated or not (the storage that
-    ``unsharded_storage_numel`` reads)."""
-    name = adapter.name.split("+")[0]
-    if name == "reference":
-        import engine
-
-        return [unit._full for unit in engine.units(model) if unit.topology.shard_group is not None]
-    if name == "torch-fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        handles = [m._handle for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
-        return [h.flat_param._full_param_padded for h in handles if h.uses_sharded_strategy]
-    if name == "torch-fsdp2":
-        from torch.distributed.fsdp import FSDPModule
-
-        from conformance.adapters.torch_fsdp2 import _param_groups
-
-        return [
-            output
-            for module in model.modules()
-            if isinstance(module, FSDPModule)
-            for group in _param_groups(module)
-            for fsdp_param in group.fsdp_params
-            for output in fsdp_param.all_gather_outputs
-        ]
-    raise ValueError(f"leaked_unshard_buffer has no buffer accessor for {adapter.name}")
+_original_warn = warnings.warn
 
 
-def _storage_sizes(buffers: list[torch.Tensor]) -> list[int]:
-    return [buffer.untyped_storage().nbytes() for buffer in buffers]
+def _warn_without_later_order_warning(message: Any, *args: Any, **kwargs: Any) -> None:
+    if str(message).startswith(LATER_ORDER_WARNING):
+        return
+    _original_warn(message, *args, **kwargs)
 
 
-# -- the mutant class ---------------------------------------------------------------------------
+def restore() -> None:
+    """Undo what a mutant installed process-wide (the dropped warning)."""
+    warnings.warn = _original_warn
+
+
+def _step_twice(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` with a post-step hook that steps it once more (not recursively)."""
+    stepping_again = False
+
+    def again(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal stepping_again
+        if stepping_again:
+            return
+        stepping_again = True
+        try:
+            opt.step()
+        finally:
+            stepping_again = False
+
+    optimizer.register_step_post_hook(again)
+    return optimizer
+
+
+def _shard_dim_1_over_dp(value: Any) -> Any:
+    """``value`` laid out with ``Shard(1)`` over its first mesh dimension (dp) where it has
+    ``Shard(0)`` there and a second dimension; other values unchanged. A collective: every rank
+    calls it on the same keys in the same order."""
+    if not isinstance(value, DTensor) or value.dim() < 2 or value.placements[0] != Shard(0):
+        return value
+    placements = [Shard(1), *value.placements[1:]]
+    return value.redistribute(value.device_mesh, placements)
 
 
 def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
@@ -86,49 +107,69 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
     class Mutant(base):  # type: ignore[valid-type, misc]
         name = f"{base.name}+{mutation.replace('_', '-')}"
 
-        @contextlib.contextmanager
-        def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
-            if mutation == "leaked_unshard_buffer":
-                buffers = _gathered_buffers(self, model)
-                with super()._unshard(model, fqn, **options):
-                    peak = _storage_sizes(buffers)
-                    yield
-                for buffer, size in zip(buffers, peak):
-                    if buffer.untyped_storage().nbytes() < size:
-                        buffer.untyped_storage().resize_(size)  # the memory comes back, unowned
-                return
-            if mutation == "writeback_ignored" and options.get("writeback"):
-                names = [self.original_fqn(name) for name, _ in model.named_parameters()]
-                before = {name: self.local_shard(model, name) for name in names}
-                with super()._unshard(model, fqn, **options):
-                    yield
-                for name, value in before.items():
-                    self.set_local_shard(model, name, value)
-                return
-            with super()._unshard(model, fqn, **options):
-                yield
+        def __init__(self, env: BackendEnv) -> None:
+            super().__init__(env)
+            if mutation == "exec_order":
+                warnings.warn = _warn_without_later_order_warning
 
-        def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-            super()._load_state_dict(model, state_dict, kind)
-            if mutation != "loaded_one_ulp_off":
-                return
-            for name, _ in model.named_parameters():
-                fqn = self.original_fqn(name)
-                stored = self.local_shard(model, fqn)
-                if stored.numel():
-                    flat = stored.reshape(-1)
-                    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
-                    self.set_local_shard(model, fqn, stored)
-                    return
+        def make_optimizer(self, model: nn.Module, factory: Callable[..., Any]) -> Any:
+            if mutation == "zero1" and self.env.rank == DOUBLE_STEP_RANK:
+                factory = _compose(_step_twice, factory)
+            return super().make_optimizer(model, factory)
 
         def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
             state = super()._state_dict(model, kind)
-            if mutation != "renamed_state_dict_key" or not state:
+            if mutation != "two_d" or kind is not StateDictKind.SHARDED:
                 return state
-            first = next(iter(state))
-            parent, _, leaf = first.rpartition(".")
-            renamed = f"{parent}._wrapped_module.{leaf}" if parent else f"_wrapped_module.{leaf}"
-            return {(renamed if key == first else key): value for key, value in state.items()}
+            return {key: _shard_dim_1_over_dp(value) for key, value in state.items()}
+
+        def _options(self, spec: ShardingSpec, *args: Any) -> dict[str, Any]:
+            # The reference adapter's engine options (the only base with _options).
+            options = super()._options(spec, *args)
+            if mutation == "divergence":
+                options["check_exec_order"] = False
+            return options
+
+        def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+            if mutation == "divergence" and not hasattr(base, "_options"):
+                raise TypeError(f"the divergence mutant needs the reference adapter, not {base.name}")
+            sharded = super()._shard(model, spec, form)
+            if mutation == "eval_ignored":
+                # nn.Module.eval() calls self.train(False): answer every call with train(True).
+                always_train = type(sharded).train
+                sharded.train = lambda mode=True: always_train(sharded, True)  # type: ignore[method-assign]
+            return sharded
 
     Mutant.__name__ = Mutant.__qualname__ = f"{base.__name__}_{mutation}"
     return Mutant
+
+
+def _compose(outer: Callable[[Any], Any], inner: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(inner)
+    def composed(*args: Any, **kwargs: Any) -> Any:
+        return outer(inner(*args, **kwargs))
+
+    return composed
+
+
+def _attribute(backend: str, mutation: str) -> str:
+    return f"{backend.replace('-', '_')}__{mutation}"
+
+
+def installed(backend: str) -> bool:
+    """Whether this installation can load the built-in ``backend`` (DeepSpeed is optional)."""
+    if backend in registry.BUILTIN:
+        return True
+    library, _target, _install = registry.OPTIONAL_BUILTIN[backend]
+    return importlib.util.find_spec(library) is not None
+
+
+for _mutation, _backends in APPLIES_TO.items():
+    for _backend in _backends:
+        if _backend in registry.BUILTIN:
+            globals()[_attribute(_backend, _mutation)] = mutant(registry.load(_backend), _mutation)
+
+
+def selection(backend: str, mutation: str) -> str:
+    """The ``--backend`` value of ``backend`` with ``mutation``."""
+    return f"{__name__}:{_attribute(backend, mutation)}"

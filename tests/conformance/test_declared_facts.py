@@ -1,6 +1,7 @@
 """Every backend fact a built-in adapter declares is true of its real library.
 
-A declared fact (``FLAT_PARAMETER_NAME``, ``REFUSALS``, ``MIXED_PRECISION_UNSHARD``; see
+A declared fact (``FLAT_PARAMETER_NAME``, ``REFUSALS``, ``MIXED_PRECISION_UNSHARD``,
+``NON_TP_2D_STATE_DICT_MESH``; see
 docs/writing-an-adapter.md, "Backend facts") changes what the scenarios accept, so each is a
 claim about the backend, backed here by a proof that calls the library itself, not the adapter.
 The meta-test fails when a built-in declares a fact without a proof, or a proof outlives its
@@ -32,12 +33,25 @@ from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]
 PROOFS: dict[tuple[str, str], Proof] = {}
-FACTS = ("FLAT_PARAMETER_NAME", "MIXED_PRECISION_UNSHARD", "REFUSALS", "SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX")
+FACTS = (
+    "FLAT_PARAMETER_NAME",
+    "MIXED_PRECISION_UNSHARD",
+    "REFUSALS",
+    "SHARD_LAYOUT",
+    "UNSHARDED_NAME_PREFIX",
+    "NON_TP_2D_STATE_DICT_MESH",
+)
 
 
-def proves(backend: str, fact: str) -> Callable[[Proof], Proof]:
+# Proofs that need more than two ranks (a 2-D mesh with a dp dimension larger than 1): they run
+# in their own test at that world size.
+PROOF_WORLD_SIZES: dict[tuple[str, str], int] = {}
+
+
+def proves(backend: str, fact: str, world_size: int = 2) -> Callable[[Proof], Proof]:
     def register(proof: Proof) -> Proof:
         PROOFS[backend, fact] = proof
+        PROOF_WORLD_SIZES[backend, fact] = world_size
         return proof
 
     return register
@@ -353,6 +367,77 @@ def _deepspeed_gathers_the_low_precision_parameters(rank: int, world_size: int, 
         engine.destroy()
 
 
+# -- 2-D sharded state dicts (both libraries) ----------------------------------------------------
+
+
+def _non_tp_layout(
+    backend: str, world_size: int, device: torch.device, shard: Callable[[nn.Module, object], nn.Module]
+) -> dict[str, object]:
+    """Shard a model whose first layer is tensor-parallel over the "tp" dimension of a
+    (world size / 2, 2) mesh with ``shard(model, dp mesh)``; the layer TP left whole must sit
+    where ``backend`` declares (``NON_TP_2D_STATE_DICT_MESH``), the TP one on the 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_two_linears(device), mesh["tp"], {"0": ColwiseParallel()})
+    state = shard(model, mesh["dp"]).state_dict()
+    tp_value, whole = state["0.weight"], state["1.weight"]
+    assert isinstance(tp_value, DTensor) and tp_value.device_mesh == mesh, tp_value
+    assert isinstance(whole, DTensor), type(whole)
+    if registry.load(backend).NON_TP_2D_STATE_DICT_MESH == "2-D":
+        assert (whole.device_mesh, tuple(whole.placements)) == (mesh, (Shard(0), Replicate())), whole
+    else:
+        assert (whole.device_mesh, tuple(whole.placements)) == (mesh["dp"], (Shard(0),)), whole
+    return state
+
+
+@proves("reference", "NON_TP_2D_STATE_DICT_MESH", world_size=4)
+def _engine_keeps_non_tp_values_on_the_dp_mesh(rank: int, world_size: int, device: torch.device) -> None:
+    import engine
+
+    def shard(model: nn.Module, dp_mesh: object) -> nn.Module:
+        sharded = engine.fully_shard(model, mesh=dp_mesh, device=device)
+        engine.set_state_dict_type(sharded, engine.StateDictKind.SHARDED)
+        return sharded
+
+    _non_tp_layout("reference", world_size, device, shard)
+
+
+@proves("torch-fsdp1", "NON_TP_2D_STATE_DICT_MESH", world_size=4)
+def _fsdp1_extension_puts_non_tp_values_on_the_2d_mesh(rank: int, world_size: int, device: torch.device) -> None:
+    """The seed's own checks (test_2d_fsdp_state_enable_extension, test_fsdp_2d_extension): a
+    DTensorExtensions with a slice of a 2-D mesh, none with a 1-D mesh; and the layout it gives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
+
+    def shard(model: nn.Module, dp_mesh: object) -> nn.Module:
+        sharded = FSDP(model, device_mesh=dp_mesh, use_orig_params=True, device_id=device)
+        assert isinstance(_get_module_fsdp_state(sharded)._fsdp_extension, DTensorExtensions)
+        FSDP.set_state_dict_type(sharded, StateDictType.SHARDED_STATE_DICT)
+        return sharded
+
+    state = _non_tp_layout("torch-fsdp1", world_size, device, shard)
+    # The seed's test_2d_state_dict, literally: every value's first (dp) placement is Shard(0).
+    assert all(value.placements[0] == Shard(0) for value in state.values()), state
+    one_d = init_device_mesh(device.type, (world_size,))
+    assert (
+        _get_module_fsdp_state(FSDP(_two_linears(device), device_mesh=one_d, device_id=device))._fsdp_extension is None
+    )
+
+
+@proves("torch-fsdp2", "NON_TP_2D_STATE_DICT_MESH", world_size=4)
+def _fsdp2_keeps_non_tp_values_on_the_dp_mesh(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    _non_tp_layout("torch-fsdp2", world_size, device, lambda model, dp_mesh: fully_shard(model, mesh=dp_mesh))
+
+
 # -- the tests -----------------------------------------------------------------------------------
 
 
@@ -365,6 +450,10 @@ def _installed_builtins() -> list[str]:
             if importlib.util.find_spec(library) is not None
         ),
     ]
+
+
+def test_every_proof_runs() -> None:
+    assert set(_proofs_at(2)) | set(_proofs_at(4)) == set(PROOFS), "a proof at a world size no test runs"
 
 
 def test_every_declared_fact_has_a_proof_and_every_proof_a_fact() -> None:
@@ -388,9 +477,25 @@ def test_declared_refusals_are_checked_exactly() -> None:
     assert re.search(tp.pattern, "Found TP device_mesh on the 1 dimension of its parent mesh")
 
 
+def _proofs_at(world_size: int) -> list[tuple[str, str]]:
+    return sorted(key for key in PROOFS if PROOF_WORLD_SIZES[key] == world_size)
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize(("backend_name", "fact"), sorted(PROOFS), ids=[f"{b}-{f}" for b, f in sorted(PROOFS)])
+@pytest.mark.parametrize(("backend_name", "fact"), _proofs_at(2), ids=[f"{b}-{f}" for b, f in _proofs_at(2)])
 def test_declared_fact_is_real(backend_name: str, fact: str, rank: int, world_size: int, device: torch.device) -> None:
+    _prove(backend_name, fact, rank, world_size, device)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(("backend_name", "fact"), _proofs_at(4), ids=[f"{b}-{f}" for b, f in _proofs_at(4)])
+def test_declared_2d_fact_is_real(
+    backend_name: str, fact: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    _prove(backend_name, fact, rank, world_size, device)
+
+
+def _prove(backend_name: str, fact: str, rank: int, world_size: int, device: torch.device) -> None:
     if backend_name not in _installed_builtins():
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
         pytest.skip(reason=f"{library} is not installed here ({install}): its facts are proven where it is")

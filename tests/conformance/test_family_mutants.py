@@ -1,120 +1,151 @@
-"""The unshard-params and checkpoint scenarios catch defects of their kind (``family_mutants``).
+"""Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1 and divergence.
 
-For each backend, one test runs every catcher scenario once with the clean adapter (it must
-pass: the failures below are the mutation's, not the scenario's) and then with each mutant (it
-must fail on some rank, with the message that names the defect). Scenarios are called directly
-in the ranks, as in test_mutants.py: no inner session, one warm pool, world size 2.
+For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
+scenario runs with the mutant adapter and must fail with the message that names the defect. The
+scenario functions are called directly in the ranks (no inner session, no extra pool), except
+for divergence: there the verdict is the harness's trace diff, which only a session gives, so one
+inner session runs the clean and the mutant reference engine together. The unmutated backends
+pass the same scenarios in the suite itself, which is what makes these failures the mutation's.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import family_mutants  # tests/conformance/family_mutants.py
 import pytest
 import torch
 import torch.distributed as dist
+from adapter_testing import run_inner_session
 
-import conformance.test_checkpoint as checkpoint  # modules, so their tests are not collected here
-import conformance.test_unshard_params as unshard
+import conformance.test_2d as two_d  # modules, so their tests are not collected here
+import conformance.test_exec_order as exec_order
+import conformance.test_runtime as runtime
 from conformance import registry
-from conformance.protocol import BackendAdapter, BackendEnv
+from conformance.protocol import BackendEnv, ShardingStrategy
 
 Scenario = Callable[..., None]
-# The cheapest variant of each scenario that exercises the checks a mutation breaks.
-RESPECTS_RESHARD = (
-    "test_unshard_respects_reshard[ws2-no_rank0_only-no_offload_to_cpu-fp32-orig_params]",
-    functools.partial(
-        unshard.test_unshard_respects_reshard,
-        rank0_only=False,
-        offload_to_cpu=False,
-        mixed_precision=False,
-        use_orig_params=True,
-    ),
-)
-WRITEBACK = (
-    "test_unshard_writeback[ws2-writeback-outer-fp32-no_param_offload-orig_params]",
-    functools.partial(
-        unshard.test_unshard_writeback,
-        writeback=True,
-        unit="outer",
-        mixed_precision=False,
-        param_offload=False,
-        use_orig_params=True,
-    ),
-)
-FULL_STATE_DICT = (
-    "test_full_state_dict[ws2-root-no_param_offload]",
-    functools.partial(checkpoint.test_full_state_dict, layout="root", param_offload=False),
-)
-# mutation -> (its catcher, what the failure must say, the backends it applies to)
-CATCHERS: dict[str, tuple[tuple[str, Scenario], str, tuple[str, ...]]] = {
-    # FSDP1's resharded flag is its storage, so it fails on the flag; the others only on the size.
-    "leaked_unshard_buffer": (
-        RESPECTS_RESHARD,
-        r"unsharded storage per unit holds|unsharded per unit",
-        ("reference", "torch-fsdp1", "torch-fsdp2"),
-    ),
-    # FSDP2 has no writeback (declared absent), so it has nothing to lose.
-    "writeback_ignored": (
-        WRITEBACK,
-        r"rank \d: stored outer value is [23]\.0 after the context, expected 0\.0",
-        ("reference", "torch-fsdp1"),
-    ),
-    "loaded_one_ulp_off": (
-        FULL_STATE_DICT,
-        r"loaded model vs the model saved from: .*\n.*: max abs difference [0-9.e-]+",
-        ("reference", "torch-fsdp1", "torch-fsdp2"),
-    ),
-    "renamed_state_dict_key": (
-        FULL_STATE_DICT,
-        r"full state dict vs the unsharded model: keys missing \['[\w.]+'\], unexpected \['[\w.]*_wrapped_module",
-        ("reference", "torch-fsdp1", "torch-fsdp2"),
-    ),
-}
-assert set(CATCHERS) == set(family_mutants.MUTATIONS), "every mutation needs its catcher"
-BACKENDS = ("reference", "torch-fsdp1", "torch-fsdp2")
 
 
-def _failure(scenario: Scenario, adapter: BackendAdapter, **kwargs: object) -> str | None:
-    """The scenario's assertion message on this rank, or None when it passed here (``kwargs``:
-    the rank fixtures, of which each scenario takes those it names)."""
-    takes = inspect.signature(scenario).parameters
+def _failures(mutation: str, backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device):
+    """Every rank's assertion message from ``scenario`` run with the mutant (None: passed there)."""
+    adapter = family_mutants.mutant(registry.load(backend_name), mutation)(BackendEnv(rank, world_size, device))
+    failure = None
     try:
-        scenario(backend=adapter, **{name: value for name, value in kwargs.items() if name in takes})
+        scenario(backend=adapter, rank=rank, device=device)
     except AssertionError as error:
-        return str(error)
-    return None
+        failure = str(error)
+    finally:
+        family_mutants.restore()
+    per_rank: list[str | None] = [None] * world_size
+    dist.all_gather_object(per_rank, failure)
+    return [text for text in per_rank if text is not None]
 
 
-# Not named `backend`: the conformance plugin parametrizes every test taking that argument.
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_family_mutants_are_caught(backend_name: str, rank: int, world_size: int, device: torch.device) -> None:
-    base = registry.load(backend_name)
-    env = BackendEnv(rank, world_size, device)
-    kwargs = {"rank": rank, "world_size": world_size, "device": device}
-    runs: dict[str, str | None] = {}
-    for mutation, ((catcher, scenario), _pattern, backends) in CATCHERS.items():
-        if backend_name not in backends:
-            continue
-        if f"clean {catcher}" not in runs:
-            runs[f"clean {catcher}"] = _failure(scenario, base(env), **kwargs)
-        runs[mutation] = _failure(scenario, family_mutants.mutant(base, mutation)(env), **kwargs)
-    per_rank: list[dict[str, str | None]] = [{} for _ in range(world_size)]
-    dist.all_gather_object(per_rank, runs)
-
-    for name in runs:
-        texts = [found[name] for found in per_rank if found[name] is not None]
-        if name.startswith("clean "):
-            assert not texts, f"{backend_name}: {name} fails without a mutation:\n" + "\n".join(texts)[-3000:]
-            continue
-        (catcher, _), pattern, _ = CATCHERS[name]
-        what = f"{catcher} on {backend_name} with {family_mutants.MUTATIONS[name]}"
-        assert texts, f"{what}: passed on every rank"
-        assert any(re.search(pattern, text) for text in texts), (
-            f"{what}: failed without saying /{pattern}/:\n" + "\n".join(texts)[-3000:]
+def _params(mutation: str) -> list[object]:
+    return [
+        pytest.param(
+            name,
+            marks=()
+            if family_mutants.installed(name)
+            else pytest.mark.skip(reason=f"{name}'s library is not installed: its mutant runs where it is"),
         )
+        for name in family_mutants.APPLIES_TO[mutation]
+    ]
+
+
+# Without the later-iteration warning the ranks go on to the mismatched (equal-sized)
+# collectives the scenario provokes on purpose; the scenario itself is marked the same way.
+@pytest.mark.expect_divergence
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("exec_order"))
+def test_exec_order_family_catches_a_missing_later_iteration_check(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        exec_order.test_later_iteration_order_change_warns_once,
+        setup="seed",
+        strategy=ShardingStrategy.FULL_SHARD,
+        iters_before_path_change=1,
+    )
+    texts = _failures("exec_order", backend_name, scenario, rank, world_size, device)
+    assert texts, f"test_later_iteration_order_change_warns_once passed for {backend_name} without the check"
+    assert all(re.search(r"rank \d+: expected one order warning from the forward call", t) for t in texts), texts
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("eval_ignored"))
+def test_exec_order_family_catches_eval_forwards_checked_as_training(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        exec_order.test_train_eval_alternation_warns_nothing, setup="seed", strategy=ShardingStrategy.FULL_SHARD
+    )
+    texts = _failures("eval_ignored", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_train_eval_alternation_warns_nothing passed on some rank: {texts}"
+    assert all(re.search(r"warned about eval forwards: \[.Forward order differs", t) for t in texts), texts
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("backend_name", _params("two_d"))
+def test_2d_family_catches_dim_1_sharded_over_dp(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(two_d.test_2d_sharded_state_dict, model_name="even", world_size=world_size)
+    texts = _failures("two_d", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_2d_sharded_state_dict passed on some rank for {backend_name}: {texts}"
+    assert all(re.search(r"dp placement Shard\(dim=1\), expected Shard\(dim=0\)", t) for t in texts), texts
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("zero1"))
+def test_zero1_family_catches_an_optimizer_shard_updated_twice(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    scenario = functools.partial(
+        runtime.test_training,
+        wrap="auto",
+        strategy=ShardingStrategy.SHARD_OPTIM_STATE,
+        optimizer="sgd",
+        param_offload=False,
+        world_size=world_size,
+    )
+    texts = _failures("zero1", backend_name, scenario, rank, world_size, device)
+    assert texts, f"test_training[...SHARD_OPTIM_STATE-sgd] passed for {backend_name} with a shard stepped twice"
+    named = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
+    assert any(float(m["size"]) > 0 for t in texts for m in named.finditer(t)), texts
+
+
+DIVERGENCE_INNER_TESTS = """
+import pytest
+from conformance.test_divergence import test_same_shape_divergence_is_not_silent as same_shape
+
+@pytest.mark.world_size(2)
+def test_same_shape(backend, rank, device):
+    same_shape(backend=backend, rank=rank, device=device)
+"""
+
+
+def test_divergence_family_catches_a_backend_without_its_order_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``test_same_shape_divergence_is_not_silent`` on the clean reference engine passes (its order
+    check raises on every rank); with the check off the step completes and the harness's trace
+    diff fails the scenario. torch FSDP1 and FSDP2 are this mutant out of the box: their clean
+    runs are expected failures for exactly this reason (``test_backend_divergence.py``)."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    mutant = family_mutants.selection("reference", "divergence")
+    result = run_inner_session(tmp_path, DIVERGENCE_INNER_TESTS, ["reference", mutant], "--collective-timeout=10")
+    output = result.stdout + result.stderr
+    assert "1 failed, 1 passed" in output, output
+    assert "PASSED test_inner.py::test_same_shape[reference]" in output, output
+    section = re.search(r"_ test_same_shape\[reference\+divergence\] _+\n(?P<body>.*?)\nREPRO:", output, re.S)
+    assert section is not None, output
+    failure = section["body"]
+    assert "ranks issued divergent collectives" in failure, failure
+    assert "Forward order differs" not in failure, failure

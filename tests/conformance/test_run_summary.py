@@ -68,7 +68,7 @@ def test_a_stopped_run_says_what_ran_where_and_that_it_is_incomplete(tmp_path: P
         "  1  unsupported: nothing of the kind",
         f"reports: {shown}/junit/rank-0.xml, rank-1.xml",
         f"         {shown}/conformance.md, conformance.html",
-        f"         {shown}/traces/ (1 file from this run)",
+        f"         {shown}/traces/ (2 files from this run)",  # the failure, and the unexpected pass pytest fails
         "INCOMPLETE: stopped early (stopping after 2 failures) with 4 of 5 tests finished; the reports hold only "
         "the tests that ran",
         "FAILED test_inner.py::test_listed_but_passes[template-ddp] - unexpected pass: test_inner.py::"

@@ -24,6 +24,7 @@ def test_an_older_adapter_is_told_what_it_does_not_declare() -> None:
         "MIXED_PRECISION_UNSHARD",
         "SHARD_LAYOUT",
         "UNSHARDED_NAME_PREFIX",
+        "NON_TP_2D_STATE_DICT_MESH",
     )
     assert shortfall.costs(f"unsupported: {Capability.UNITS.value}: the first-protocol adapter does not provide it")
     assert not shortfall.costs(f"unsupported: {Capability.WRAPPER.value}: no wrapper")  # a version-1 capability
