@@ -13,10 +13,10 @@ import inspect
 import re
 from collections.abc import Callable
 
-import unshard_checkpoint_mutants as family_mutants  # tests/conformance/unshard_checkpoint_mutants.py
 import pytest
 import torch
 import torch.distributed as dist
+import unshard_checkpoint_mutants  # tests/conformance/unshard_checkpoint_mutants.py
 
 import conformance.test_checkpoint as checkpoint  # modules, so their tests are not collected here
 import conformance.test_unshard_params as unshard
@@ -75,7 +75,7 @@ CATCHERS: dict[str, tuple[tuple[str, Scenario], str, tuple[str, ...]]] = {
         ("reference", "torch-fsdp1", "torch-fsdp2"),
     ),
 }
-assert set(CATCHERS) == set(family_mutants.MUTATIONS), "every mutation needs its catcher"
+assert set(CATCHERS) == set(unshard_checkpoint_mutants.MUTATIONS), "every mutation needs its catcher"
 BACKENDS = ("reference", "torch-fsdp1", "torch-fsdp2")
 
 
@@ -93,7 +93,9 @@ def _failure(scenario: Scenario, adapter: BackendAdapter, **kwargs: object) -> s
 # Not named `backend`: the conformance plugin parametrizes every test taking that argument.
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_unshard_and_checkpoint_mutants_are_caught(backend_name: str, rank: int, world_size: int, device: torch.device) -> None:
+def test_unshard_and_checkpoint_mutants_are_caught(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
     base = registry.load(backend_name)
     env = BackendEnv(rank, world_size, device)
     kwargs = {"rank": rank, "world_size": world_size, "device": device}
@@ -103,7 +105,7 @@ def test_unshard_and_checkpoint_mutants_are_caught(backend_name: str, rank: int,
             continue
         if f"clean {catcher}" not in runs:
             runs[f"clean {catcher}"] = _failure(scenario, base(env), **kwargs)
-        runs[mutation] = _failure(scenario, family_mutants.mutant(base, mutation)(env), **kwargs)
+        runs[mutation] = _failure(scenario, unshard_checkpoint_mutants.mutant(base, mutation)(env), **kwargs)
     per_rank: list[dict[str, str | None]] = [{} for _ in range(world_size)]
     dist.all_gather_object(per_rank, runs)
 
@@ -113,7 +115,7 @@ def test_unshard_and_checkpoint_mutants_are_caught(backend_name: str, rank: int,
             assert not texts, f"{backend_name}: {name} fails without a mutation:\n" + "\n".join(texts)[-3000:]
             continue
         (catcher, _), pattern, _ = CATCHERS[name]
-        what = f"{catcher} on {backend_name} with {family_mutants.MUTATIONS[name]}"
+        what = f"{catcher} on {backend_name} with {unshard_checkpoint_mutants.MUTATIONS[name]}"
         assert texts, f"{what}: passed on every rank"
         assert any(re.search(pattern, text) for text in texts), (
             f"{what}: failed without saying /{pattern}/:\n" + "\n".join(texts)[-3000:]
