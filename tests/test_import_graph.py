@@ -39,6 +39,7 @@ class Edge:
     importer: str
     target: str  # a first-party module, or the full dotted name imported from a third party
     first_party: bool
+    name: str  # what `from target import name` binds ("" for `import target`)
     path: Path
     line: int
     statement: str
@@ -109,6 +110,29 @@ LAYER_RULES = (
     ),
 )
 
+# Inside the harness (docs/architecture.md, "Import rules the harness keeps").
+HARNESS_RULES = (
+    LayerRule(
+        "parent-side-never-imports-the-tracer",
+        importers=(
+            "harness.session",
+            "harness.pool_session",
+            "harness.verdict",
+            "harness.divergence",
+            "harness.junit",
+            "harness.reports",
+        ),
+        forbidden=("harness.trace",),
+        why="harness.trace patches torch.distributed when imported; the parent reads traces through harness.tracefile",
+    ),
+    LayerRule(
+        "verdict-and-lockstep-never-import-the-pool",
+        importers=("harness.verdict", "harness.lockstep"),
+        forbidden=("harness.pool",),
+        why="a verdict is pure (it judges outcomes however they were run), and torchrun mode has no pool",
+    ),
+)
+
 
 def _matches(module: str, patterns: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p) for p in patterns)
@@ -128,16 +152,16 @@ def _python_files(root: Path) -> Iterator[Path]:
             yield path
 
 
-def _imports(body: list[ast.stmt], where: str = "") -> Iterator[tuple[list[str], ast.stmt, str]]:
-    """(dotted names a statement may import, the statement, where it sits) in `body`, nested
+def _imports(body: list[ast.stmt], where: str = "") -> Iterator[tuple[list[tuple[str, str]], ast.stmt, str]]:
+    """([(dotted name it may import, the name it binds)], the statement, where it sits) in `body`, nested
     statements included.  Only statement lists are walked (imports are statements), which keeps
     the whole tree's scan fast."""
     for node in body:
         if isinstance(node, ast.Import):
-            yield [alias.name for alias in node.names], node, where
+            yield [(alias.name, "") for alias in node.names], node, where
         elif isinstance(node, ast.ImportFrom):
             # `from pkg import name`: `pkg.name` when that is a submodule, else `pkg` (`_resolve`).
-            yield [f"{node.module or ''}.{alias.name}" for alias in node.names], node, where
+            yield [(f"{node.module or ''}.{alias.name}", alias.name) for alias in node.names], node, where
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
             yield from _imports(node.body, where or "under TYPE_CHECKING")
             yield from _imports(node.orelse, where)
@@ -185,12 +209,13 @@ def import_graph(root: Path) -> tuple[Edge, ...]:
         lines = source.splitlines()
         for names, node, where in _imports(ast.parse(source, filename=str(path)).body):
             statement = " ".join(" ".join(lines[node.lineno - 1 : node.end_lineno]).split())
-            for name in names:
-                target = _resolve(name, path, root, modules)
+            statement = statement.replace("( ", "(").replace(", )", ")")  # a parenthesised list, on one line
+            for dotted, bound in names:
+                target = _resolve(dotted, path, root, modules)
                 first_party = target is not None
-                target = target or name.removesuffix(".*")
+                target = target or dotted.removesuffix(".*")
                 if target != importer:
-                    edges.append(Edge(importer, target, first_party, path, node.lineno, statement, where))
+                    edges.append(Edge(importer, target, first_party, bound, path, node.lineno, statement, where))
     return tuple(edges)
 
 
@@ -259,16 +284,45 @@ def violation_message(rule: LayerRule, edges: list[Edge], root: Path) -> str:
 # ------------------------------------------------------------------ tests
 def test_no_import_circle_between_modules() -> None:
     circles = import_circles(ROOT)
-    assert not circles, "\n\n".join(circle_message(circle, ROOT) for circle in circles)
+    if circles:
+        pytest.fail("\n\n".join(circle_message(circle, ROOT) for circle in circles), pytrace=False)
 
 
-@pytest.mark.parametrize("rule", LAYER_RULES, ids=[rule.name for rule in LAYER_RULES])
+@pytest.mark.parametrize("rule", LAYER_RULES + HARNESS_RULES, ids=[rule.name for rule in LAYER_RULES + HARNESS_RULES])
 def test_no_upward_import(rule: LayerRule) -> None:
     violations = rule_violations(ROOT, rule)
-    assert not violations, violation_message(rule, violations, ROOT)
+    if violations:
+        pytest.fail(violation_message(rule, violations, ROOT), pytrace=False)
     assert any(_matches(edge.importer, rule.importers) for edge in import_graph(ROOT)), (
         f"rule {rule.name!r} matched no importing module: its package was renamed or moved; update LAYER_RULES"
     )
+
+
+def private_name_imports(root: Path) -> list[Edge]:
+    """Product modules binding another module's private (`_name`, not a submodule) name."""
+    return [
+        edge
+        for edge in import_graph(root)
+        if edge.first_party
+        and _matches(edge.importer, PRODUCT)
+        and edge.name.startswith("_")
+        and not edge.name.startswith("__")
+        and not edge.target.endswith("." + edge.name)  # a package's private submodule: its own
+    ]
+
+
+def test_no_product_module_imports_another_modules_private_name() -> None:
+    edges = private_name_imports(ROOT)
+    if edges:
+        listed = "\n".join(
+            f"  {edge.importer} imports {edge.target}.{edge.name}: {edge.describe(ROOT)}" for edge in edges
+        )
+        pytest.fail(
+            f"private names imported from another module:\n{listed}\nwhy: a leading underscore says the name "
+            "may change without notice; make it public (and document it) or keep the code that needs it in its "
+            "module. See docs/architecture.md, 'Import rules'.",
+            pytrace=False,
+        )
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -299,13 +353,18 @@ def test_checker_sees_a_circle_closed_under_type_checking_but_not_one_through_a_
     assert "engine/state.py:2: from engine.unit import Unit (inside a function)" in message
 
 
-def test_checker_names_the_edge_and_the_rule_of_an_upward_import(tmp_path: Path) -> None:
+def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
     root = _tree(
         tmp_path,
         {
             "conformance/__init__.py": "",
-            "conformance/protocol.py": "",
+            "conformance/protocol.py": "_SECRET = 1\n",
             "conformance/test_training.py": "from conformance import protocol\nimport engine.api\n",
+            # A private name of another module is refused, a package's private submodule is not.
+            "conformance/plugin.py": "from conformance.protocol import (\n    PUBLIC,\n    _SECRET,\n)\n",
+            "conformance/adapters/__init__.py": "",
+            "conformance/adapters/_common.py": "",
+            "conformance/adapters/ref.py": "from conformance.adapters import _common\n",
             "tests/conformance/helper.py": "",
             "tests/conformance/test_x.py": "from helper import x\n",  # a neighbour by bare name
             "engine/__init__.py": "",
@@ -321,3 +380,11 @@ def test_checker_names_the_edge_and_the_rule_of_an_upward_import(tmp_path: Path)
     assert ("tests.conformance.test_x", "tests.conformance.helper") in {
         (edge.importer, edge.target) for edge in import_graph(root)
     }
+    private = private_name_imports(root)
+    assert [(edge.importer, edge.name, edge.describe(root)) for edge in private] == [
+        (
+            "conformance.plugin",
+            "_SECRET",
+            "conformance/plugin.py:1: from conformance.protocol import (PUBLIC, _SECRET)",
+        )
+    ]
