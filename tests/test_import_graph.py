@@ -1,14 +1,14 @@
 """The import graph keeps its shape: no circle between modules, no upward import between packages.
 
 Every Python file of the repository is parsed with `ast`; nothing is imported or executed, so the
-whole check takes well under a second.  Every import statement counts, wherever it is: at module
+whole check takes about a second.  Every import statement counts, wherever it is: at module
 level, inside a function (a late import is still a dependency) and under `TYPE_CHECKING` (a type
 is a dependency too; the engine's unit <-> state circle was one).  Imports by name in strings
 (`importlib.import_module`, entry points, ini options such as `collective_label_providers`) are
 the designed late binding and are not edges.  Relative imports are refused by ruff
 (`tests/test_lint.py`, flake8-tidy-imports), so every edge here is an absolute name.
 
-The rules (`LAYER_RULES`) are documented in docs/architecture.md, "Import rules".
+The rules (`LAYER_RULES`, `HARNESS_RULES`, private names) are documented in docs/architecture.md, "Import rules".
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def import_graph(root: Path) -> tuple[Edge, ...]:
 
 # ------------------------------------------------------------------ the checks
 def import_circles(root: Path) -> list[list[Edge]]:
-    """One shortest circle of edges per strongly connected group of first-party modules."""
+    """Circles of first-party modules: the shortest through each module that is on one, except
+    modules a circle already reported passes through (fixing one shows the next)."""
     edges = [edge for edge in import_graph(root) if edge.first_party]
     outgoing: dict[str, dict[str, Edge]] = {}
     for edge in edges:
