@@ -121,6 +121,7 @@ HARNESS_RULES = (
             "harness.divergence",
             "harness.junit",
             "harness.reports",
+            "harness.trace_files",  # the traces report plugin
         ),
         forbidden=("harness.trace",),
         why="harness.trace patches torch.distributed when imported; the parent reads traces through harness.tracefile",
