@@ -36,6 +36,19 @@ class StateDictKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StateDictSettings:
+    """What `module.state_dict()` returns for one root's units (`engine.set_state_dict_type`).
+
+    Owned by `state_dict.py`: it alone replaces a root's settings and reads them; they travel to
+    the units in their `UnitContext` (`unit.py`), so reading them never reaches up to the root.
+    """
+
+    kind: StateDictKind = StateDictKind.FULL
+    rank0_only: bool = False  # FULL only: other ranks' state dicts leave the unit's parameters out
+    offload_to_cpu: bool = False  # FULL only: copy the gathered tensors to CPU
+
+
+@dataclass(frozen=True)
 class ShardingOptions:
     """Every option of `fully_shard` / `ShardedModule` besides the module itself.
 

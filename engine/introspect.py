@@ -29,12 +29,12 @@ def is_unsharded(module: nn.Module) -> bool:
 
 def events(module: nn.Module) -> list[tuple[str, str]]:
     """("unshard" | "reshard", unit module FQN) in the order they happened for `module`'s root."""
-    return list(resolve_root(module).events)
+    return list(resolve_root(module).context.events)
 
 
 def clear_events(module: nn.Module) -> None:
     """Forget the recorded unshard / reshard events of `module`'s root."""
-    resolve_root(module).events.clear()
+    resolve_root(module).context.events.clear()
 
 
 def partitions_optimizer_state(module: nn.Module) -> bool:

@@ -21,6 +21,10 @@ Schedule of one training step (what runs when, and what may be in flight):
 Every rank issues the same collectives in the same order as long as every rank runs the same
 forward, which is what the exec-order check validates; only forward prefetching relies on the
 forward order staying the first iteration's afterwards.
+
+The dependency points one way: this module drives the units; a unit reaches the root only
+through the `UnitContext` the root creates and `make_root` hands down (events, the root's
+reduction and in-compute callbacks, state-dict settings), and `unit.py` never imports this module.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from engine.config import ShardingOptions
 from engine.exec_order import ExecOrderValidator, ForwardOrder
 from engine.mixed_precision import cast_floating
-from engine.unit import GradReduction, ShardedUnit
+from engine.unit import GradReduction, ShardedUnit, UnitContext
 
 WRAPPED_ATTR = "_sharded_wrapped_module"  # child name used by the wrapper class; hidden in FQNs
 
@@ -52,6 +56,7 @@ REDUCTIONS_IN_FLIGHT = 1
 # with them their meshes and process groups (whose gloo threads then outlive the test).
 _UNIT_ATTR = "_engine_unit"  # the unit whose hooks sit on this module
 _ROOT_ATTR = "_engine_root"  # the root state, on the module the engine was last applied to
+_DRIVEN_BY_ATTR = "_engine_driven_by"  # the root state driving the unit whose hooks sit on this module
 _MANAGED_ATTR = "_engine_managed_by"  # the unit that manages this module's own parameters
 
 
@@ -96,13 +101,18 @@ def resolve_root(module: nn.Module) -> RootState:
     root = root_of(module)
     if root is None:
         unit = unit_of(module) or managing_unit(module)
-        root = unit.root if unit is not None else None
+        root = _driving_root(unit) if unit is not None else None
     if root is None:
         raise ValueError(
             f"{type(module).__name__} is not sharded by the engine; pass the module that "
             "fully_shard / ShardedModule was applied to (or one of its submodules)"
         )
     return root
+
+
+def _driving_root(unit: ShardedUnit) -> RootState | None:
+    """The root state whose hooks drive `unit` (None before `make_root`)."""
+    return unit.module.__dict__.get(_DRIVEN_BY_ATTR)
 
 
 class RootState:
@@ -112,10 +122,8 @@ class RootState:
         self.units = units
         self.phase = Phase.IDLE
         self.forward_root: ShardedUnit | None = None
-        self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=100_000)
-        self.state_dict_kind = None  # engine.config.StateDictKind, set by state_dict.py
-        self.state_dict_rank0_only = False
-        self.state_dict_offload_to_cpu = False
+        # What the units may reach of this root (see `UnitContext`): `make_root` hands it down.
+        self.context = UnitContext(reduction_started=self.reduction_started, in_compute=self.in_compute)
         self._unit_index = {id(unit): index for index, unit in enumerate(units)}
         self.order = ForwardOrder()
         self.exec_order: ExecOrderValidator | None = None
@@ -268,8 +276,8 @@ class RootState:
             self._reductions.clear()
             self._end_backward()
 
-    @property
     def in_compute(self) -> bool:
+        """Whether a forward or backward of this root is running (one that raised is over)."""
         self._recover_from_failed_backward()
         return self.phase is not Phase.IDLE
 
@@ -278,10 +286,10 @@ def register_hooks(unit: ShardedUnit) -> None:
     """Attach the forward hooks that unshard / reshard `unit` around its module's forward."""
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return unit.root.pre_forward(unit, args, kwargs)
+        return module.__dict__[_DRIVEN_BY_ATTR].pre_forward(unit, args, kwargs)
 
     def post_hook(module: nn.Module, args: tuple, output: Any) -> None:
-        unit.root.post_forward(unit, output)
+        module.__dict__[_DRIVEN_BY_ATTR].post_forward(unit, output)
 
     unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     unit.module.register_forward_hook(post_hook, always_call=True)  # also when forward raises
@@ -309,6 +317,7 @@ def make_root(module: nn.Module, options: ShardingOptions) -> RootState:
         submodule.__dict__.pop(_ROOT_ATTR, None)
     root = RootState(units, options)
     for unit in units:
-        unit.root = root
+        unit.context = root.context
+        unit.module.__dict__[_DRIVEN_BY_ATTR] = root
     module.__dict__[_ROOT_ATTR] = root
     return root

@@ -5,6 +5,9 @@ one unit per nesting level is gathered at a time.  Keys are the original paramet
 parameter modes (the unshard context shows the original parameters; `_flat_param` never appears).
 Tensor-parallel parameters are global tensors in full state dicts and DTensors on the (dp, tp)
 mesh in sharded ones.  `to_dtensor` / `to_2d_dtensor` are shared with `optim_state.py`.
+
+This module owns the state-dict settings (`config.StateDictSettings`): `set_state_dict_type`
+replaces them on each root's `UnitContext` and the hooks read them from their unit's context.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from engine.config import ShardingStrategy, StateDictKind
+from engine.config import ShardingStrategy, StateDictKind, StateDictSettings
 from engine.flat_param import ParamInfo
 from engine.state import WRAPPED_ATTR, resolve_root, root_of
 from engine.topology import root_mesh
@@ -36,14 +39,14 @@ def set_state_dict_type(
     roots = {id(r): r for r in (root_of(m) for m in module.modules()) if r is not None}
     if not roots:
         roots = {0: resolve_root(module)}
+    settings = StateDictSettings(kind, rank0_only, offload_to_cpu)
     for root in roots.values():
-        root.state_dict_kind = kind
-        root.state_dict_rank0_only = rank0_only
-        root.state_dict_offload_to_cpu = offload_to_cpu
+        root.context.state_dict = settings
 
 
-def _kind(unit: ShardedUnit) -> StateDictKind:
-    return unit.root.state_dict_kind or StateDictKind.FULL
+def _settings(unit: ShardedUnit) -> StateDictSettings:
+    """The state-dict settings of `unit`'s root (defaults for a unit not rooted yet)."""
+    return unit.context.state_dict if unit.context is not None else StateDictSettings()
 
 
 def _keys(info: ParamInfo, prefix: str) -> list[str]:
@@ -144,15 +147,15 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
     loading: list[UnitUnshard] = []
 
     def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        root = unit.root
-        rank0_only = _kind(unit) is StateDictKind.FULL and root.state_dict_rank0_only
+        settings = _settings(unit)
+        rank0_only = settings.kind is StateDictKind.FULL and settings.rank0_only
         shown = UnitUnshard(unit, UnshardOptions(writeback=False, rank0_only=rank0_only))
         shown.enter()
         saving.append(shown)
 
     def after_save(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
         shown = saving.pop()
-        kind, root = _kind(unit), unit.root
+        settings = _settings(unit)
         for info in unit.layout.params:
             for key in _keys(info, prefix):
                 if key not in state_dict:
@@ -161,14 +164,14 @@ def register_state_dict_hooks(unit: ShardedUnit) -> None:
                     del state_dict[key]
                     continue
                 value = state_dict[key].detach()
-                if kind is StateDictKind.SHARDED:
+                if settings.kind is StateDictKind.SHARDED:
                     state_dict[key] = (
                         to_2d_dtensor(unit, info, value) if info.tp_spec is not None else to_dtensor(unit, value)
                     )
                 else:
                     if info.tp_spec is not None:
                         value = value.full_tensor()  # may alias the unsharded buffer: copy below
-                    target = torch.device("cpu") if root.state_dict_offload_to_cpu else value.device
+                    target = torch.device("cpu") if settings.offload_to_cpu else value.device
                     state_dict[key] = value.to(target, copy=True)
         shown.exit()
 

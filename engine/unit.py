@@ -20,26 +20,26 @@ Buffers and who owns them (see `collectives.py` for the stream invariants they r
   runs after the previous one (same stream on CUDA; after `wait()` on CPU).
 * A reduction's input (the unsharded gradient) and output (this rank's reduced chunk) belong to
   its `GradReduction` until `complete()`; the output then becomes the stored gradient.
+
+A unit never imports or reads the root state (`state.py`): everything it needs from outside
+itself arrives in the `UnitContext` its root hands down (see that class).
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from engine import collectives
-from engine.config import ShardingStrategy
+from engine.config import ShardingStrategy, StateDictSettings
 from engine.flat_param import FlatLayout, ParamInfo, maybe_wrap
 from engine.params import FlatParams, OriginalParams, ParamExposure
 from engine.partition import OptimPartition
 from engine.topology import Topology
-
-if TYPE_CHECKING:
-    from engine.state import RootState
 
 
 class GradReduction:
@@ -87,6 +87,44 @@ class GradReduction:
         unit.exposure.accumulate_grad(reduced)
 
 
+class UnitContext:
+    """What the units of one root share and may reach outside themselves (FSDP2's comm context).
+
+    Invariants:
+
+    * **Who creates it**: the root state (`state.RootState`), one per root, handed to every unit
+      under that root by `state.make_root`; nothing else creates or assigns one.
+    * **When it is valid**: from `make_root` until the engine is applied to an enclosing module,
+      whose `make_root` hands the units that root's new context (events and state-dict settings
+      start afresh, as they did when the unit still pointed at its root).  A unit whose context
+      is None was never rooted: it records no events and must not run a backward.
+    * **What it holds**: the unshard / reshard event log (`introspect.events` reads it), the
+      state-dict settings (replaced and read by `state_dict.py` only), and two callbacks into the
+      root's schedule: `reduction_started` (a unit's gradient reduction was issued: the root
+      bounds how many are in flight and completes them at the end of backward) and `in_compute`
+      (is a forward or backward of this root running; recovers from a backward that raised).
+    * **What it must not hold**: units, modules or tensors, or the root's schedule state (phase,
+      prefetches, forward order): those stay in `state.py`, reached only through the callbacks,
+      so the unit cannot depend on how the root schedules.  The callbacks are the root's bound
+      methods: the root (and its units) live as long as any unit's context, which is what the
+      unit's former reference to its root cost too, and a plain Python cycle the collector frees.
+    """
+
+    __slots__ = ("events", "in_compute", "reduction_started", "state_dict")
+
+    def __init__(
+        self,
+        reduction_started: Callable[[GradReduction | None], None],
+        in_compute: Callable[[], bool],
+    ) -> None:
+        # ("unshard" | "reshard", unit module FQN), oldest first; bounded so a long training run
+        # that never reads it keeps a constant footprint.
+        self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=100_000)
+        self.state_dict = StateDictSettings()
+        self.reduction_started = reduction_started
+        self.in_compute = in_compute
+
+
 class ShardedUnit:
     """Owns the sharded master copy of one module's parameters and moves them around."""
 
@@ -109,7 +147,7 @@ class ShardedUnit:
         self.device = device
         self.offload_params = offload_params
         self.layout = FlatLayout(params, topology.shard_size, topology.shard_rank)
-        self.root: RootState | None = None
+        self.context: UnitContext | None = None  # handed down by the root (`state.make_root`)
         self.module_fqn = ""  # set by the root: unit module path relative to the root
         self.param_fqns: list[str] = [p.fqn for p in params]  # root-relative, set by the root
         self.is_unsharded = False  # `_full` holds (or, while `_gather` is pending, will hold) full values
@@ -201,8 +239,8 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ unshard / reshard
     def _log(self, event: str) -> None:
-        if self.root is not None:
-            self.root.events.append((event, self.module_fqn))
+        if self.context is not None:
+            self.context.events.append((event, self.module_fqn))
 
     def unshard(self, *, async_op: bool = False) -> None:
         """Make the padded full flat buffer hold every rank's current values.
@@ -286,7 +324,7 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, _leaf: torch.Tensor) -> None:
-        self.root.reduction_started(self.start_grad_reduction())
+        self.context.reduction_started(self.start_grad_reduction())
         self.reshard()
 
     def reduce_grad(self) -> None:

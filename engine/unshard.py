@@ -165,7 +165,7 @@ def check_unshard_request(units: list[ShardedUnit], options: UnshardOptions) -> 
             "writes; pass writeback=False, or rank0_only=False to gather on every rank"
         )
     for unit in units:
-        if unit.root is not None and unit.root.in_compute:
+        if unit.context is not None and unit.context.in_compute():
             raise RuntimeError(
                 "Cannot manually unshard parameters during forward/backward: call unshard_params "
                 "before the forward or after backward has finished"
