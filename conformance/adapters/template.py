@@ -96,6 +96,10 @@ class TemplateAdapter(BackendAdapter):
     # Inside unshard(), what your root puts before every original name in named_parameters()
     # and named_buffers(), compared raw (nothing stripped). DDP lists "module.<name>".
     UNSHARDED_NAME_PREFIX = "module"
+    # With TENSOR_PARALLEL: where your sharded 2-D state dict puts the values tensor parallelism
+    # left whole: "2-D" (the seeds': the 2-D mesh, (Shard(0), Replicate())) or "dp" (the dp mesh,
+    # (Shard(0),)). DDP has no 2-D state dict, so the default stands.
+    NON_TP_2D_STATE_DICT_MESH = "2-D"
     # Where it runs (docs/writing-an-adapter.md, "Devices and torch versions"): device kind -> the
     # torch versions it runs on there ("" for every torch; a kind left out is not supported), and
     # why not where it does not. A session elsewhere refuses the backend once, at start. DDP: anywhere.
