@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import time
+
 import pytest
 import torch
+
+from harness.warm_pytest import run_pytest
 
 pytest_plugins = ["pytester"]
 
@@ -318,7 +325,13 @@ class Renamed(TorchFSDP2Adapter):
 
 
 def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """An adapter package outside the root directory, imported through --backend-path."""
+    """An adapter package outside the root directory, imported through --backend-path.
+
+    In its own process (the path must not reach this one), forked from the warm interpreter of
+    harness.warm_pytest rather than started cold as `runpytest_subprocess` would: the same
+    session without importing torch again. Unlike `runpytest_subprocess` it does not put the
+    test directory on PYTHONPATH (a changed start-up variable would start a cold interpreter);
+    `python -m pytest` puts the working directory, which is that directory, on `sys.path` itself."""
     vendor = pytester.path / "vendor"
     vendor.mkdir(exist_ok=True)
     (vendor / "vendor_adapter.py").write_text(VENDOR_ADAPTER)
@@ -327,7 +340,11 @@ def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         'failure = "planned failure"\nreason = "shipped with the adapter"\n'
     )
     pytester.makepyfile(test_scenario=SCENARIO.replace('"torch-fsdp2"', '"vendor_adapter:VendorAdapter"'))
-    return pytester.runpytest_subprocess(
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        f"--basetemp={tempfile.mkdtemp(prefix='runpytest-', dir=pytester.path)}",
         "-p",
         "conformance.plugin",
         "-p",
@@ -339,6 +356,11 @@ def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         "--reports-dir",
         str(pytester.path / "reports"),
         *args,
+    ]
+    started = time.monotonic()
+    completed = run_pytest(command, cwd=pytester.path, env=dict(os.environ), timeout=300)
+    return pytest.RunResult(
+        completed.returncode, completed.stdout.splitlines(), completed.stderr.splitlines(), time.monotonic() - started
     )
 
 
@@ -403,7 +425,6 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
     PYTHONPATH, it fails the same way."""
     import shlex
     import subprocess
-    import sys
 
     from adapter_testing import REPO, run_inner_session
 

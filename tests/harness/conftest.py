@@ -164,9 +164,9 @@ class InnerSession:
         tests.support.warm_pytest: only torch's import is skipped)."""
         return run_pytest(self.command(*args, cache=cache), cwd=self.directory, env=self.env(), timeout=timeout)
 
-    def popen(self, *args: str) -> subprocess.Popen[str]:
+    def popen(self, *args: str, cache: bool = False) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            self.command(*args),
+            self.command(*args, cache=cache),
             cwd=self.directory,
             env=self.env(),
             text=True,

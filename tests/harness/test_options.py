@@ -2,27 +2,46 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from conftest import InnerSession
+from conftest import InnerSession, leftover_processes
 from harness.devices import DevicePlan, DeviceTally, plan_devices
 
+BAD_MARKERS = {
+    "world_size(0)": "world_size must be >= 1, got 0",
+    "world_size('two')": "world_size must be an int or a list of ints, got 'two'",
+    "world_size([])": "world_size list is empty",
+    "world_size(2, 4)": "use @pytest.mark.world_size(N)",
+}
+_COLLECTION_ERROR = re.compile(r"\n_+ ERROR collecting (\S+) _+\n")
 
-@pytest.mark.parametrize(
-    "marker, message",
-    [
-        ("world_size(0)", "world_size must be >= 1, got 0"),
-        ("world_size('two')", "world_size must be an int or a list of ints, got 'two'"),
-        ("world_size([])", "world_size list is empty"),
-        ("world_size(2, 4)", "use @pytest.mark.world_size(N)"),
-    ],
-)
-def test_bad_world_size_marker(inner: InnerSession, marker: str, message: str) -> None:
-    inner.write("test_bad.py", f"import pytest\n@pytest.mark.{marker}\ndef test_x(rank):\n    pass\n")
+
+@pytest.fixture(scope="module")
+def bad_marker_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One session collecting a module per bad marker (pytest reports every collection error
+    before it stops): each module's error text, by marker. One session rather than one each
+    (~1 s of CPU apiece); that no rank reported anything is checked here, for all of them."""
+    inner = InnerSession(tmp_path_factory.mktemp("bad_markers"))
+    modules = {}
+    for index, marker in enumerate(BAD_MARKERS):
+        modules[f"test_bad_{index}.py"] = marker
+        inner.write(f"test_bad_{index}.py", f"import pytest\n@pytest.mark.{marker}\ndef test_x(rank):\n    pass\n")
     result = inner.run("-q")
-    assert result.returncode != 0
-    assert message in result.stdout, result.stdout
-    assert inner.rank_files() == []  # a collection error: no test ran, so no rank reports one
+    assert result.returncode != 0, result.stdout
+    assert inner.rank_files() == []  # collection errors: no test ran, so no rank reports one
+    assert leftover_processes(inner.marker) == []
+    # Each section ends where the next starts; the last one at the summary, which names them all.
+    parts = _COLLECTION_ERROR.split(result.stdout.split("short test summary info")[0])
+    errors = {modules[name]: text for name, text in zip(parts[1::2], parts[2::2]) if name in modules}
+    assert sorted(errors) == sorted(BAD_MARKERS), result.stdout
+    return errors
+
+
+@pytest.mark.parametrize("marker", BAD_MARKERS)
+def test_bad_world_size_marker(bad_marker_errors: dict[str, str], marker: str) -> None:
+    assert BAD_MARKERS[marker] in bad_marker_errors[marker], bad_marker_errors[marker]
 
 
 def test_unknown_device(inner: InnerSession) -> None:

@@ -15,6 +15,7 @@ from conftest import InnerSession
 from harness import devices, rank_env
 from harness.devices import GpuReservation
 from harness.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
+from harness.warm_pytest import run_pytest
 
 TESTS = """
 import os
@@ -68,14 +69,10 @@ def test_deepspeed_engine_starts_without_help(rank):
 
 
 def _run(inner: InnerSession, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        inner.command(*args),
-        cwd=inner.directory,
-        env={**inner.env(), **env},
-        text=True,
-        capture_output=True,
-        timeout=600,
-    )
+    """The session with extra variables, forked from the warm interpreter like `InnerSession.run`:
+    the variables here are read by the ranks (the zygote is a fresh process with this environment)
+    and by DeepSpeed at its import in a rank, never by the session's own torch import."""
+    return run_pytest(inner.command(*args), cwd=inner.directory, env={**inner.env(), **env}, timeout=600)
 
 
 def test_every_rank_sees_the_torchrun_variables(inner: InnerSession) -> None:

@@ -3,7 +3,10 @@
 In one directory, in order: a run with world sizes 4 and 2; a smaller `-x` run (stale rank-2/3
 files go, -x stops where pytest stops); `--repro` of a failure with `--reports-dir` (the re-run
 writes there, with the recorded seed and every rank's trace, and leaves the original reports
-alone); two sessions at the same time (neither loses the other's results).
+alone); two sessions at the same time (neither loses the other's results), while a third runs in
+another directory: three pools alive at once, each reducing over its own ranks. Sessions share
+nothing but the reports directory and pytest's cache when they run in one directory: each pool's
+ranks rendezvous in a private directory and their MASTER_PORT store listens on an OS-assigned port.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import pytest, torch, torch.distributed as dist
 from torch import nn
 
 HERE = pathlib.Path(__file__).parent
+MEETING = HERE  # the session in another directory meets the others here too
+SESSIONS = ("together_a", "together_b", "together_c")
 
 
 """
@@ -31,13 +36,18 @@ HERE = pathlib.Path(__file__).parent
     + """
 
 def meet(name, rank):
-    # Two sessions at once: each waits until the other's test is running too.
-    (HERE / f"{name}-{rank}").touch()
-    other = "together_a" if name == "together_b" else "together_b"
-    deadline = time.monotonic() + 120
-    while not (HERE / f"{other}-{rank}").exists():
-        assert time.monotonic() < deadline, "the other session never came"
-        time.sleep(0.05)
+    # Three sessions at once: each waits until the others' tests are running too, then reduces
+    # over its own ranks while every pool is alive (a rendezvous or port shared by two pools
+    # would mix their ranks or hang).
+    (MEETING / f"{name}-{rank}").touch()
+    deadline = time.monotonic() + 240
+    for other in SESSIONS:
+        while not (MEETING / f"{other}-{rank}").exists():
+            assert time.monotonic() < deadline, f"session {other} never ran while {name} did"
+            time.sleep(0.05)
+    summed = torch.full((4,), float(rank + 1))
+    dist.all_reduce(summed)
+    assert summed.tolist() == [3.0] * 4
 
 
 @pytest.mark.world_size(4)
@@ -63,6 +73,10 @@ def test_together_a(rank):
 @pytest.mark.world_size(2)
 def test_together_b(rank):
     meet("together_b", rank)
+
+@pytest.mark.world_size(2)
+def test_together_c(rank):
+    meet("together_c", rank)
 """
 )
 
@@ -81,6 +95,8 @@ class Runs:
     repro: tuple[str, list[str], dict[int, dict[str, Case]]]
     untouched: bool
     together: list[tuple[str, list[str]]]
+    elsewhere: tuple[InnerSession, str]
+    """The session in another directory that ran at the same time, and its output."""
     directory_after: list[str]
     verdict_s: dict[str, float]
     """Seconds to each test's verdict (pytest's own --junitxml times) and to each whole session."""
@@ -113,12 +129,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     verdict_s["repro session"] = time.monotonic() - started
     repro_files = _files(inner, elsewhere / "junit")
     untouched = before == {name: (inner.directory / "reports" / "junit" / name).read_bytes() for name in before}
-    sessions = [inner.popen("-q", "-k", name) for name in ("together_a", "together_b")]
+    other = InnerSession(tmp_path_factory.mktemp("own"))
+    other.write("test_shared.py", TESTS.replace("MEETING = HERE", f"MEETING = pathlib.Path({str(inner.directory)!r})"))
+    sessions = [inner.popen("-q", "-k", name, cache=True) for name in ("together_a", "together_b")]
+    sessions.append(other.popen("-q", "-k", "together_c", cache=True))
     started = time.monotonic()
     outputs = [session.communicate(timeout=300)[0] for session in sessions]
     verdict_s["concurrent sessions"] = time.monotonic() - started
-    together = [(output, _files(inner)[0]) for output in outputs]
-    assert wait_for_no_leftovers(inner.marker) == []
+    together = [(output, _files(inner)[0]) for output in outputs[:2]]
+    assert wait_for_no_leftovers(inner.marker) == [] and wait_for_no_leftovers(other.marker) == []
     return Runs(
         inner,
         (first.stdout, *first_files),
@@ -126,6 +145,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         (repro.stdout + repro.stderr, *repro_files),
         untouched,
         together,
+        (other, outputs[2]),
         inner.rank_files(),
         verdict_s,
     )
@@ -133,7 +153,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 def test_every_rank_of_the_first_run_has_every_test(runs: Runs) -> None:
     output, names, cases = runs.first
-    assert "2 failed, 2 passed, 2 deselected" in output, output
+    assert "2 failed, 2 passed, 3 deselected" in output, output
     assert f"pytest --repro {NODE}" in output  # how to re-run the failure, printed with it
     assert names == ["rank-0.xml", "rank-1.xml", "rank-2.xml", "rank-3.xml"]
     for rank in (0, 1):
@@ -188,6 +208,12 @@ def test_two_sessions_at_once_keep_both_results(runs: Runs) -> None:
         theirs = read_cases(junit / f"rank-{rank}.xml")
         assert len(mine) == len(theirs) == 1 and set(mine) | set(theirs) == {"test_together_a", "test_together_b"}
         assert all(case.status == "passed" for case in [*mine.values(), *theirs.values()])
+
+
+def test_a_session_in_another_directory_at_the_same_time_passes(runs: Runs) -> None:
+    other, output = runs.elsewhere
+    assert "1 passed" in output, output
+    assert sorted(read_cases(other.junit(0))) == sorted(read_cases(other.junit(1))) == ["test_together_c"]
 
 
 def test_each_verdict_comes_within_its_bound(runs: Runs) -> None:
