@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from harness.warm_pytest import run_pytest
+from tests.support.warm_pytest import run_pytest
 
 pytest_plugins = ["pytester"]
 
@@ -328,7 +328,7 @@ def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """An adapter package outside the root directory, imported through --backend-path.
 
     In its own process (the path must not reach this one), forked from the warm interpreter of
-    harness.warm_pytest rather than started cold as `runpytest_subprocess` would: the same
+    tests.support.warm_pytest rather than started cold as `runpytest_subprocess` would: the same
     session without importing torch again. Unlike `runpytest_subprocess` it does not put the
     test directory on PYTHONPATH (a changed start-up variable would start a cold interpreter);
     `python -m pytest` puts the working directory, which is that directory, on `sys.path` itself."""

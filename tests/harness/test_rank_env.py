@@ -15,7 +15,7 @@ from conftest import InnerSession
 from harness import devices, rank_env
 from harness.devices import GpuReservation
 from harness.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
-from harness.warm_pytest import run_pytest
+from tests.support.warm_pytest import run_pytest
 
 TESTS = """
 import os
