@@ -27,7 +27,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from harness import processes
+from harness import processes, zygote_fork
 from harness.rank_env import session_environment
 from harness.text import read_tail
 
@@ -113,6 +113,36 @@ class ZygoteUnavailable(RuntimeError):
     pass
 
 
+class _ForkedZygote:
+    """The parts of `subprocess.Popen` the client uses, for a zygote forked from this process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 class _ZygoteClient:
     """The parent's side of `harness.zygote`: fork requests out, fork and exit reports in."""
 
@@ -120,21 +150,31 @@ class _ZygoteClient:
         parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = os.path.join(directory, "zygote.log")
         preload_spec = json.dumps({"sys_path": list(sys.path), "modules": list(preload)})
+        # Forked from this process where that gives what a cold start gives, else a new
+        # interpreter. See [Note: a zygote forked from pytest] in harness.zygote_fork.
+        self.cold_reason = zygote_fork.refusal(env)
+        """Why the zygote was started cold (a new interpreter), or "" if it was forked from pytest."""
         with open(self.log, "wb") as out:
-            self._popen = subprocess.Popen(
-                [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid()), preload_spec],
-                pass_fds=(zygote_end.fileno(),),
-                start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=env,
-            )
+            if self.cold_reason:
+                out.write(f"zygote: started cold, as a new interpreter: {self.cold_reason}\n".encode())
+                out.flush()
+                self._process: subprocess.Popen[bytes] | _ForkedZygote = subprocess.Popen(
+                    [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid()), preload_spec],
+                    pass_fds=(zygote_end.fileno(),),
+                    start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    env=env,
+                )
+            else:
+                pid = zygote_fork.fork_zygote(zygote_end.fileno(), os.getpid(), preload_spec, env, out.fileno())
+                self._process = _ForkedZygote(pid)
         zygote_end.close()
         self._sock = parent_end
         self._forked: dict[int, tuple[str, object]] = {}
         self._exits: dict[int, int] = {}
-        self.pid = self._popen.pid
+        self.pid = self._process.pid
 
     def fork(self, serial: int, log: str, env: dict[str, str], fds: tuple[int, int], timeout_s: float) -> int:
         """A new worker's pid; raises ZygoteUnavailable if the zygote cannot fork one."""
@@ -159,7 +199,7 @@ class _ZygoteClient:
         deadline = time.monotonic() + timeout_s
         while pid not in self._exits:
             if not self._receive(max(0.0, deadline - time.monotonic())):
-                if self._popen.poll() is not None and not _process_exists(pid):
+                if self._process.poll() is not None and not _process_exists(pid):
                     return -signal.SIGKILL  # the zygote died and took its workers with it (PDEATHSIG)
                 return None
         return self._exits[pid]
@@ -184,10 +224,10 @@ class _ZygoteClient:
     def close(self) -> None:
         self._sock.close()  # the zygote exits on EOF; its workers die with it
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout=2.0)
-        if self._popen.poll() is None:
-            self._popen.kill()
-            self._popen.wait()
+            self._process.wait(timeout=2.0)
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
 
 def _process_exists(pid: int) -> bool:
@@ -230,6 +270,8 @@ class WorkerLauncher:
         self.zygote_unavailable = ""
         """Why workers are spawned instead of forked, if they are."""
         self.spawned = 0
+        self.zygote_start = ""
+        """How the zygote started: "forked from pytest" or "cold: <why>" ("" before it did)."""
 
     def launch(self, rank_env: dict[str, str] | None = None, timeout_s: float = 300.0) -> WorkerProcess:
         """A new worker whose environment is the session's updated with `rank_env`."""
@@ -262,12 +304,21 @@ class WorkerLauncher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_HARNESS_ROOT, env.get("PYTHONPATH", "")) if p)
         return env
 
-    def _fork(self, serial: int, env: dict[str, str], timeout_s: float) -> WorkerProcess:
-        if self._zygote is None:
+    def start_zygote(self) -> None:
+        """Start the session's zygote now if it is to fork workers and has not started: before the
+        caller starts a thread, so that pytest may be forked (see harness.zygote_fork)."""
+        if self._use_zygote and self._zygote is None:
+            os.makedirs(self.directory, exist_ok=True)
             self._zygote = _ZygoteClient(self.directory, self._environment(), self.preload)
+            reason = self._zygote.cold_reason
+            self.zygote_start = f"cold: {reason}" if reason else "forked from pytest"
             if self._on_spawn is not None:
                 self._on_spawn(self._zygote.pid)
+
+    def _fork(self, serial: int, env: dict[str, str], timeout_s: float) -> WorkerProcess:
+        self.start_zygote()
         zygote = self._zygote
+        assert zygote is not None
         log = os.path.join(self.directory, f"worker-{serial}.log")
         to_child, from_child = os.pipe(), os.pipe()
         try:

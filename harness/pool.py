@@ -187,6 +187,8 @@ class WorkerPool:
                 self._gpus = GpuReservation(self.key.world_size)
             except RuntimeError as error:
                 raise PoolStartError(str(error)) from None
+        # The zygote first: the store's threads would make forking pytest for it unsafe.
+        self._launcher.start_zygote()
         self._agent_store = AgentStore()
         try:
             for rank in range(self.key.world_size):
