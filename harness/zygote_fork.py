@@ -84,7 +84,7 @@ def refusal(env: dict[str, str]) -> str:
     torch = sys.modules.get("torch")
     if torch is None:
         return "pytest has not imported torch"
-    threads = len(os.listdir("/proc/self/task"))
+    threads = _thread_count()
     if threads != 1:
         return f"pytest has {threads} threads (a fork copies only one)"
     if torch.cuda.is_initialized():
@@ -96,6 +96,10 @@ def refusal(env: dict[str, str]) -> str:
     if holder:
         return f"the module {holder}, which must stay, refers to a module of pytest or of the project"
     return ""
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
 
 
 def _installed_roots() -> tuple[str, ...]:

@@ -1,0 +1,81 @@
+"""How the session's zygote starts: forked from pytest where that gives what a cold start gives,
+a new interpreter otherwise (see [Note: a zygote forked from pytest] in harness.zygote_fork).
+
+Each inner session leaves state behind in pytest before its first distributed test (a module
+global, a signal handler, an open file); a rank must see none of it, however its zygote started.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import zygote_fork
+from tests.harness.conftest import InnerSession
+
+# The ranks read their zygote's log through its stderr (fd 2): its first line says how it started.
+_SCENARIO = """
+import os
+import signal
+
+import pytest
+
+STATE = {}
+
+
+def test_0_pytest_changes_its_own_state(tmp_path):
+    STATE["changed by pytest"] = True
+    signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+    STATE["open file"] = open(tmp_path / "held-open", "w")
+
+
+@pytest.mark.world_size(2)
+def test_1_ranks_see_none_of_it(rank):
+    zygote = os.getppid()
+    with open(os.readlink(f"/proc/{zygote}/fd/2")) as log:
+        print("ZYGOTE LOG:", log.readline().strip())
+    assert STATE == {}, "the rank sees pytest's copy of this module"
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    held = [os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in os.listdir(f"/proc/{zygote}/fd")]
+    assert not [path for path in held if path.endswith("held-open")], held
+    assert os.getsid(zygote) == zygote, "the zygote leads its own session"
+"""
+
+
+def _zygote_log_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if "ZYGOTE LOG:" in line]
+    assert lines, output[-3000:]
+    return lines[0].partition("ZYGOTE LOG:")[2].strip()
+
+
+def test_a_single_threaded_session_with_torch_imported_forks_its_zygote(inner: InnerSession) -> None:
+    inner.write("test_state.py", "import torch\n" + _SCENARIO)
+    result = inner.run("-q", "-s", "-p", "no:faulthandler")
+    assert "2 passed" in result.stdout, result.stdout[-3000:]
+    assert _zygote_log_line(result.stdout).startswith("zygote: forked from pytest"), result.stdout[-3000:]
+
+
+def test_a_session_with_a_thread_alive_starts_its_zygote_cold(inner: InnerSession) -> None:
+    inner.write(
+        "conftest.py",
+        "import threading\nimport time\n\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n",
+    )
+    inner.write("test_state.py", "import torch\n" + _SCENARIO)
+    result = inner.run("-q", "-s", "-p", "no:faulthandler")
+    assert "2 passed" in result.stdout, result.stdout[-3000:]
+    line = _zygote_log_line(result.stdout)
+    assert line.startswith("zygote: started cold") and "threads" in line, line
+
+
+def test_the_fork_is_refused_where_it_would_not_be_a_cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads, CUDA, other interpreter start-up variables: each makes the zygote start cold."""
+    import torch
+
+    env = dict(zygote_fork._START_ENV)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 1)
+    assert zygote_fork.refusal(env) == ""
+    assert "PYTHON* variables" in zygote_fork.refusal({**env, "PYTHONHASHSEED": "12345"})
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA" in zygote_fork.refusal(env)
+    monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 2)
+    assert "2 threads" in zygote_fork.refusal(env)
