@@ -3,9 +3,10 @@ every rank worker on request, so a new rank costs a fork (tens of milliseconds) 
 interpreter start and a torch import (seconds, and CPU that a 2-core runner does not have when a
 red suite restarts its pool after every fault).
 
-Started by `harness.launcher.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`,
-where PRELOAD is JSON: the parent's `sys.path` and the modules the zygote imports once before its
-first fork (see [Note: zygote preload]). It talks to the parent over a Unix SOCK_SEQPACKET
+Started by `harness.launcher.WorkerLauncher` as `python -m harness.zygote SOCKET_FD PARENT_PID PRELOAD`
+(or forked from pytest and made to run this module so, see `harness.zygote_fork`), where PRELOAD
+is JSON: the parent's `sys.path` and the modules the zygote imports once before its first fork
+(see [Note: zygote preload]). It talks to the parent over a Unix SOCK_SEQPACKET
 socket, one pickled message per packet:
 
     parent -> zygote   ("fork", serial, log path, environment, cwd)  + 2 fds: the worker's task and result pipes
