@@ -155,10 +155,17 @@ class _ZygoteClient:
         self.cold_reason = zygote_fork.refusal(env)
         """Why the zygote was started cold (a new interpreter), or "" if it was forked from pytest."""
         with open(self.log, "wb") as out:
-            if self.cold_reason:
+            process: subprocess.Popen[bytes] | _ForkedZygote | None = None
+            if not self.cold_reason:
+                try:
+                    pid = zygote_fork.fork_zygote(zygote_end.fileno(), os.getpid(), preload_spec, env, out.fileno())
+                    process = _ForkedZygote(pid)
+                except OSError as error:  # no memory or process slot for a copy of pytest
+                    self.cold_reason = f"forking pytest failed ({error})"
+            if process is None:
                 out.write(f"zygote: started cold, as a new interpreter: {self.cold_reason}\n".encode())
                 out.flush()
-                self._process: subprocess.Popen[bytes] | _ForkedZygote = subprocess.Popen(
+                process = subprocess.Popen(
                     [sys.executable, "-m", "harness.zygote", str(zygote_end.fileno()), str(os.getpid()), preload_spec],
                     pass_fds=(zygote_end.fileno(),),
                     start_new_session=True,  # a Ctrl-C to the terminal is for pytest alone
@@ -167,14 +174,12 @@ class _ZygoteClient:
                     stderr=out,
                     env=env,
                 )
-            else:
-                pid = zygote_fork.fork_zygote(zygote_end.fileno(), os.getpid(), preload_spec, env, out.fileno())
-                self._process = _ForkedZygote(pid)
         zygote_end.close()
         self._sock = parent_end
         self._forked: dict[int, tuple[str, object]] = {}
         self._exits: dict[int, int] = {}
-        self.pid = self._process.pid
+        self._process = process
+        self.pid = process.pid
 
     def fork(self, serial: int, log: str, env: dict[str, str], fds: tuple[int, int], timeout_s: float) -> int:
         """A new worker's pid; raises ZygoteUnavailable if the zygote cannot fork one."""

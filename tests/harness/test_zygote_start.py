@@ -7,6 +7,8 @@ global, a signal handler, an open file); a rank must see none of it, however its
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness import zygote_fork
@@ -79,3 +81,33 @@ def test_the_fork_is_refused_where_it_would_not_be_a_cold_start(monkeypatch: pyt
     assert "CUDA" in zygote_fork.refusal(env)
     monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 2)
     assert "2 threads" in zygote_fork.refusal(env)
+
+
+def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No memory or process slot for a copy of pytest: the zygote starts as a new interpreter."""
+    import errno
+
+    from harness import launcher
+
+    def no_fork() -> int:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    started: list[list[str]] = []
+
+    class ColdStart:
+        pid = 12345
+
+        def __init__(self, args: list[str], **kwargs: object) -> None:
+            started.append(args)
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(zygote_fork, "refusal", lambda env: "")
+    monkeypatch.setattr(zygote_fork.os, "fork", no_fork)
+    monkeypatch.setattr(launcher.subprocess, "Popen", ColdStart)
+    client = launcher._ZygoteClient(str(tmp_path), {}, ())
+    client._sock.close()
+    assert client.cold_reason.startswith("forking pytest failed") and "Cannot allocate memory" in client.cold_reason
+    assert started and started[0][1:3] == ["-m", "harness.zygote"]
+    assert (tmp_path / "zygote.log").read_text().startswith("zygote: started cold, as a new interpreter: forking")
