@@ -37,7 +37,8 @@ from typing import NoReturn
 #     interpreter makes them; the old stream objects are kept alive, never finalised, so that
 #     closing them cannot close a reused fd number.
 #   - signals: every Python handler back to SIG_DFL, then SIGINT, SIGPIPE and SIGXFSZ as a new
-#     interpreter sets them; no wakeup fd; faulthandler re-armed on the new stderr.
+#     interpreter sets them; no wakeup fd; faulthandler's registrations removed and re-armed
+#     on the new stderr.
 #   - hooks pytest installs while a test runs: `sys.excepthook`, `sys.unraisablehook`,
 #     `threading.excepthook`, trace and profile functions, the warnings filters and
 #     `showwarning` (pytest records warnings into a list), the root logger's handlers and level
@@ -56,9 +57,10 @@ from typing import NoReturn
 # What cannot be reset is refused before the fork (`refusal`): another thread (a fork copies
 # only the calling one, and whatever lock another held stays held), torch not imported (nothing
 # to gain), CUDA initialised, interpreter start-up variables (PYTHON*) that differ from the
-# session's, no /proc (cannot count threads). Torch's own global state (a seed, the default
-# dtype an in-process test set) is the parent's; each rank's test isolation resets it per test
-# (`harness.isolation`), as it does between tests on one rank.
+# session's or interpreter options (`-W error`) that a new interpreter would not get, no /proc
+# (cannot count threads). Torch's own global state (a seed, the default dtype an in-process test
+# set) is the parent's; each rank's test isolation resets it per test (`harness.isolation`), as
+# it does between tests on one rank.
 
 # Taken at plugin load, before any test: what a fresh interpreter plus the session's plugins
 # imports had, and what pytest replaces while a test runs.
@@ -92,10 +94,24 @@ def refusal(env: dict[str, str]) -> str:
     start = {key: value for key, value in env.items() if key.startswith("PYTHON") and key != "PYTHONPATH"}
     if start != _START_ENV:
         return "the session's PYTHON* variables differ from pytest's start-up ones"
+    options = _interpreter_options(getattr(sys, "orig_argv", []))
+    if options:
+        return f"pytest's interpreter was started with options a new one would not have ({' '.join(options)})"
     _, holder = _modules_to_drop()
     if holder:
         return f"the module {holder}, which must stay, refers to a module of pytest or of the project"
     return ""
+
+
+def _interpreter_options(argv: list[str]) -> list[str]:
+    """The options before the script, `-m` or `-c` in an interpreter's command line (`-W error`)."""
+    options: list[str] = []
+    index = 1
+    while index < len(argv) and argv[index].startswith("-") and argv[index] not in ("-", "-m", "-c"):
+        takes_value = argv[index] in ("-W", "-X")
+        options.extend(argv[index : index + 1 + takes_value])
+        index += 1 + takes_value
+    return options
 
 
 def _thread_count() -> int:
@@ -206,6 +222,10 @@ def _reset_signals() -> None:
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
+        try:
+            faulthandler.unregister(signum)  # a stack dump on a user signal, installed in C
+        except (RuntimeError, ValueError, OSError):
+            pass  # not one faulthandler registers
         try:
             if callable(signal.getsignal(signum)):
                 signal.signal(signum, signal.SIG_DFL)

@@ -7,6 +7,7 @@ global, a signal handler, an open file); a rank must see none of it, however its
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,19 @@ def test_the_fork_is_refused_where_it_would_not_be_a_cold_start(monkeypatch: pyt
     assert "CUDA" in zygote_fork.refusal(env)
     monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 2)
     assert "2 threads" in zygote_fork.refusal(env)
+    assert zygote_fork._interpreter_options(["python", "-W", "error", "-X", "dev", "-u", "-m", "pytest", "-q"]) == [
+        "-W",
+        "error",
+        "-X",
+        "dev",
+        "-u",
+    ]
+    assert zygote_fork._interpreter_options(["python", "-m", "pytest", "-W", "error"]) == []
+    assert zygote_fork._interpreter_options(["python", "-c", "code", "-x"]) == []
+    monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-O", "-m", "pytest"])
+    assert "options a new one would not have (-O)" in zygote_fork.refusal(env)
 
 
 def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
