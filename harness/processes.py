@@ -74,6 +74,35 @@ def command_name(pid: int) -> str:
         return "?"
 
 
+def processes_holding_files_in(directory: str, exclude: Iterable[int] = ()) -> list[int]:
+    """PIDs with an fd open on a file in `directory` (a rank's descendant that was forked, not
+    exec'd, holds the rank's output files: its environment is its ancestor's at exec, which for a
+    zygote forked from pytest carries no marker)."""
+    prefix = os.path.join(os.path.realpath(directory), "")
+    skip = {os.getpid(), *exclude}
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue  # gone, or not ours to read
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                found.append(int(entry))
+                break
+    return found
+
+
 def marked_processes(markers: Iterable[str], exclude: Iterable[int] = ()) -> list[int]:
     """PIDs whose environment holds any of `markers` (each `NAME=value`, matched whole)."""
     needles = [b"\0" + marker.encode() + b"\0" for marker in markers]

@@ -7,8 +7,9 @@ an OOM kill, a crash):
   * its **reaper**, a small process the session starts with its first worker (in a new session,
     so a Ctrl-C to the terminal's process group leaves it alone). It reads its stdin, a pipe only
     the pytest process holds: EOF without the word "done" means pytest died, and the reaper kills
-    every process carrying the session's marker in its environment (`processes.SESSION_ENV`) and
-    removes the run directory;
+    every process carrying the session's marker in its environment (`processes.SESSION_ENV`) or
+    holding a file of its run directory open (a rank's output files, which what a rank forked
+    without exec still holds), and removes the run directory;
   * the **next session** on the machine (`sweep_stale_run_dirs`): a run directory whose owner lock
     is free belongs to a dead session; its marked processes are killed and the directory removed.
 
@@ -40,7 +41,8 @@ _OWNER_LOCK = ".owner.lock"
 
 def clean_up(session_tag: str, run_dir: str) -> None:
     """Kill what a dead session's workers left running; remove its run directory."""
-    processes.kill(processes.marked_processes([f"{processes.SESSION_ENV}={session_tag}"]))
+    marked = processes.marked_processes([f"{processes.SESSION_ENV}={session_tag}"])
+    processes.kill(sorted({*marked, *processes.processes_holding_files_in(run_dir)}))
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -35,6 +35,11 @@ def test_1_finished(rank):
 @pytest.mark.world_size(2)
 def test_2_running(rank):
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    forked = os.fork()  # not exec'd: its environment is the rank's at exec (no marker if forked)
+    if forked == 0:
+        time.sleep(300)
+        os._exit(0)
+    (HERE / f"forked-{rank}").write_text(str(forked))
     flag = HERE / f"running-{rank}"
     if rank == 0:  # hung inside torch.distributed (C++), where only faulthandler's dump reaches;
         # the flag comes from a thread, once the receive has had time to start waiting
@@ -85,7 +90,8 @@ def _wait_running(inner: InnerSession, process: subprocess.Popen[str], deadline:
             process.kill()
             pytest.fail(f"test_2 never started:\n{process.communicate()[0]}")
         time.sleep(0.05)
-    return [int(flag.read_text()) for flag in flags]
+    forked = [int((inner.directory / f"forked-{rank}").read_text()) for rank in (0, 1)]
+    return [int(flag.read_text()) for flag in flags] + forked
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,12 @@ def test_the_fork_is_refused_where_it_would_not_be_a_cold_start(monkeypatch: pyt
     env = dict(zygote_fork._START_ENV)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 1)
+    # This process's modules are whatever earlier tests imported: judged on their own below.
+    monkeypatch.setattr(zygote_fork, "_modules_to_drop", lambda: (["pytest"], ""))
     assert zygote_fork.refusal(env) == ""
+    monkeypatch.setattr(zygote_fork, "_modules_to_drop", lambda: (["pytest"], "torch.x (it refers to pytest)"))
+    assert "torch.x (it refers to pytest), which must stay" in zygote_fork.refusal(env)
+    monkeypatch.setattr(zygote_fork, "_modules_to_drop", lambda: (["pytest"], ""))
     assert "PYTHON* variables" in zygote_fork.refusal({**env, "PYTHONHASHSEED": "12345"})
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert "CUDA" in zygote_fork.refusal(env)
