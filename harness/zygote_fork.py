@@ -128,7 +128,7 @@ def _installed_roots() -> tuple[str, ...]:
 
 def _location(module: object) -> str | None:
     """Where a module was loaded from (None: built in, or not a real module, like `torch.classes`)."""
-    if not isinstance(module, ModuleType):
+    if not issubclass(type(module), ModuleType):
         return None
     spec = getattr(module, "__spec__", None)
     origin = getattr(spec, "origin", None) or getattr(module, "__file__", None)
@@ -163,7 +163,7 @@ def _modules_to_drop() -> tuple[list[str], str]:
         changed = False
         ids = set(dropped.values())
         for name, module in list(sys.modules.items()):
-            if name in dropped or not isinstance(module, ModuleType) or name in ("__main__", "__mp_main__"):
+            if name in dropped or not issubclass(type(module), ModuleType) or name in ("__main__", "__mp_main__"):
                 continue
             held = [v for v in list(vars(module).values()) if issubclass(type(v), ModuleType) and id(v) in ids]
             if not held:
