@@ -79,26 +79,19 @@ def processes_holding_files_in(directory: str, exclude: Iterable[int] = ()) -> l
     exec'd, holds the rank's output files: its environment is its ancestor's at exec, which for a
     zygote forked from pytest carries no marker)."""
     prefix = os.path.join(os.path.realpath(directory), "")
-    skip = {os.getpid(), *exclude}
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit() or int(entry) in skip:
-            continue
+    for pid in _other_processes(exclude):
         try:
-            fds = os.listdir(f"/proc/{entry}/fd")
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue  # gone, or not ours to read
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
             if target.startswith(prefix):
-                found.append(int(entry))
+                found.append(pid)
                 break
     return found
 
@@ -108,23 +101,26 @@ def marked_processes(markers: Iterable[str], exclude: Iterable[int] = ()) -> lis
     needles = [b"\0" + marker.encode() + b"\0" for marker in markers]
     if not needles:
         return []
-    skip = {os.getpid(), *exclude}
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit() or int(entry) in skip:
-            continue
+    for pid in _other_processes(exclude):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
                 environ = b"\0" + handle.read() + b"\0"
         except OSError:
             continue  # gone, or not ours to read
         if any(needle in environ for needle in needles):
-            found.append(int(entry))
+            found.append(pid)
     return found
+
+
+def _other_processes(exclude: Iterable[int]) -> list[int]:
+    """Every PID in /proc but this process and `exclude` (empty where /proc cannot be read)."""
+    skip = {os.getpid(), *exclude}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(entry) for entry in entries if entry.isdigit() and int(entry) not in skip]
 
 
 def kill(pids: Iterable[int]) -> None:
