@@ -90,6 +90,17 @@ def wait_for_no_leftovers(marker: str, timeout_s: float = 10.0) -> list[int]:
     return found
 
 
+def still_running(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Those of `pids` still running once `timeout_s` has passed without them all ended. A process
+    sent SIGKILL is not gone at once: its exit unmaps its memory first (a rank's fork shares the
+    rank's mappings, hundreds of megabytes with a CUDA torch build), and /proc shows it running,
+    with SIGKILL pending and no environment left, until it has."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
 def running(pid: int) -> bool:
     """Whether a process exists and is not a zombie (a killed orphan waits for init to reap it)."""
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import InnerSession, read_cases, running, wait_for_no_leftovers
+from conftest import InnerSession, read_cases, still_running, wait_for_no_leftovers
 from harness import processes
 from harness.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
 
@@ -171,7 +171,7 @@ def test_a_killed_session_writes_nothing_but_leaves_nothing(stopped: dict[str, S
 def test_no_process_and_no_run_directory_survive(stopped: dict[str, Stopped], name: str) -> None:
     run = stopped[name]
     assert wait_for_no_leftovers(run.inner.marker) == []
-    assert [pid for pid in run.children if running(pid)] == []
+    assert still_running(run.children) == []
     assert run.inner.run_dirs() == []
 
 
