@@ -94,6 +94,14 @@ def _wait_running(inner: InnerSession, process: subprocess.Popen[str], deadline:
     return [int(flag.read_text()) for flag in flags] + forked
 
 
+def _ignores_sigint(pid: int) -> bool:
+    """Whether SIGINT is ignored in process `pid` (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Stopped]:
     plans = {
@@ -103,12 +111,20 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Stopped]:
         "sigkill": signal.SIGKILL,
     }
     inners = {name: InnerSession(tmp_path_factory.mktemp(name)) for name in plans}
-    processes_ = {name: _start(inners[name], twice=name == "second_sigint") for name in plans}
+    # A session started in the background by a non-interactive shell (`pytest ... &`, a CI step)
+    # runs with SIGINT ignored, which every child inherits through exec: the inner sessions would
+    # then never see the Ctrl-C this module sends. A caught handler is reset to the default at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        processes_ = {name: _start(inners[name], twice=name == "second_sigint") for name in plans}
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 240
     results = {}
     for name, sig in plans.items():
         inner, process = inners[name], processes_[name]
         children = _wait_running(inner, process, deadline)
+        assert not _ignores_sigint(process.pid), f"the inner session {name} ignores SIGINT: the test cannot stop it"
         running_seen = time.monotonic()
         process.send_signal(sig)
         sent = time.monotonic()
