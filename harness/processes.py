@@ -149,13 +149,29 @@ def reap_children(timeout_s: float = 2.0, wait_for: Iterable[int] = ()) -> list[
         time.sleep(0.005)
 
 
+_PF_EXITING = 0x4  # include/linux/sched.h: the process has begun to exit
+
+
 def _alive(pid: int) -> bool:
+    """Whether `pid` still runs: not gone, not a zombie, and not already exiting. A process sent
+    SIGKILL is not gone at once: its exit first unmaps its memory (a rank's fork shares hundreds
+    of megabytes of a CUDA torch build's mappings), and until then /proc shows it running, with
+    PF_EXITING in its flags (field 9 of /proc/<pid>/stat); nothing can bring it back."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+            return runs_by_stat(handle.read())
+    except OSError:
         return False
-    return state not in ("Z", "X")
+
+
+def runs_by_stat(stat: str) -> bool:
+    """`_alive`'s reading of one /proc/<pid>/stat line (the command name may hold spaces and ')')."""
+    fields = stat.rpartition(")")[2].split()
+    try:
+        state, flags = fields[0], int(fields[6])
+    except (IndexError, ValueError):
+        return False
+    return state not in ("Z", "X") and not flags & _PF_EXITING
 
 
 def end_descendants() -> tuple[list[str], list[int]]:
