@@ -102,6 +102,7 @@ def reset() -> None:
     _stack.modules.clear()
     _child_paths.clear()
     tensor_names.reset()
+    torch_fsdp_labels.reset()
 
 
 def module_label(modules: list[torch.nn.Module]) -> str:

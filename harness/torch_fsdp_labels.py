@@ -25,7 +25,7 @@ from typing import Any
 
 from harness import tensor_names
 
-__all__ = ["current_label", "maybe_install"]
+__all__ = ["current_label", "maybe_install", "reset"]
 
 _FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _FSDP1_HANDLE = "torch.distributed.fsdp._flat_param"
@@ -39,6 +39,13 @@ _module_paths: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 def current_label() -> str | None:
     """The unit whose collective is being issued, or None outside a wrapped FSDP call."""
     return _label.get()
+
+
+def reset() -> None:
+    """Forget the units' paths (between tests, with `harness.labels.reset`): a path is found under
+    the roots one test ran, and a module that outlives the test must be named afresh in the next
+    one, as it is on a rank whose process never ran that test."""
+    _module_paths.clear()
 
 
 def maybe_install() -> None:
