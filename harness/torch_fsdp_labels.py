@@ -6,12 +6,12 @@ two same-sized units reduced in different orders on different ranks would look i
 module names them by unit, for any test that uses torch FSDP, whether or not a backend adapter
 labels them (an adapter's label provider, when present, wins).
 
-How: the units' entry points are wrapped once per process, the first time an outermost module
-forward starts after torch imported them (importing FSDP ourselves would cost every rank about a
-second): FSDP2's `FSDPParamGroup.unshard` / `post_backward` and FSDP1's `FlatParamHandle.unshard`
-and `_runtime_utils._reduce_grad*`. The wrapper publishes the unit's name in a context variable
-for the duration of the call. Internals that moved in another torch are skipped: the collectives
-keep their module labels.
+How: the units' entry points are wrapped once per process, at the first test start
+(`harness.labels.begin_test`) or outermost module forward after torch imported them (importing
+FSDP ourselves would cost every rank about a second): FSDP2's `FSDPParamGroup.unshard` /
+`post_backward` and FSDP1's `FlatParamHandle.unshard` and `_runtime_utils._reduce_grad*`. The
+wrapper publishes the unit's name in a context variable for the duration of the call. Internals
+that moved in another torch are skipped: the collectives keep their module labels.
 """
 
 from __future__ import annotations

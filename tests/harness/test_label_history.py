@@ -14,13 +14,14 @@ stand-in handle, so they need no ranks and no FSDP import.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterator
 
 import pytest
 import torch.nn as nn
 
-from harness import labels, tensor_names, torch_fsdp_labels
+from harness import labels, tensor_names, torch_fsdp_labels, trace
 
 UNIT_LABEL = "unit.proj.weight, unit.proj.bias"
 
@@ -112,3 +113,30 @@ def test_a_module_that_outlives_a_test_is_named_afresh_in_the_next():
     labels.reset()  # the next test uses the same model without the prefix
     tensor_names.note_outermost_module(model)
     assert fsdp1_label(model.unit) == UNIT_LABEL  # as on a rank whose process never ran the earlier test
+
+
+def test_fsdp_imported_in_an_earlier_test_is_labelled_from_the_start_of_the_next(monkeypatch, tmp_path):
+    # This process imported FSDP1 in an earlier test but ran no forward since (another rank did,
+    # and wrapped its entry points then). Stand-ins for torch's modules, so the real ones in this
+    # pytest process are never wrapped.
+    class FlatParamHandle:
+        def __init__(self, unit: nn.Module) -> None:
+            self.flat_param = types.SimpleNamespace(_fqns=("proj.weight", "proj.bias"))
+            self._fully_sharded_module = unit
+
+        def unshard(self) -> str | None:
+            return torch_fsdp_labels.current_label()  # what a collective issued here is labelled
+
+    monkeypatch.setattr(torch_fsdp_labels, "_done", set())
+    monkeypatch.setitem(
+        sys.modules, torch_fsdp_labels._FSDP1_HANDLE, types.SimpleNamespace(FlatParamHandle=FlatParamHandle)
+    )
+    for name in (torch_fsdp_labels._FSDP2, torch_fsdp_labels._FSDP1_RUNTIME):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    trace.begin_test(str(tmp_path / "trace.jsonl"))
+    try:
+        model = Model()
+        tensor_names.name_tensor(model)  # the unit's path, without a forward
+        assert FlatParamHandle(model.unit).unshard() == UNIT_LABEL  # an unshard before any forward
+    finally:
+        trace.end_test()
