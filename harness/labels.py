@@ -97,11 +97,27 @@ def current_label() -> str:
     return module_label(_stack.modules) or torch_fsdp_labels.current_label() or ""
 
 
+def begin_test() -> None:
+    """Start a test's labels: forget the last test's state, and wrap the FSDP entry points torch
+    has imported by now rather than at this test's first outermost forward.
+
+    Otherwise whether an FSDP collective issued before any forward (an unshard right after
+    sharding) is labelled by unit would depend on whether this process ran a forward since it
+    imported FSDP, in any earlier test: a rank that ran a reference forward alone (rank 0) would
+    label it and the others not."""
+    reset()
+    try:
+        torch_fsdp_labels.maybe_install()
+    except Exception:  # noqa: BLE001 - labels are never worth failing a test (as in _push_module)
+        pass
+
+
 def reset() -> None:
     """Forget this thread's module stack, the cached module paths and tensor names (between tests)."""
     _stack.modules.clear()
     _child_paths.clear()
     tensor_names.reset()
+    torch_fsdp_labels.reset()
 
 
 def module_label(modules: list[torch.nn.Module]) -> str:

@@ -90,7 +90,7 @@ def name_tensor(value: torch.Tensor | torch.nn.Module, name: str | None = None) 
     """
     if isinstance(value, torch.nn.Module):
         _add_root(value, name or "")
-        _named_roots[id(value)] = (weakref.ref(value), name or "")
+        _set_module_entry(_named_roots, value, name or "")
         _named_paths.clear()
         return
     if not isinstance(value, torch.Tensor):
@@ -105,7 +105,12 @@ def note_outermost_module(module: torch.nn.Module) -> None:
     """An outermost module forward starts (called by `harness.labels`): a new naming generation."""
     global _generation
     _generation += 1
-    if id(module) not in _roots:
+    known = _roots.get(id(module))
+    # An id names a root only while that root lives: a root freed earlier in the test (the
+    # oracle's model) leaves its id to the next object allocated there, often the sharded model.
+    # Taking the id alone for "already a root" would leave that model out on whichever rank's
+    # allocator happened to recycle the address, and its units unnamed there only.
+    if known is None or known[0]() is not module:
         _add_root(module, "")
 
 
@@ -167,8 +172,21 @@ def reset() -> None:
 
 def _add_root(module: torch.nn.Module, prefix: str) -> None:
     global _built_generation
-    _roots[id(module)] = (weakref.ref(module), prefix)
+    _set_module_entry(_roots, module, prefix)
     _built_generation = -1  # the next miss rebuilds, whatever the budget
+
+
+def _set_module_entry(table: dict[int, tuple[weakref.ref, str]], module: torch.nn.Module, value: str) -> None:
+    """`table[id(module)] = (weak module, value)`, placed last when the id was a dead module's.
+
+    Lookups take the first root that holds a module, so a root's place must be when this test
+    noted it: left in the dead module's place, it would depend on whether this process's
+    allocator recycled that address, which differs from rank to rank."""
+    key = id(module)
+    known = table.get(key)
+    if known is not None and known[0]() is not module:
+        del table[key]
+    table[key] = (weakref.ref(module), value)
 
 
 def _name(tensor: torch.Tensor) -> str:

@@ -6,12 +6,12 @@ two same-sized units reduced in different orders on different ranks would look i
 module names them by unit, for any test that uses torch FSDP, whether or not a backend adapter
 labels them (an adapter's label provider, when present, wins).
 
-How: the units' entry points are wrapped once per process, the first time an outermost module
-forward starts after torch imported them (importing FSDP ourselves would cost every rank about a
-second): FSDP2's `FSDPParamGroup.unshard` / `post_backward` and FSDP1's `FlatParamHandle.unshard`
-and `_runtime_utils._reduce_grad*`. The wrapper publishes the unit's name in a context variable
-for the duration of the call. Internals that moved in another torch are skipped: the collectives
-keep their module labels.
+How: the units' entry points are wrapped once per process, at the first test start
+(`harness.labels.begin_test`) or outermost module forward after torch imported them (importing
+FSDP ourselves would cost every rank about a second): FSDP2's `FSDPParamGroup.unshard` /
+`post_backward` and FSDP1's `FlatParamHandle.unshard` and `_runtime_utils._reduce_grad*`. The
+wrapper publishes the unit's name in a context variable for the duration of the call. Internals
+that moved in another torch are skipped: the collectives keep their module labels.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from harness import tensor_names
 
-__all__ = ["current_label", "maybe_install"]
+__all__ = ["current_label", "maybe_install", "reset"]
 
 _FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _FSDP1_HANDLE = "torch.distributed.fsdp._flat_param"
@@ -39,6 +39,13 @@ _module_paths: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 def current_label() -> str | None:
     """The unit whose collective is being issued, or None outside a wrapped FSDP call."""
     return _label.get()
+
+
+def reset() -> None:
+    """Forget the units' paths (between tests, with `harness.labels.reset`): a path is found under
+    the roots one test ran, and a module that outlives the test must be named afresh in the next
+    one, as it is on a rank whose process never ran that test."""
+    _module_paths.clear()
 
 
 def maybe_install() -> None:

@@ -209,7 +209,7 @@ def begin_test(trace_path: str) -> None:
     # O_APPEND: every record is one write at the end of the file, whole or (if the rank is
     # killed mid-write) cut short at the very end, never interleaved (see harness.tracefile).
     fd = os.open(trace_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-    labels.reset()
+    labels.begin_test()
     _test = _TestState(fd)
 
 
