@@ -52,6 +52,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from conformance.adapters._labels import current_label, label_calls
 from conformance.protocol import (
@@ -86,9 +87,10 @@ _MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _WRAPPED = "_deepspeed_wrapped_module"
 
 _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
-# id(parameter) -> original FQN, for collective labels: filled by shard(), emptied by close()
-# (ids of dead parameters get reused). Keyed by id: tensors compare elementwise, not by identity.
-_PARAM_FQNS: dict[int, str] = {}
+# parameter -> original FQN, for collective labels: filled by shard(), emptied by close(). Weak and
+# by identity: tensors compare elementwise, and a plain id key could name a later parameter that
+# reuses a dead one's address with the dead one's FQN.
+_PARAM_FQNS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _label_collectives() -> None:
@@ -107,7 +109,7 @@ def _label_collectives() -> None:
         return  # a DeepSpeed whose internals moved: gathers keep the module labels
 
     def fqns(coordinator: Any, params: Any, *args: Any, **kwargs: Any) -> list[str]:
-        return sorted(_PARAM_FQNS.get(id(p), "?") for p in params)
+        return sorted(_PARAM_FQNS.get(p, "?") for p in params)
 
     label_calls(PartitionedParameterCoordinator, gather, fqns)
 
@@ -372,7 +374,7 @@ class DeepSpeedAdapter(BackendAdapter):
             )
         config = self._config(spec)
         for fqn, param in model.named_parameters():
-            _PARAM_FQNS[id(param)] = fqn
+            _PARAM_FQNS[param] = fqn
         root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
         root.build_engine = self._build_engine
         if spec.param_dtype is not None:
