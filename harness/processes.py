@@ -144,8 +144,10 @@ def reap_children(timeout_s: float = 2.0, wait_for: Iterable[int] = ()) -> list[
             continue
         # Children remain but none has exited yet: only wait for those we just killed.
         waiting = {p for p in waiting if _alive(p)}
-        if not waiting or time.monotonic() >= deadline:
-            return sorted(waiting)
+        if not waiting:
+            return []
+        if time.monotonic() >= deadline:  # one still exiting will die: not a survivor
+            return sorted(p for p in waiting if not _exiting(p))
         time.sleep(0.005)
 
 
@@ -153,25 +155,35 @@ _PF_EXITING = 0x4  # include/linux/sched.h: the process has begun to exit
 
 
 def _alive(pid: int) -> bool:
-    """Whether `pid` still runs: not gone, not a zombie, and not already exiting. A process sent
-    SIGKILL is not gone at once: its exit first unmaps its memory (a rank's fork shares hundreds
-    of megabytes of a CUDA torch build's mappings), and until then /proc shows it running, with
-    PF_EXITING in its flags (field 9 of /proc/<pid>/stat); nothing can bring it back."""
+    """Whether `pid` exists and is not a zombie."""
+    state = _stat(pid)
+    return state is not None and state[0] not in ("Z", "X")
+
+
+def _exiting(pid: int) -> bool:
+    """Whether `pid` has begun to exit (nothing can bring it back): a process sent SIGKILL is not
+    gone at once, its exit first unmaps its memory (a rank's fork shares hundreds of megabytes of
+    a CUDA torch build's mappings), and until then /proc shows it running, PF_EXITING set."""
+    state = _stat(pid)
+    return state is not None and bool(state[1] & _PF_EXITING)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            return runs_by_stat(handle.read())
+            return state_and_flags(handle.read())
     except OSError:
-        return False
+        return None
 
 
-def runs_by_stat(stat: str) -> bool:
-    """`_alive`'s reading of one /proc/<pid>/stat line (the command name may hold spaces and ')')."""
+def state_and_flags(stat: str) -> tuple[str, int] | None:
+    """The state letter and the kernel flags word of one /proc/<pid>/stat line (the command name
+    may hold spaces and ')'), or None if the line cannot be read."""
     fields = stat.rpartition(")")[2].split()
     try:
-        state, flags = fields[0], int(fields[6])
+        return fields[0], int(fields[6])
     except (IndexError, ValueError):
-        return False
-    return state not in ("Z", "X") and not flags & _PF_EXITING
+        return None
 
 
 def end_descendants() -> tuple[list[str], list[int]]:

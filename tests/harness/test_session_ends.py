@@ -217,15 +217,15 @@ def test_the_next_session_sweeps_what_a_dead_session_left(tmp_path: Path) -> Non
         owner.close()
 
 
-def test_a_process_that_has_begun_to_exit_is_not_counted_as_running() -> None:
+def test_the_state_and_flags_of_a_process_are_read_from_its_stat_line() -> None:
     # /proc/<pid>/stat lines: a sleeping process; the same one killed, still unmapping its memory
-    # (state R, PF_EXITING 0x4 in the flags field); a zombie; a command name with ") " in it.
+    # (state R, PF_EXITING 0x4 in the flags field, which `reap_children` does not count as a
+    # survivor); a command name with ") " in it.
     sleeping = "4242 (python) S 1 4242 4242 0 -1 4194560 900 0 0 0 3 1 0 0 20 0 1 0"
     exiting = "4242 (python) R 1 4242 4242 0 -1 4194564 900 0 0 0 3 1 0 0 20 0 1 0"
-    zombie = "4242 (python) Z 1 4242 4242 0 -1 4227332 900 0 0 0 3 1 0 0 20 0 1 0"
-    odd_name = "4242 (a) S (b) S 1 4242 4242 0 -1 4194560 900 0 0 0 3 1 0 0 20 0 1 0"
-    assert processes.runs_by_stat(sleeping)
-    assert not processes.runs_by_stat(exiting)
-    assert not processes.runs_by_stat(zombie)
-    assert processes.runs_by_stat(odd_name)
-    assert not processes.runs_by_stat("garbage")
+    odd_name = "4242 (a) S (b) Z 1 4242 4242 0 -1 4194560 900 0 0 0 3 1 0 0 20 0 1 0"
+    assert processes.state_and_flags(sleeping) == ("S", 4194560)
+    state, flags = processes.state_and_flags(exiting)
+    assert state == "R" and flags & 0x4
+    assert processes.state_and_flags(odd_name) == ("Z", 4194560)
+    assert processes.state_and_flags("garbage") is None
