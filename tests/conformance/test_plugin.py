@@ -128,14 +128,10 @@ def write_entries(pytester: pytest.Pytester, *scenarios: str) -> None:
     (pytester.path / "expectations" / "torch-fsdp1.toml").write_text(entries)
 
 
-def run_stale(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(test_scenario=STALE_SCENARIOS)
-    write_entries(
-        pytester,
-        "test_scenario.py::test_case[a]",  # runs and fails as recorded: fine
-        "test_scenario.py::test_case[b]",  # skipped: stale
-        "test_scenario.py::test_case[gone]",  # no such test: stale
-    )
+def run_with_entries(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """The conformance plugin on torch-fsdp1 with this test's expectations and reports directories,
+    plus `args`."""
+    expectations, reports = str(pytester.path / "expectations"), str(pytester.path / "reports")
     return pytester.runpytest(
         "-p",
         "conformance.plugin",
@@ -144,9 +140,23 @@ def run_stale(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         "--backend",
         "torch-fsdp1",
         "--expectations-dir",
-        str(pytester.path / "expectations"),
+        expectations,
         "--reports-dir",
-        str(pytester.path / "reports"),
+        reports,
+        *args,
+    )
+
+
+def run_stale(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_scenario=STALE_SCENARIOS)
+    write_entries(
+        pytester,
+        "test_scenario.py::test_case[a]",  # runs and fails as recorded: fine
+        "test_scenario.py::test_case[b]",  # skipped: stale
+        "test_scenario.py::test_case[gone]",  # no such test: stale
+    )
+    return run_with_entries(
+        pytester,
         *args,
     )
 
@@ -209,17 +219,8 @@ def test_entries_no_run_can_match_are_stale_whatever_the_selection(pytester: pyt
         "suite/test_gone.py::test_case[a]",  # no such file
         "suite/helpers.py::test_case[a]",  # not a test file
     )
-    result = pytester.runpytest(
-        "-p",
-        "conformance.plugin",
-        "-p",
-        "no:cacheprovider",
-        "--backend",
-        "torch-fsdp1",
-        "--expectations-dir",
-        str(pytester.path / "expectations"),
-        "--reports-dir",
-        str(pytester.path / "reports"),
+    result = run_with_entries(
+        pytester,
         "--strict-expectations",
         "suite/test_scenario.py::test_case[torch-fsdp1-a]",
     )
@@ -240,15 +241,8 @@ def test_entries_no_run_can_match_are_stale_whatever_the_selection(pytester: pyt
 def test_an_entry_naming_a_test_without_a_backend_is_stale(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
     write_entries(pytester, "test_plain.py::test_plain")
-    result = pytester.runpytest(
-        "-p",
-        "conformance.plugin",
-        "--backend",
-        "torch-fsdp1",
-        "--expectations-dir",
-        str(pytester.path / "expectations"),
-        "--reports-dir",
-        str(pytester.path / "reports"),
+    result = run_with_entries(
+        pytester,
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["torch-fsdp1: test_plain.py::test_plain: matches no collected test"])
@@ -288,19 +282,10 @@ def test_case(backend):
 """
     )
     write_entries(pytester, "test_scenario.py::test_case")
-    result = pytester.runpytest(
-        "-p",
-        "conformance.plugin",
-        "-p",
-        "no:cacheprovider",
-        "--backend",
-        "torch-fsdp1",
-        "--expectations-dir",
-        str(pytester.path / "expectations"),
+    result = run_with_entries(
+        pytester,
         "--device",
         "cuda",
-        "--reports-dir",
-        str(pytester.path / "reports"),
         "--strict-expectations",
     )
     result.assert_outcomes(skipped=1)
