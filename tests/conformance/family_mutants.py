@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import mutant_backends  # tests/conformance/mutant_backends.py
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
@@ -101,11 +102,9 @@ def _shard_dim_1_over_dp(value: Any) -> Any:
 
 def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
     """``base`` with ``mutation`` (a key of :data:`MUTATIONS`)."""
-    if mutation not in MUTATIONS:
-        raise ValueError(f"unknown mutation {mutation!r}; known: {sorted(MUTATIONS)}")
 
     class Mutant(base):  # type: ignore[valid-type, misc]
-        name = f"{base.name}+{mutation.replace('_', '-')}"
+        name = mutant_backends.mutant_name(base, mutation, MUTATIONS)
 
         def __init__(self, env: BackendEnv) -> None:
             super().__init__(env)
@@ -140,8 +139,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                 sharded.train = lambda mode=True: always_train(sharded, True)  # type: ignore[method-assign]
             return sharded
 
-    Mutant.__name__ = Mutant.__qualname__ = f"{base.__name__}_{mutation}"
-    return Mutant
+    return mutant_backends.named_class(Mutant, base, mutation)
 
 
 def _compose(outer: Callable[[Any], Any], inner: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ mutant_backends:torch_fsdp2__sum_grads`` with this directory on ``PYTHONPATH`` (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -171,13 +171,25 @@ def _keep_shards_stale(sharded: nn.Module) -> None:
     _step_hooks.append(register_optimizer_step_post_hook(restore))
 
 
+def mutant_name(base: type[BackendAdapter], mutation: str, known: Mapping[str, str]) -> str:
+    """The adapter name of ``base``'s mutant with ``mutation``; a ValueError naming the known
+    mutations when ``mutation`` is not one of ``known``."""
+    if mutation not in known:
+        raise ValueError(f"unknown mutation {mutation!r}; known: {sorted(known)}")
+    return f"{base.name}+{mutation.replace('_', '-')}"
+
+
+def named_class(mutant_cls: type[BackendAdapter], base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
+    """``mutant_cls`` with a class name that says its base and mutation (in reprs and reports)."""
+    mutant_cls.__name__ = mutant_cls.__qualname__ = f"{base.__name__}_{mutation}"
+    return mutant_cls
+
+
 def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
     """``base`` with ``mutation`` (a key of :data:`MUTATIONS`)."""
-    if mutation not in MUTATIONS:
-        raise ValueError(f"unknown mutation {mutation!r}; known: {sorted(MUTATIONS)}")
 
     class Mutant(base):  # type: ignore[valid-type, misc]
-        name = f"{base.name}+{mutation.replace('_', '-')}"
+        name = mutant_name(base, mutation, MUTATIONS)
 
         def __init__(self, env: BackendEnv) -> None:
             super().__init__(env)
@@ -206,8 +218,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                 with _stale_view(self, model):
                     yield
 
-    Mutant.__name__ = Mutant.__qualname__ = f"{base.__name__}_{mutation}"
-    return Mutant
+    return named_class(Mutant, base, mutation)
 
 
 @contextlib.contextmanager

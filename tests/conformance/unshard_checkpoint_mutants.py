@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import mutant_backends  # tests/conformance/mutant_backends.py
 import torch
 import torch.nn as nn
 
@@ -80,11 +81,9 @@ def _storage_sizes(buffers: list[torch.Tensor]) -> list[int]:
 
 def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
     """``base`` with ``mutation`` (a key of :data:`MUTATIONS`)."""
-    if mutation not in MUTATIONS:
-        raise ValueError(f"unknown mutation {mutation!r}; known: {sorted(MUTATIONS)}")
 
     class Mutant(base):  # type: ignore[valid-type, misc]
-        name = f"{base.name}+{mutation.replace('_', '-')}"
+        name = mutant_backends.mutant_name(base, mutation, MUTATIONS)
 
         @contextlib.contextmanager
         def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
@@ -130,5 +129,4 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             renamed = f"{parent}._wrapped_module.{leaf}" if parent else f"_wrapped_module.{leaf}"
             return {(renamed if key == first else key): value for key, value in state.items()}
 
-    Mutant.__name__ = Mutant.__qualname__ = f"{base.__name__}_{mutation}"
-    return Mutant
+    return mutant_backends.named_class(Mutant, base, mutation)
