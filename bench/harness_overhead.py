@@ -26,8 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from harness.messages import TestTask  # noqa: E402
-from harness.pool import PoolKey, WorkerPool  # noqa: E402
-from harness.verdict import decide  # noqa: E402
+from harness.process.pool import PoolKey, WorkerPool  # noqa: E402
+from harness.session.verdict import decide  # noqa: E402
 
 
 def warm_ms_per_test(world_size: int, tests: int) -> float:

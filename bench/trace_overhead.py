@@ -1,4 +1,4 @@
-"""Cost of the per-rank collective trace (harness.trace), which is on by default.
+"""Cost of the per-rank collective trace (harness.rank.tracing), which is on by default.
 
 Spawns 2 gloo ranks. Two measurements:
   * recording cost: the trace wrapper around a no-op collective, with a test recording to a file
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import trace
-from harness.collective_ops import C10D_SPECS
+from harness.rank import tracing
+from harness.rank.collective_ops import C10D_SPECS
 
 ELEMENTS = 1024 * 1024 // 4  # 1 MB of float32 per rank
 BLOCKS = 8
@@ -44,7 +44,7 @@ def recording_cost_us(calls: int, trace_path: str, model_seen: bool = False) -> 
     """Wrapper cost per call: traced no-op minus bare no-op, while a test records to a file.
 
     `model_seen`: an all-reduce of a parameter of a 100-parameter model that ran a forward, so each
-    record also looks the tensor's name up (harness.tensor_names).
+    record also looks the tensor's name up (harness.rank.tensor_names).
     """
 
     def no_op(output_tensor, input_tensor, group=None, async_op=False):
@@ -54,20 +54,20 @@ def recording_cost_us(calls: int, trace_path: str, model_seen: bool = False) -> 
         return None
 
     output, data = torch.empty(2 * ELEMENTS), torch.ones(ELEMENTS)
-    trace.begin_test(trace_path)
+    tracing.begin_test(trace_path)
     try:
         if model_seen:
             model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(50)))
             model(torch.ones(1, 4))
             parameter = model[-1].weight.data
-            traced_reduce = trace.wrap(no_op_reduce, C10D_SPECS["all_reduce"])
+            traced_reduce = tracing.wrap(no_op_reduce, C10D_SPECS["all_reduce"])
             with_trace = min(_mean_us(lambda: traced_reduce(parameter), calls) for _ in range(3))
             bare = min(_mean_us(lambda: no_op_reduce(parameter), calls) for _ in range(3))
             return with_trace - bare
-        traced = trace.wrap(no_op, C10D_SPECS["all_gather_into_tensor"])  # also all_gather_single's spec
+        traced = tracing.wrap(no_op, C10D_SPECS["all_gather_into_tensor"])  # also all_gather_single's spec
         with_trace = min(_mean_us(lambda: traced(output, data), calls) for _ in range(3))
     finally:
-        trace.end_test()
+        tracing.end_test()
     bare = min(_mean_us(lambda: no_op(output, data), calls) for _ in range(3))
     return with_trace - bare
 
@@ -84,10 +84,10 @@ def all_gather_us(iterations: int, trace_path: str) -> tuple[float, float]:
     for _ in range(BLOCKS):
         dist.barrier()
         plain.append(_mean_us(lambda: untraced(output, data), per_block))
-        trace.begin_test(trace_path)
+        tracing.begin_test(trace_path)
         dist.barrier()
         recorded.append(_mean_us(lambda: traced(output, data), per_block))
-        trace.end_test()
+        tracing.end_test()
     return statistics.median(plain), statistics.median(recorded)
 
 
@@ -96,14 +96,14 @@ def _rank(rank: int, world_size: int, work_dir: str, iterations: int, record_cal
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
     )
-    trace.install()
+    tracing.install()
     trace_path = os.path.join(work_dir, f"trace-{rank}.jsonl")
     plain_us, traced_us = all_gather_us(iterations, trace_path)
     dist.barrier()
     if rank == 0:
         cost_us = recording_cost_us(record_calls, trace_path)
         print(f"trace overhead: {cost_us:.1f} us/collective, {100 * cost_us / plain_us:.2f}% of a 1 MB gloo all_gather")
-        if hasattr(trace, "tensor_names"):  # this checkout names tensors (compare with older ones)
+        if hasattr(tracing, "tensor_names"):  # this checkout names tensors (compare with older ones)
             named_us = recording_cost_us(record_calls, trace_path, model_seen=True)
             print(f"  an all-reduce of a named parameter: {named_us:.1f} us/collective")
         print(

@@ -24,34 +24,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.call_sites import asymmetric, skip_call_sites_in
-from harness.devices import RunContext
-from harness.isolation import current_seed, seed_everything
-from harness.labels import register_label_provider
-from harness.preflight import require_writable
-from harness.rank_fixtures import RankContext, rank_fixture
-from harness.reports import skip_reason
-from harness.repro import Carried, NotCarried, ReproPolicy
-from harness.run_summary import incomplete_reason
-from harness.run_summary import reason as failure_reason
-from harness.tensor_names import name_tensor, strip_path_components
-from harness.tracefile import CollectiveRecord
-from harness.world_sizes import WorldShape, world_size_of
+from harness.config.devices import RunContext
+from harness.config.preflight import require_writable
+from harness.config.repro import Carried, NotCarried, ReproPolicy
+from harness.config.world_sizes import WorldShape, world_size_of
+from harness.rank.call_sites import asymmetric, skip_call_sites_in
+from harness.rank.fixtures import RankContext, rank_fixture
+from harness.rank.isolation import current_seed, seed_everything
+from harness.rank.labels import register_label_provider
+from harness.rank.tensor_names import name_tensor, strip_path_components
+from harness.report.results import skip_reason
+from harness.report.run_summary import incomplete_reason
+from harness.report.run_summary import reason as failure_reason
+from harness.trace.records import CollectiveRecord
 
 
 def collectives_issued() -> int:
     """How many collectives this rank has issued (and the harness traced) in the running test so
     far; 0 outside a test. Compare two readings to learn whether the code between them
     communicated (the conformance suite's check that a backend did anything). Rank side only."""
-    from harness import trace  # imported here: the pytest process never wraps torch.distributed
+    from harness.rank import tracing  # imported here: the pytest process never wraps torch.distributed
 
-    return trace.recorded_count()
+    return tracing.recorded_count()
 
 
 if TYPE_CHECKING:
     import pytest
 
-    from harness.trace import Interceptor
+    from harness.rank.tracing import Interceptor
 
 
 # The plugin functions are reached lazily: ranks import this package, and never need the parent's
@@ -90,10 +90,10 @@ def reports_dir(config: pytest.Config) -> str:
 def set_interceptor(interceptor: Interceptor | None) -> None:
     """Install the one collective interceptor of this rank (None removes it): it sees each traced
     collective's `CollectiveRecord` before the call and returns None to let it run as usual (or
-    a runner that issues it its own way; `harness.faults` is built on it). Rank side only."""
-    from harness import trace  # imported here: the pytest process never wraps torch.distributed
+    a runner that issues it its own way; `harness.rank.faults` is built on it). Rank side only."""
+    from harness.rank import tracing  # imported here: the pytest process never wraps torch.distributed
 
-    trace.set_interceptor(interceptor)
+    tracing.set_interceptor(interceptor)
 
 
 def rank_seed(offset: int = 0) -> int:

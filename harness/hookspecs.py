@@ -8,8 +8,8 @@ interrupt (pytest-timeout, Ctrl-C, SIGTERM: published as failed, then the interr
 what other plugins made of the outcome (xfail markers, the conformance expectations). A test that
 never started is not published (pytest does not report it either). A new report format is a
 plugin implementing this hook and `pytest_harness_write_reports`; the built-in ones are built that
-way: the per-rank JUnit files (`harness.junit.JUnitReport`), the trace files
-(`harness.trace_files.TraceFiles`) and the conformance matrix (`conformance.plugin`). See
+way: the per-rank JUnit files (`harness.report.junit.JUnitReport`), the trace files
+(`harness.report.trace_tables.TraceFiles`) and the conformance matrix (`conformance.suite.backend_plugin`). See
 docs/architecture.md for a worked example.
 
 Order (pluggy's): implementations are called last registered first, `tryfirst` / `trylast`
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.reports import DistributedTestResult
-from harness.repro import ReproPolicy
+from harness.config.repro import ReproPolicy
+from harness.report.results import DistributedTestResult
 
 
 @pytest.hookspec
@@ -65,10 +65,10 @@ def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
 
 @pytest.hookspec
 def pytest_harness_test_result(item: pytest.Item, result: DistributedTestResult) -> None:
-    """One distributed test's result (`harness.reports.DistributedTestResult`: pytest's final verdict,
+    """One distributed test's result (`harness.report.results.DistributedTestResult`: pytest's final verdict,
     every rank's case as its per-rank report shows it, the ranks' traces), once per test, after
     pytest's reports of its phases are final. Report plugins serialize it; they do not judge it
-    again (the per-rank reconciliation is the harness's, `harness.reports.rank_cases`)."""
+    again (the per-rank reconciliation is the harness's, `harness.report.results.rank_cases`)."""
     raise NotImplementedError
 
 
@@ -84,7 +84,7 @@ def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
 
 
 def pytest_harness_summary_lines(config: pytest.Config) -> list[str]:
-    """Lines this plugin adds at the top of the end-of-run summary (`harness.run_summary`), e.g.
+    """Lines this plugin adds at the top of the end-of-run summary (`harness.report.run_summary`), e.g.
     the conformance plugin's "backends: reference, torch-fsdp2". Called once, at the terminal
     summary; every implementation's lines are shown, one after the other."""
     raise NotImplementedError

@@ -66,7 +66,7 @@ class RankOutcome:
 
     `sync_state` is (default-group collective sequence number, process groups created so far):
     when every rank reports the same pair, no collective is left half-issued (see
-    `harness.verdict.world_reusable`).
+    `harness.session.verdict.world_reusable`).
     """
 
     rank: int

@@ -6,7 +6,7 @@ pytest-timeout and `--junitxml` keep working; only the body of a test marked
 
 Every distributed test pytest reports is published to the report hooks once its report is final
 (`pytest_runtest_protocol` below), whatever decided it. SIGTERM ends the session like Ctrl-C
-(`harness.signals`).
+(`harness.config.signals`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ from typing import Any
 
 import pytest
 
-from harness import devices, hookspecs, preflight, rank_fixtures, repro, world_sizes
-from harness.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
-from harness.junit import JUnitReport
-from harness.pool_session import PoolSession
-from harness.run_summary import RunSummary
-from harness.session import HarnessSession, session_properties
-from harness.signals import SignalGuard
-from harness.trace_files import TraceFiles
-from harness.world_sizes import world_size_of  # also imported from here by other plugins
+from harness import hookspecs
+from harness.config import devices, preflight, repro, world_sizes
+from harness.config.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
+from harness.config.signals import SignalGuard
+from harness.config.world_sizes import world_size_of  # also imported from here by other plugins
+from harness.rank import fixtures
+from harness.report.junit import JUnitReport
+from harness.report.run_summary import RunSummary
+from harness.report.trace_tables import TraceFiles
+from harness.session.flow import HarnessSession, session_properties
+from harness.session.pool_session import PoolSession
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _SIGNALS = pytest.StashKey[SignalGuard]()
@@ -181,7 +183,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _launched_by_torchrun():
         # Imported only here: a pool parent never loads the rank-side runner, nor through it
         # the module that patches torch.distributed.
-        from harness.lockstep import LockstepSession
+        from harness.session.lockstep import LockstepSession
 
         session = LockstepSession(config, modules, reports_dir)
     else:
@@ -260,7 +262,7 @@ def _register_placeholders(config: pytest.Config) -> None:
     or device, and could pass having run nothing distributed: it errors instead, naming the fix.
     """
     holder = types.ModuleType("harness_rank_fixture_placeholders")
-    for name in rank_fixtures.registered_names():
+    for name in fixtures.registered_names():
 
         def placeholder(request: pytest.FixtureRequest, _name: str = name) -> str:
             if not world_sizes.is_distributed(request.node):

@@ -81,7 +81,7 @@ def main() -> None:
     if len(sys.argv) == 6 and sys.argv[1] == "--rank":
         _rank(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
         return
-    from harness.rank_env import loopback_interface
+    from harness.process.rank_env import loopback_interface
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=3, help="process groups each world creates (default 3)")

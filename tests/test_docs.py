@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import devices
+from harness.config import devices
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -28,8 +28,8 @@ OTHER_TOOLS = {
     "--lf": "pytest",
     "--rootdir": "pytest",
     "--timeout": "pytest-timeout",
-    "--dist": "pytest-xdist (refused by harness.preflight)",
-    "--tx": "pytest-xdist (refused by harness.preflight)",
+    "--dist": "pytest-xdist (refused by harness.config.preflight)",
+    "--tx": "pytest-xdist (refused by harness.config.preflight)",
     "--standalone": "torchrun",
     "--nproc-per-node": "torchrun",
     "--nnodes": "torchrun",
@@ -78,7 +78,7 @@ def help_options() -> dict[str, tuple[str, str]]:
     # --help configures the plugins (restoring everything at unconfigure); its reports directory
     # is a scratch one, so it never touches the reports of the session running this test.
     with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(out):
-        plugins = ["-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider"]
+        plugins = ["-p", "harness.plugin", "-p", "conformance.suite.backend_plugin", "-p", "no:cacheprovider"]
         status = pytest.main(["--help", *plugins, "--reports-dir", scratch])
     assert status == pytest.ExitCode.OK, out.getvalue()
     options: dict[str, tuple[str, str]] = {}

@@ -115,21 +115,22 @@ HARNESS_RULES = (
     LayerRule(
         "parent-side-never-imports-the-tracer",
         importers=(
-            "harness.session",
-            "harness.pool_session",
-            "harness.verdict",
-            "harness.divergence",
-            "harness.junit",
-            "harness.reports",
-            "harness.trace_files",  # the traces report plugin
+            "harness.session.flow",
+            "harness.session.pool_session",
+            "harness.session.verdict",
+            "harness.trace.divergence",
+            "harness.report.junit",
+            "harness.report.results",
+            "harness.report.trace_tables",  # the traces report plugin
         ),
-        forbidden=("harness.trace",),
-        why="harness.trace patches torch.distributed when imported; the parent reads traces through harness.tracefile",
+        forbidden=("harness.rank.tracing",),
+        why="harness.rank.tracing patches torch.distributed when imported; the parent reads traces "
+        "through harness.trace.records",
     ),
     LayerRule(
         "verdict-and-lockstep-never-import-the-pool",
-        importers=("harness.verdict", "harness.lockstep"),
-        forbidden=("harness.pool",),
+        importers=("harness.session.verdict", "harness.session.lockstep"),
+        forbidden=("harness.process.pool",),
         why="a verdict is pure (it judges outcomes however they were run), and torchrun mode has no pool",
     ),
 )
@@ -363,7 +364,7 @@ def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
             "conformance/protocol.py": "_SECRET = 1\n",
             "conformance/test_training.py": "from conformance import protocol\nimport engine.api\n",
             # A private name of another module is refused, a package's private submodule is not.
-            "conformance/plugin.py": "from conformance.protocol import (\n    PUBLIC,\n    _SECRET,\n)\n",
+            "conformance/suite/backend_plugin.py": "from conformance.protocol import (\n    PUBLIC,\n    _SECRET,\n)\n",
             "conformance/adapters/__init__.py": "",
             "conformance/adapters/_common.py": "",
             "conformance/adapters/ref.py": "from conformance.adapters import _common\n",
@@ -385,8 +386,8 @@ def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
     private = private_name_imports(root)
     assert [(edge.importer, edge.name, edge.describe(root)) for edge in private] == [
         (
-            "conformance.plugin",
+            "conformance.suite.backend_plugin",
             "_SECRET",
-            "conformance/plugin.py:1: from conformance.protocol import (PUBLIC, _SECRET)",
+            "conformance/suite/backend_plugin.py:1: from conformance.protocol import (PUBLIC, _SECRET)",
         )
     ]

@@ -1,1 +1,1 @@
-"""Adapters shipped with the suite; third-party ones plug in through conformance.registry."""
+"""Adapters shipped with the suite; third-party ones plug in through conformance.suite.registry."""

@@ -90,7 +90,7 @@ def run_inner_session(
         "-p",
         "harness.plugin",
         "-p",
-        "conformance.plugin",
+        "conformance.suite.backend_plugin",
         "-p",
         "no:cacheprovider",
         "--reports-dir",
@@ -112,7 +112,7 @@ def run_inner_session(
         pytest.fail(f"the inner session hung for {timeout_s}s:\n{expired.stdout}")
 
 
-# "#  group/peer  group #  op  label ..." rows of harness.divergence.format_trace_table.
+# "#  group/peer  group #  op  label ..." rows of harness.trace.divergence.format_trace_table.
 _TRACE_ROW = re.compile(r"^\s*\d+\s+\[[\d, ]*\]\s+\d+\s+(?P<op>\S+)\s+(?P<rest>.*)$")
 
 

@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from conformance import registry
 from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, ShardingSpec, StateDictKind
+from conformance.suite import registry
 
 DOUBLE_STEP_RANK = 1
 LATER_ORDER_WARNING = "Forward order differs from that of the first iteration"

@@ -4,7 +4,7 @@ A conformance suite is only as good as the bugs it catches. Each *mutation* here
 backend the way real sharding bugs do, without touching the backend's code: through its public
 behaviour (hooks on the module ``shard()`` returns, a global optimizer hook, the unshard
 context), or by corrupting the collectives it issues through the harness's collective trace
-(``harness.trace.set_interceptor``, the hook ``harness.faults`` is built on; the harness clears
+(``harness.rank.tracing.set_interceptor``, the hook ``harness.rank.faults`` is built on; the harness clears
 it after every test). ``tests/conformance/test_mutants.py`` runs the scenarios that must catch
 each mutation and checks that they fail naming a parameter and the size of its difference.
 
@@ -26,7 +26,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from conformance import registry
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -34,7 +33,8 @@ from conformance.protocol import (
     ShardingSpec,
     declared_fqn,
 )
-from harness import trace
+from conformance.suite import registry
+from harness.rank import tracing
 
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter_tensor", "reduce_scatter", "funcol.reduce_scatter"})
 ALL_GATHER_OPS = frozenset({"all_gather_into_tensor", "all_gather", "funcol.all_gather"})
@@ -73,7 +73,7 @@ def _completed_work() -> Any:
     return torch._C._distributed_c10d._create_work_from_future(future)
 
 
-def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int], None]) -> trace.Interceptor:
+def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int], None]) -> tracing.Interceptor:
     """An interceptor that issues every collective in ``ops`` and then ``corrupt``s its
     floating-point outputs (``corrupt(outputs, group size)``), on every rank alike. Integer
     outputs (a backend's own order checks) are left alone: the mutation is about values.
@@ -83,7 +83,7 @@ def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int]
     undo a corruption made before the caller's own wait.
     """
 
-    def run(call: trace.CollectiveCall) -> Any:
+    def run(call: tracing.CollectiveCall) -> Any:
         result = call.issue()
         outputs = [t for t in call.output_tensors(result) if t.is_floating_point()]
         with torch.no_grad():
@@ -93,7 +93,7 @@ def _corrupting(ops: frozenset[str], corrupt: Callable[[list[torch.Tensor], int]
             return _completed_work()
         return result
 
-    def intercept(record: trace.CollectiveRecord) -> trace.Runner | None:
+    def intercept(record: tracing.CollectiveRecord) -> tracing.Runner | None:
         return run if record.op in ops else None
 
     return intercept
@@ -118,7 +118,7 @@ def _zero_second(outputs: list[torch.Tensor], group_size: int) -> None:
         chunks[1].zero_()
 
 
-INTERCEPTORS: dict[str, trace.Interceptor] = {
+INTERCEPTORS: dict[str, tracing.Interceptor] = {
     "doubled_reduce_scatter": _corrupting(REDUCE_SCATTER_OPS, _double),
     "swapped_all_gather": _corrupting(ALL_GATHER_OPS, _swap_first_two),
     "zeroed_all_gather": _corrupting(ALL_GATHER_OPS, _zero_second),
@@ -201,7 +201,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             self._as_sharded = {n: p.detach().clone() for n, p in model.named_parameters()}
             sharded = super()._shard(model, spec, form)
             if mutation in INTERCEPTORS:
-                trace.set_interceptor(INTERCEPTORS[mutation])
+                tracing.set_interceptor(INTERCEPTORS[mutation])
             elif mutation == "sum_grads":
                 factor = float(dist.get_world_size())
                 sharded.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, factor))

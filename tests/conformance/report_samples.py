@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conformance.matrix import Matrix, RunDetails
-from harness.divergence import first_divergence, format_trace_table
-from harness.tracefile import CollectiveRecord
+from conformance.report.matrix import Matrix, RunDetails
+from harness.trace.divergence import first_divergence, format_trace_table
+from harness.trace.records import CollectiveRecord
 
 LONG_LABEL = "layers.0.attention.q_proj.weight, " * 10 + "layers.0.mlp.weight"
 FAILED_ID = "conformance/test_divergence.py::test_same_shape_divergence_is_not_silent[torch-fsdp2-ws2]"

@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 
 import fixtures
-from conformance import platforms, registry
 from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
 from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
+from conformance.suite import platforms, registry
 from conformance.test_divergence import training_step
 from harness import current_seed
 
@@ -493,7 +493,7 @@ def _fsdp2_cannot_ignore_parameters(rank: int, world_size: int, device: torch.de
 if not HAS_IGNORED_PARAMS:
     proves("torch-fsdp2", Capability.IGNORED_MODULES)(_fsdp2_cannot_ignore_parameters)
 # Proofs that never run the backend's sharded model, so they also hold on a device or torch where the
-# backend is refused (conformance.platforms): torch 2.6's fully_shard refuses ignored_params at once.
+# backend is refused (conformance.suite.platforms): torch 2.6's fully_shard refuses ignored_params at once.
 RUN_NOTHING = frozenset({Capability.IGNORED_MODULES})
 
 

@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 import fixtures
-from conformance import registry
 from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
@@ -29,6 +28,7 @@ from conformance.protocol import (
     expected_local_numel,
     expected_unsharded_numel,
 )
+from conformance.suite import registry
 from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]

@@ -129,7 +129,7 @@ def test_cached_groups_are_released_for_the_next_engine(rank, world_size, device
         backend.make_optimizer(sharded, ADAM)
         backend.close()
         for group in [g for g in c10d._world.pg_map if g not in before]:
-            dist.destroy_process_group(group)  # what harness.isolation does after each test
+            dist.destroy_process_group(group)  # what harness.rank.isolation does after each test
 
 
 # -- ZeRO-3 storage, unshard ------------------------------------------------------------------

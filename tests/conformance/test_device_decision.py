@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import devices, lockstep
+from harness.config import devices
 from harness.messages import RankOutcome
+from harness.session import lockstep
 
 pytest_plugins = ["pytester"]
 
@@ -39,7 +40,7 @@ when = {device = "cuda"}
 
 
 class KnownDefectRunner:
-    """Stands in for `harness.runner.TestRunner` in a rank of the simulated world."""
+    """Stands in for `harness.rank.runner.TestRunner` in a rank of the simulated world."""
 
     def __init__(self, rank: int, *args: object) -> None:
         self.rank = rank
@@ -78,7 +79,7 @@ def test_a_cuda_expectation_matches_a_multi_node_torchrun_world_on_cuda(pytester
     pytester.mkdir("expectations")
     (pytester.path / "expectations" / "torch-fsdp2.toml").write_text(ENTRY)
     result = pytester.runpytest(
-        *("-p", "harness.plugin", "-p", "conformance.plugin", "-p", "no:cacheprovider", "-rxf"),
+        *("-p", "harness.plugin", "-p", "conformance.suite.backend_plugin", "-p", "no:cacheprovider", "-rxf"),
         *("--backend", "torch-fsdp2", "--device", "cuda", "--reports-dir", str(pytester.path / "reports")),
         *("--expectations-dir", str(pytester.path / "expectations")),
     )

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance import expectations
-from conformance.expectations import (
+from conformance.suite import expectations
+from conformance.suite.expectations import (
     Condition,
     Expectations,
     ExpectedFailure,

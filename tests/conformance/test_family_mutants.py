@@ -25,8 +25,8 @@ from adapter_testing import run_inner_session
 import conformance.test_2d as two_d  # modules, so their tests are not collected here
 import conformance.test_exec_order as exec_order
 import conformance.test_runtime as runtime
-from conformance import registry
 from conformance.protocol import BackendEnv, ShardingStrategy
+from conformance.suite import registry
 
 Scenario = Callable[..., None]
 

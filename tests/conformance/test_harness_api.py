@@ -29,8 +29,10 @@ def harness_uses(source: str) -> set[str]:
 
 
 def test_the_checker_sees_every_way_of_reaching_an_internal() -> None:
-    source = "import harness.plugin\nfrom harness.devices import plan_devices\nfrom harness import x\nharness.y()\n"
-    assert harness_uses(source) == {"harness.plugin", "harness.devices", "x", "y"}
+    source = (
+        "import harness.plugin\nfrom harness.config.devices import plan_devices\nfrom harness import x\nharness.y()\n"
+    )
+    assert harness_uses(source) == {"harness.plugin", "harness.config.devices", "x", "y"}
 
 
 def test_conformance_uses_only_the_harness_public_api() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conformance.matrix import Matrix, classify, render_markdown
-from conformance.report_html import render_html
+from conformance.report.html import render_html
+from conformance.report.matrix import Matrix, classify, render_markdown
 
 
 def test_outcomes_are_classified() -> None:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import conformance.test_runtime as runtime  # a module, so its tests are not collected here
 import fixtures
-from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv, ShardingStrategy
+from conformance.suite import registry
 
 Scenario = Callable[..., None]
 SCENARIO_ARGS = {"wrap": "auto", "strategy": ShardingStrategy.FULL_SHARD, "param_offload": False}

@@ -8,9 +8,9 @@ from typing import ClassVar
 import pytest
 import torch
 
-from conformance import platforms
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.suite import platforms
 
 pytest_plugins = ["pytester"]
 
@@ -75,7 +75,7 @@ def test_the_plugin_refuses_at_session_start(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_scenario=SCENARIO)
     target = f"{__name__}:CudaOnly"
     result = pytester.runpytest(
-        "-p", "conformance.plugin", "-p", "no:cacheprovider", "--device", "cpu", "--backend", target
+        "-p", "conformance.suite.backend_plugin", "-p", "no:cacheprovider", "--device", "cpu", "--backend", target
     )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*backend 'cuda-only' cannot run here: it does not run on cpu: it needs NCCL*"])

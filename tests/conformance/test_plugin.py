@@ -34,7 +34,7 @@ def expect_fsdp2_failure(pytester: pytest.Pytester, backend: str, text: str) -> 
 
 def run(pytester: pytest.Pytester, *backends: str) -> pytest.RunResult:
     pytester.makepyfile(test_scenario=SCENARIO)
-    args = ["-p", "conformance.plugin", "-p", "no:cacheprovider", "-rxXf", "-v"]
+    args = ["-p", "conformance.suite.backend_plugin", "-p", "no:cacheprovider", "-rxXf", "-v"]
     args += ["--expectations-dir", str(pytester.path / "expectations")]
     for backend in backends:
         args += ["--backend", backend]
@@ -54,7 +54,7 @@ def test_default_backend_is_reference(pytester: pytest.Pytester) -> None:
 def test_all_selects_every_builtin(pytester: pytest.Pytester) -> None:
     """Every built-in, the optional ones whose library is installed here included, and the
     header says what each is and which optional ones were left out."""
-    from conformance import registry
+    from conformance.suite import registry
 
     known = registry.known_names()
     result = run(pytester, "all")
@@ -134,7 +134,7 @@ def run_with_entries(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     expectations, reports = str(pytester.path / "expectations"), str(pytester.path / "reports")
     return pytester.runpytest(
         "-p",
-        "conformance.plugin",
+        "conformance.suite.backend_plugin",
         "-p",
         "no:cacheprovider",
         "--backend",
@@ -250,10 +250,12 @@ def test_an_entry_naming_a_test_without_a_backend_is_stale(pytester: pytest.Pyte
 
 def test_bad_backend_path_and_disabled_harness_are_usage_errors(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_scenario=SCENARIO)
-    result = pytester.runpytest("-p", "conformance.plugin", "--backend-path", str(pytester.path / "nowhere"))
+    result = pytester.runpytest(
+        "-p", "conformance.suite.backend_plugin", "--backend-path", str(pytester.path / "nowhere")
+    )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--backend-path */nowhere: no such directory; pass the directory that holds*"])
-    result = pytester.runpytest("-p", "no:harness.plugin", "-p", "conformance.plugin")
+    result = pytester.runpytest("-p", "no:harness.plugin", "-p", "conformance.suite.backend_plugin")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*disabled (-p no:harness.plugin)*drop -p no:harness.plugin*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -262,7 +264,9 @@ def test_bad_backend_path_and_disabled_harness_are_usage_errors(pytester: pytest
 def test_an_unusable_matrix_file_is_refused_before_any_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_scenario=SCENARIO)
     (pytester.path / "reports" / "conformance.html").mkdir(parents=True)
-    result = pytester.runpytest("-p", "conformance.plugin", "--reports-dir", str(pytester.path / "reports"))
+    result = pytester.runpytest(
+        "-p", "conformance.suite.backend_plugin", "--reports-dir", str(pytester.path / "reports")
+    )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*conformance.html (the conformance matrix): it is not a regular file*"])
     assert "PASSED" not in result.stdout.str() and "passed" not in result.stdout.str()
@@ -289,7 +293,7 @@ def test_case(backend):
         "--strict-expectations",
     )
     result.assert_outcomes(skipped=1)
-    # The run fails because nothing got its GPUs (harness.devices.DeviceTally), not as stale.
+    # The run fails because nothing got its GPUs (harness.config.devices.DeviceTally), not as stale.
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     assert "no distributed test got its devices" in result.stdout.lines[-1]
     assert "stale expect" not in result.stdout.str()
@@ -331,7 +335,7 @@ def run_vendor(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         "pytest",
         f"--basetemp={tempfile.mkdtemp(prefix='runpytest-', dir=pytester.path)}",
         "-p",
-        "conformance.plugin",
+        "conformance.suite.backend_plugin",
         "-p",
         "no:cacheprovider",
         "-rxXf",
@@ -435,7 +439,7 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
     assert "'test_inner.py::test_fails[vendor-fsdp]'" in command, repro
     # The inner session's configuration came from -c/-p (a real project has it in its root
     # directory, where the REPRO line cd's to); the backend's own arguments are the line's.
-    session = ["-c", str(REPO / "pyproject.toml"), "-p", "harness.plugin", "-p", "conformance.plugin"]
+    session = ["-c", str(REPO / "pyproject.toml"), "-p", "harness.plugin", "-p", "conformance.suite.backend_plugin"]
     again = subprocess.run(
         [*shlex.split(command.partition(" && ")[2]), *session],
         cwd=shlex.split(command)[1],

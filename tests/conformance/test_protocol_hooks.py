@@ -20,7 +20,6 @@ from adapter_testing import ops_labelled, run_inner_session, traced_tables, trai
 from torch.distributed.tensor import DTensor
 
 import fixtures
-from conformance import rank_fixtures
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
@@ -37,6 +36,7 @@ from conformance.protocol import (
     SpecCondition,
     StateDictKind,
 )
+from conformance.suite import backend_fixture
 from harness import RankContext
 from tests.conformance.old_adapters import OldStyleAdapter
 
@@ -173,11 +173,11 @@ def _run_fixture(monkeypatch: pytest.MonkeyPatch, body_raises: bool) -> list[str
         calls.append(f"register -> {provider()}")
         return lambda: calls.append("unregister")
 
-    monkeypatch.setattr(rank_fixtures, "register_label_provider", register)
+    monkeypatch.setattr(backend_fixture, "register_label_provider", register)
     ctx = RankContext(
         rank=0, world_size=1, local_rank=0, device=CPU, params={"backend": f"{__name__}:LabellingAdapter"}
     )
-    fixture = contextlib.contextmanager(rank_fixtures.backend)(ctx)
+    fixture = contextlib.contextmanager(backend_fixture.backend)(ctx)
     with contextlib.suppress(RuntimeError), fixture as adapter:
         assert isinstance(adapter, LabellingAdapter)
         assert adapter.env.local_rank == 0

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance import registry
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.protocol import BackendAdapter, Capability
+from conformance.suite import registry
 
 
 @pytest.fixture

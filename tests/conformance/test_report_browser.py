@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conformance.report_html import render_html
+from conformance.report.html import render_html
 from tests.conformance.report_samples import diverging_traces, sample_matrix
 
 BROWSERS = ("chromium", "chromium-browser")

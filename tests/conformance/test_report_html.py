@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conformance.matrix import render_markdown
-from conformance.report_html import render_html
-from conformance.trace_report import read_trace_report
-from harness.divergence import first_divergence
+from conformance.report.html import render_html
+from conformance.report.matrix import render_markdown
+from conformance.report.trace_view import read_trace_report
+from harness.trace.divergence import first_divergence
 from tests.conformance.report_samples import (
     FAILED_ID,
     LONG_LABEL,

@@ -9,8 +9,8 @@ import pytest
 from adapter_testing import run_inner_session
 
 from harness.messages import RankLoss, RankOutcome
-from harness.run_summary import reason
-from harness.verdict import decide
+from harness.report.run_summary import reason
+from harness.session.verdict import decide
 
 TESTS = """
 import pytest
@@ -93,7 +93,7 @@ def _failed(rank: int, error: str) -> RankOutcome:
 
 
 def test_the_reason_is_the_line_that_explains_the_failure() -> None:
-    """From the verdict's own text (harness.verdict.decide), whatever decided it."""
+    """From the verdict's own text (harness.session.verdict.decide), whatever decided it."""
     passed = RankOutcome(0, "passed", 1.0)
     one = decide({0: passed, 1: _failed(1, "AssertionError: rank 1 disagrees")}).message
     assert reason(one) == "rank 1: AssertionError: rank 1 disagrees"

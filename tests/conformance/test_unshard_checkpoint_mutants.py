@@ -20,8 +20,8 @@ import unshard_checkpoint_mutants  # tests/conformance/unshard_checkpoint_mutant
 
 import conformance.test_checkpoint as checkpoint  # modules, so their tests are not collected here
 import conformance.test_unshard_params as unshard
-from conformance import registry
 from conformance.protocol import BackendAdapter, BackendEnv
+from conformance.suite import registry
 
 Scenario = Callable[..., None]
 # The cheapest variant of each scenario that exercises the checks a mutation breaks.

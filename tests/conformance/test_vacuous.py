@@ -1,5 +1,5 @@
 """No vacuous verdict: a backend that can run nothing is refused at session start, and a
-scenario that passes without sharding anything is red (conformance.admission, conformance.vacuity).
+scenario that passes without sharding anything is red (conformance.suite.admission, conformance.suite.vacuity).
 The harness's own routes (rank fixtures without a world_size marker, --device cuda without GPUs)
 are tested in tests/harness/test_options.py."""
 
@@ -11,9 +11,9 @@ import torch.nn as nn
 from adapter_testing import run_inner_session
 
 from conformance.adapters.template import TemplateAdapter
-from conformance.admission import SessionContext, refusals
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
-from conformance.vacuity import ShardWatch
+from conformance.suite.admission import SessionContext, refusals
+from conformance.suite.vacuity import ShardWatch
 from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
 
 CPU = SessionContext(device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Protocol versioning (conformance.versions) and adapters that cannot be used at all: an older
+"""Protocol versioning (conformance.protocol.versions) and adapters that cannot be used at all: an older
 adapter runs with one warning naming what it misses and what that cost; an adapter module that
 fails to import, or an adapter missing abstract methods, is a usage error at selection."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from adapter_testing import run_inner_session
 
-from conformance import registry, versions
-from conformance.protocol import PROTOCOL_VERSION, Capability
+from conformance.protocol import PROTOCOL_VERSION, Capability, versions
+from conformance.suite import registry
 from tests.conformance.old_adapters import FirstProtocolAdapter
 
 

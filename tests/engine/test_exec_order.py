@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import engine
 from engine import ShardingStrategy, collectives
-from harness.trace import register_label_provider
+from harness.rank.tracing import register_label_provider
 
 STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
 

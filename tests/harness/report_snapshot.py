@@ -153,7 +153,7 @@ def run(repo: Path, out: Path) -> subprocess.CompletedProcess[str]:
             "-p",
             "harness.plugin",
             "-p",
-            "conformance.plugin",
+            conformance_plugin(repo),
             "-p",
             "no:cacheprovider",
             "--reports-dir",
@@ -175,6 +175,13 @@ def run(repo: Path, out: Path) -> subprocess.CompletedProcess[str]:
         return completed
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def conformance_plugin(repo: Path) -> str:
+    """The conformance plugin's module in `repo` (it moved into `conformance.suite` in the layered tree)."""
+    if (repo / "conformance" / "suite" / "backend_plugin.py").exists():
+        return "conformance.suite.backend_plugin"
+    return "conformance.plugin"
 
 
 if __name__ == "__main__":

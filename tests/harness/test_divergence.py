@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from test_trace import spawn_ranks
 
-from harness import trace
-from harness.divergence import first_divergence, format_trace_table, unfinished_collectives
-from harness.tracefile import CollectiveRecord
+from harness.rank import tracing
+from harness.trace.divergence import first_divergence, format_trace_table, unfinished_collectives
+from harness.trace.records import CollectiveRecord
 
 
 def rec(
@@ -232,7 +232,7 @@ def _gather_different_layers(rank: int, world_size: int, out_dir: str) -> None:
     )
     chosen = model["layer1"] if rank == 0 else model["layer2"]
     name = "layer1" if rank == 0 else "layer2"
-    remove = trace.register_label_provider(lambda: f"{name}.weight")
+    remove = tracing.register_label_provider(lambda: f"{name}.weight")
     output = torch.empty(2 * 36)
     dist.all_gather_into_tensor(output, chosen.weight.detach().reshape(-1))
     remove()

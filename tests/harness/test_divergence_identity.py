@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from test_trace import spawn_ranks
 
-from conformance import platforms
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from harness import asymmetric, call_sites, name_tensor, skip_call_sites_in, trace
-from harness.collective_ops import C10D_SPECS
-from harness.divergence import first_divergence
-from harness.tracefile import CollectiveRecord, read_trace
+from conformance.suite import platforms
+from harness import asymmetric, name_tensor, skip_call_sites_in
+from harness.rank import call_sites, tracing
+from harness.rank.collective_ops import C10D_SPECS
+from harness.trace.divergence import first_divergence
+from harness.trace.records import CollectiveRecord, read_trace
 
 
 class TwoLayers(torch.nn.Module):
@@ -120,16 +121,16 @@ SCENARIOS = {
 }
 
 
-# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.platforms).
+# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.platforms).
 FSDP2_CANNOT_RUN = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
 RUNNABLE = {name: body for name, body in SCENARIOS.items() if "fsdp2" not in name or FSDP2_CANNOT_RUN is None}
 
 
 def _run_scenarios(rank: int, world_size: int, out_dir: str) -> None:
     for name, body in RUNNABLE.items():
-        trace.begin_test(f"{out_dir}/{name}-{rank}.jsonl")
+        tracing.begin_test(f"{out_dir}/{name}-{rank}.jsonl")
         body(rank)
-        trace.end_test()
+        tracing.end_test()
         dist.barrier()
 
 
@@ -188,14 +189,14 @@ def test_a_record_that_cannot_be_built_becomes_a_note_and_the_call_runs(tmp_path
         calls.append(tensor)
         return "result"
 
-    traced = trace.wrap(collective, C10D_SPECS["all_reduce"])
-    path = tmp_path / "trace.jsonl"
-    trace.begin_test(str(path))
+    traced = tracing.wrap(collective, C10D_SPECS["all_reduce"])
+    path = tmp_path / "tracing.jsonl"
+    tracing.begin_test(str(path))
     try:
         assert traced(torch.ones(2)) == "result"
         assert traced(torch.ones(3)) == "result"
     finally:
-        trace.end_test()
+        tracing.end_test()
     assert len(calls) == 2
     assert capsys.readouterr().err.count("[harness] all_reduce not recorded") == 1  # kept in the report
     lines = [json.loads(line) for line in path.read_text().splitlines()]

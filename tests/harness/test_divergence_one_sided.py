@@ -11,8 +11,8 @@ import re
 
 import torch
 
-from conformance import platforms
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.suite import platforms
 from conftest import InnerSession, read_cases
 from tests.support.pytest_output import failure_sections
 
@@ -69,7 +69,7 @@ def test_fsdp2_conditional_submodule(rank):
         x = model[1](x)
     x.sum().backward()
 """
-# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.platforms).
+# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.platforms).
 FSDP2_CANNOT_RUN = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
 
 EXPECTED = {

@@ -23,7 +23,7 @@ GRACE = 2
 PYTEST_TIMEOUT = 3
 FLOOD = 50 * 2**20  # bytes a rank writes to stdout in test_g
 FLOOD_TAIL = b"\nlast line of the flood\n"
-CAPTURE = 256 * 1024  # bytes of each stream the parent keeps (harness.pool_session)
+CAPTURE = 256 * 1024  # bytes of each stream the parent keeps (harness.session.pool_session)
 
 MATRIX = rf"""
 import faulthandler, os, signal, subprocess, sys, threading, time
@@ -371,7 +371,7 @@ EXPECTED = {
         "failed", r".", r"^rank 1 was killed by SIGABRT \(6\), after raising ValueError: the Python error", DEATH_S
     ),
     "test_t_forked_child_holds_the_pipe": Expect("failed", r".", r"^rank 1 exited with code 3", DEATH_S),
-    "test_u_hang_in_collective": Expect(  # no collective timeout: its peer finished (harness.one_sided)
+    "test_u_hang_in_collective": Expect(  # no collective timeout: its peer finished (harness.trace.one_sided)
         "failed",
         r"stopped by the harness [\d.]+ s into the test: waited alone in collective #1 on group \[0, 1\]",
         r"ranks issued divergent collectives: collective #1 on group \[0, 1\]: rank 1 issued none",

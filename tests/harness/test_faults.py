@@ -1,4 +1,4 @@
-"""harness.faults: argument checks in-process; each action exercised on 2 spawned gloo ranks."""
+"""harness.rank.faults: argument checks in-process; each action exercised on 2 spawned gloo ranks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from test_trace import read_traces, spawn_ranks
 
-from harness import faults
-from harness.divergence import first_divergence
+from harness.rank import faults
+from harness.trace.divergence import first_divergence
 
 
 @pytest.fixture(autouse=True)

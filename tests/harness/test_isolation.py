@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import harness
-from harness.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
-from harness.worker import LEAKED_GROUP_LIMIT
+from harness.rank.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
+from harness.rank.worker import LEAKED_GROUP_LIMIT
 
 
 def _threads() -> int:
@@ -108,8 +108,8 @@ def test_4_fresh_world_gets_new_processes(rank: int, shared_dir: Path) -> None:
     # A new rank's first test: what it inherited from the zygote (torch and the preloaded
     # modules) is frozen, so its collections never traverse, and so never copy, that heap. (Where
     # the zygote cannot fork, on torch 2.6 whose preloads start a thread, ranks are spawned.)
-    with open("/proc/self/cmdline", "rb") as handle:  # a spawned worker runs `-m harness.worker`
-        forked = b"harness.worker" not in handle.read()
+    with open("/proc/self/cmdline", "rb") as handle:  # a spawned worker runs `-m harness.rank.worker`
+        forked = b"harness.rank.worker" not in handle.read()
     assert gc.get_freeze_count() > 100_000 or not forked, gc.get_freeze_count()
 
 

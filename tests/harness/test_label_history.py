@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch.nn as nn
 
-from harness import labels, tensor_names, torch_fsdp_labels, trace
+from harness.rank import labels, tensor_names, torch_fsdp_labels, tracing
 
 UNIT_LABEL = "unit.proj.weight, unit.proj.bias"
 
@@ -133,10 +133,10 @@ def test_fsdp_imported_in_an_earlier_test_is_labelled_from_the_start_of_the_next
     )
     for name in (torch_fsdp_labels._FSDP2, torch_fsdp_labels._FSDP1_RUNTIME):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    trace.begin_test(str(tmp_path / "trace.jsonl"))
+    tracing.begin_test(str(tmp_path / "tracing.jsonl"))
     try:
         model = Model()
         tensor_names.name_tensor(model)  # the unit's path, without a forward
         assert FlatParamHandle(model.unit).unshard() == UNIT_LABEL  # an unshard before any forward
     finally:
-        trace.end_test()
+        tracing.end_test()

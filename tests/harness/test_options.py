@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import InnerSession, leftover_processes
-from harness.devices import DevicePlan, DeviceTally, plan_devices
+from harness.config.devices import DevicePlan, DeviceTally, plan_devices
 
 BAD_MARKERS = {
     "world_size(0)": "world_size must be >= 1, got 0",
@@ -175,7 +175,7 @@ def test_the_zygote_refuses_to_fork_with_threads_or_cuda(monkeypatch: pytest.Mon
     zygote refuses (the launcher then spawns workers and the summary says why)."""
     import torch
 
-    from harness import zygote
+    from harness.process import zygote
 
     monkeypatch.setattr(zygote, "_threads", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

@@ -1,4 +1,4 @@
-"""Bad input is refused before the first test and never costs a verdict (harness.preflight).
+"""Bad input is refused before the first test and never costs a verdict (harness.config.preflight).
 
 Each case: the command, the exit status, the text a user sees. The checks run as root here, where
 permission bits do not stop a write, so a report location is made unusable the way root meets it
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import InnerSession
-from harness import preflight
+from harness.config import preflight
 
 FAILING = """
 import os, pytest

@@ -12,9 +12,10 @@ import pytest
 import torch.distributed as dist
 
 from conftest import InnerSession
-from harness import devices, rank_env
-from harness.devices import GpuReservation
-from harness.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
+from harness.config import devices
+from harness.config.devices import GpuReservation
+from harness.process import rank_env
+from harness.process.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
 from tests.support.warm_pytest import run_pytest
 
 TESTS = """
@@ -195,7 +196,7 @@ def test_agent_store_failure_is_kept_not_raised_in_its_thread(monkeypatch: pytes
 
 
 STORE_FAILS_CONFTEST = """
-import harness.rank_env as rank_env
+import harness.process.rank_env as rank_env
 
 def _no_store(listener, port):
     raise RuntimeError("injected: this torch cannot build the store")

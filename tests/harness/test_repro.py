@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-import conformance.plugin
+import conformance.suite.backend_plugin
 import harness.plugin
 from conftest import InnerSession, read_cases
-from harness import repro
+from harness.config import repro
 
-PLUGINS = [harness.plugin, conformance.plugin]
+PLUGINS = [harness.plugin, conformance.suite.backend_plugin]
 
 
 @dataclass

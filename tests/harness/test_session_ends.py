@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import InnerSession, read_cases, still_running, wait_for_no_leftovers
-from harness import processes
-from harness.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
+from harness.process import procfs
+from harness.process.reaper import hold_run_dir, run_dir_name, sweep_stale_run_dirs
 
 BODY = """
 import os, pathlib, subprocess, threading, time, pytest, torch, torch.distributed as dist
@@ -198,12 +198,12 @@ def test_the_next_session_sweeps_what_a_dead_session_left(tmp_path: Path) -> Non
     alive = tmp_path / f"{run_dir_name('a11ve0000000')}abc"
     alive.mkdir()
     owner = hold_run_dir(str(alive))
-    env = dict(os.environ, **{processes.SESSION_ENV: "deadbeef0000"})
+    env = dict(os.environ, **{procfs.SESSION_ENV: "deadbeef0000"})
     orphan = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     try:
         # Until it has exec'd, the child shows the parent's environment (no marker): under load
         # the sweep could run in that window and rightly miss it.
-        marker = f"{processes.SESSION_ENV}=deadbeef0000".encode()
+        marker = f"{procfs.SESSION_ENV}=deadbeef0000".encode()
         deadline = time.monotonic() + 10
         while marker not in Path(f"/proc/{orphan.pid}/environ").read_bytes().split(b"\0"):
             assert time.monotonic() < deadline, "the orphan never showed its session marker"
@@ -224,8 +224,8 @@ def test_the_state_and_flags_of_a_process_are_read_from_its_stat_line() -> None:
     sleeping = "4242 (python) S 1 4242 4242 0 -1 4194560 900 0 0 0 3 1 0 0 20 0 1 0"
     exiting = "4242 (python) R 1 4242 4242 0 -1 4194564 900 0 0 0 3 1 0 0 20 0 1 0"
     odd_name = "4242 (a) S (b) Z 1 4242 4242 0 -1 4194560 900 0 0 0 3 1 0 0 20 0 1 0"
-    assert processes.state_and_flags(sleeping) == ("S", 4194560)
-    state, flags = processes.state_and_flags(exiting)
+    assert procfs.state_and_flags(sleeping) == ("S", 4194560)
+    state, flags = procfs.state_and_flags(exiting)
     assert state == "R" and flags & 0x4
-    assert processes.state_and_flags(odd_name) == ("Z", 4194560)
-    assert processes.state_and_flags("garbage") is None
+    assert procfs.state_and_flags(odd_name) == ("Z", 4194560)
+    assert procfs.state_and_flags("garbage") is None

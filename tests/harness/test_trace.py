@@ -1,4 +1,4 @@
-"""harness.trace: trace file format, labels, and real collectives traced in 2 spawned gloo ranks.
+"""harness.rank.tracing: trace file format, labels, and real collectives traced in 2 spawned gloo ranks.
 
 `spawn_ranks` / `read_traces` are also used by test_divergence.py and test_faults.py.
 """
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conformance import platforms
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from harness import labels, trace
-from harness.divergence import first_divergence
-from harness.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
-from harness.tracefile import CollectiveRecord, read_trace
+from conformance.suite import platforms
+from harness.rank import labels, tracing
+from harness.rank.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
+from harness.trace.divergence import first_divergence
+from harness.trace.records import CollectiveRecord, read_trace
 
 
 def spawn_ranks(
@@ -47,7 +47,7 @@ def spawn_ranks(
 
 
 # Imported by the fork server before it forks any rank (the rank-side modules every body needs).
-multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "harness.trace"])
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "harness.rank.tracing"])
 
 
 def read_traces(directory: Path, world_size: int) -> dict[int, list[CollectiveRecord]]:
@@ -61,13 +61,13 @@ def _rank_main(
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    trace.install()
-    trace.begin_test(os.path.join(out_dir, f"trace-{rank}.jsonl"))
+    tracing.install()
+    tracing.begin_test(os.path.join(out_dir, f"trace-{rank}.jsonl"))
     try:
         body(rank, world_size, out_dir, *args)
     finally:
-        trace.end_test()
-    if GLOO_DESTRUCTOR_HOLDS_GIL:  # let gloo's workers drop their last tensors first (harness.isolation)
+        tracing.end_test()
+    if GLOO_DESTRUCTOR_HOLDS_GIL:  # let gloo's workers drop their last tensors first (harness.rank.isolation)
         time.sleep(0.2)
     dist.destroy_process_group()
     # torch's C++ threads sometimes abort ("terminate called without an active exception") in
@@ -95,7 +95,7 @@ def record(index: int, op: str = "all_reduce") -> CollectiveRecord:
 
 
 def test_read_trace_keeps_whole_lines_marks_completion_and_ignores_a_cut_last_line(tmp_path):
-    path = tmp_path / "trace.jsonl"
+    path = tmp_path / "tracing.jsonl"
     first, second = record(0), record(1, op="broadcast")
     path.write_text(first.to_json() + "\n" + '{"done":0}\n' + second.to_json() + "\n" + '{"rank":0,"ind')
     records = read_trace(str(path))
@@ -105,9 +105,9 @@ def test_read_trace_keeps_whole_lines_marks_completion_and_ignores_a_cut_last_li
 
 
 def test_read_trace_rejects_a_corrupt_line_before_the_end(tmp_path):
-    path = tmp_path / "trace.jsonl"
+    path = tmp_path / "tracing.jsonl"
     path.write_text("garbage\n" + record(0).to_json() + "\n")
-    with pytest.raises(ValueError, match=r"trace.jsonl:1: corrupt trace line"):
+    with pytest.raises(ValueError, match=r"tracing.jsonl:1: corrupt trace line"):
         read_trace(str(path))
 
 
@@ -164,10 +164,10 @@ def test_install_is_idempotent_and_reaches_early_imported_references():
     import torch.distributed._functional_collectives as funcol
     import torch.distributed.tensor._collective_utils as dtensor_collectives
 
-    trace.install()
+    tracing.install()
     wrapped = dist.all_reduce
-    trace.install()
-    assert trace.is_installed() and dist.all_reduce is wrapped and wrapped.__trace_original__ is not None
+    tracing.install()
+    assert tracing.is_installed() and dist.all_reduce is wrapped and wrapped.__trace_original__ is not None
     assert dist.distributed_c10d.all_reduce is wrapped
     assert dtensor_collectives.broadcast is dist.broadcast and hasattr(dist.broadcast, "__trace_original__")
     assert hasattr(funcol.all_gather_tensor, "__trace_original__")
@@ -176,8 +176,8 @@ def test_install_is_idempotent_and_reaches_early_imported_references():
 
 
 def test_known_ops_fold_aliases_into_canonical_names():
-    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "funcol.all_gather", "broadcast"} <= trace.KNOWN_OPS
-    assert not {"all_gather_single", "_all_gather_base", "reduce_scatter_single"} & trace.KNOWN_OPS
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "funcol.all_gather", "broadcast"} <= tracing.KNOWN_OPS
+    assert not {"all_gather_single", "_all_gather_base", "reduce_scatter_single"} & tracing.KNOWN_OPS
 
 
 # ------------------------------------------------------------------------ real collectives
@@ -202,7 +202,7 @@ def _assorted_collectives(rank: int, world_size: int, out_dir: str) -> None:
     dist.all_gather_object([None] * world_size, {"rank": rank})  # 2 one record
     singletons = [dist.new_group([r]) for r in range(world_size)]
     dist.all_reduce(torch.ones(2), group=singletons[rank])  # 3 group (rank,), seq 0
-    remove = trace.register_label_provider(lambda: "from provider")
+    remove = tracing.register_label_provider(lambda: "from provider")
     dist.broadcast(torch.ones(5), src=0)  # 4 label from provider
     remove()
     funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait()  # 5 funcol.all_reduce
@@ -272,7 +272,7 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_module_labels(tmp
     traces = spawn_ranks(_fsdp2_step, tmp_path)
     ops = [(r.op, r.label) for r in traces[0]]
     assert ops[:2] == [("all_gather_into_tensor", "layer1"), ("all_gather_into_tensor", "layer2")]
-    # Backward reduce-scatters run outside any forward: named by unit (harness.torch_fsdp_labels).
+    # Backward reduce-scatters run outside any forward: named by unit (harness.rank.torch_fsdp_labels).
     assert [label for op, label in ops if op == "reduce_scatter_tensor"] == [
         "layer2.0.weight, layer2.0.bias, layer2.2.weight, layer2.2.bias",
         "layer1.weight, layer1.bias",

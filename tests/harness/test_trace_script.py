@@ -1,9 +1,9 @@
-"""harness.trace_script: a plain torchrun script traced and diffed without any pytest test.
+"""harness.tools.trace_script: a plain torchrun script traced and diffed without any pytest test.
 
 One torchrun run (2 ranks): the ranks reduce two same-shaped tensors in swapped order from different
 lines, then rank 1 runs an extra all-reduce that rank 0 never issues. The one-sided wait is stopped
 in seconds (not at the collective timeout) and the diff names the swap; `--diff` reads it again.
-The ranks also dump torch's Flight Recorder (gloo), which harness.flight_recorder diffs the same way.
+The ranks also dump torch's Flight Recorder (gloo), which harness.tools.flight_recorder diffs the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import InnerSession
-from harness import flight_recorder, trace_script
-from harness.divergence import first_divergence
+from harness.tools import flight_recorder, trace_script
+from harness.trace.divergence import first_divergence
 
 SCRIPT = """
 import torch, torch.distributed as dist
@@ -31,7 +31,7 @@ if rank == 0:
 else:
     dist.all_reduce(correct)
     dist.all_reduce(loss_sum)
-import os, torch._C._distributed_c10d as c10d  # Flight Recorder's dump, for harness.flight_recorder
+import os, torch._C._distributed_c10d as c10d  # Flight Recorder's dump, for harness.tools.flight_recorder
 with open(f"fr/trace_rank_{rank}", "wb") as dump:  # gloo has a Flight Recorder from torch 2.7
     dump.write(c10d._dump_fr_trace(True, True, False) if hasattr(c10d, "_dump_fr_trace") else b"")
 if rank == 1:
@@ -54,7 +54,7 @@ def test_a_torchrun_script_is_traced_diffed_and_its_one_sided_wait_stopped(inner
     (inner.directory / "fr").mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-    command += ["-m", "harness.trace_script", "--trace-dir", "traces", "train.py"]
+    command += ["-m", "harness.tools.trace_script", "--trace-dir", "traces", "train.py"]
     started = time.monotonic()
     env = {**inner.env(), "TORCH_FR_BUFFER_SIZE": "64"}  # Flight Recorder on, as a user would for a hang
     result = subprocess.run(
@@ -63,7 +63,7 @@ def test_a_torchrun_script_is_traced_diffed_and_its_one_sided_wait_stopped(inner
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert "harness.trace_script: stopped: waited alone in collective #3 on group [0, 1]" in output, output
+    assert "harness.tools.trace_script: stopped: waited alone in collective #3 on group [0, 1]" in output, output
     assert SWAP in output and "unfinished collectives: rank 1 in collective #3" in output, output
     assert elapsed < 60, f"{elapsed:.0f} s: the one-sided wait should not last the collective timeout"
     table = (inner.directory / "traces" / "diff.txt").read_text()

@@ -1,4 +1,4 @@
-"""harness.verdict on fabricated results: the outcome of N ranks and the warm pool's reuse rule."""
+"""harness.session.verdict on fabricated results: the outcome of N ranks and the warm pool's reuse rule."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 from test_divergence import rec
 
-from harness import verdict
 from harness.messages import RankLoss, RankOutcome
-from harness.reports import rank_cases
-from harness.tracefile import CollectiveRecord, last_unfinished
-from harness.verdict import decide, world_reusable
+from harness.report.results import rank_cases
+from harness.session import verdict
+from harness.session.verdict import decide, world_reusable
+from harness.trace.records import CollectiveRecord, last_unfinished
 
 
 def outcome(rank: int, status: str = "passed", sync_state: tuple[int, int] = (3, 1), summary: str = "") -> RankOutcome:
@@ -87,7 +87,7 @@ def test_each_rank_case_has_that_rank_s_own_duration_lost_ranks_included() -> No
 
 
 def test_each_rank_s_case_is_reconciled_with_the_verdict_once() -> None:
-    """What every report plugin receives (harness.reports.rank_cases): the verdict as each rank's
+    """What every report plugin receives (harness.report.results.rank_cases): the verdict as each rank's
     status, the rank's own story as its message and text; a rank without a result gets the verdict."""
     lost = RankLoss(2, "was killed by SIGKILL (9)", raised="ValueError: boom\nTraceback: here")
     results = {0: outcome(0), 1: outcome(1, "failed", summary="AssertionError: no"), 2: lost}

@@ -8,7 +8,7 @@ import pytest
 
 import fixtures
 from conftest import InnerSession
-from harness.world_sizes import (
+from harness.config.world_sizes import (
     DEFAULT_WORLD_SIZES,
     SessionWorldSizes,
     WorldShape,

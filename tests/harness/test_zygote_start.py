@@ -1,5 +1,5 @@
 """How the session's zygote starts: forked from pytest where that gives what a cold start gives,
-a new interpreter otherwise (see [Note: a zygote forked from pytest] in harness.zygote_fork).
+a new interpreter otherwise (see [Note: a zygote forked from pytest] in harness.process.zygote_fork).
 
 Each inner session leaves state behind in pytest before its first distributed test (a module
 global, a signal handler, an open file); a rank must see none of it, however its zygote started.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import zygote_fork
+from harness.process import zygote_fork
 from tests.harness.conftest import InnerSession
 
 # The ranks read their zygote's log through its stderr (fd 2): its first line says how it started.
@@ -106,7 +106,7 @@ def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, t
     """No memory or process slot for a copy of pytest: the zygote starts as a new interpreter."""
     import errno
 
-    from harness import launcher
+    from harness.process import launcher
 
     def no_fork() -> int:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
@@ -128,5 +128,5 @@ def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, t
     client = launcher._ZygoteClient(str(tmp_path), {}, ())
     client._sock.close()
     assert client.cold_reason.startswith("forking pytest failed") and "Cannot allocate memory" in client.cold_reason
-    assert started and started[0][1:3] == ["-m", "harness.zygote"]
+    assert started and started[0][1:3] == ["-m", "harness.process.zygote"]
     assert (tmp_path / "zygote.log").read_text().startswith("zygote: started cold, as a new interpreter: forking")

@@ -1,0 +1,107 @@
+"""Protocol versions: what each added, and what an adapter written for an older one misses.
+
+An adapter states the version it was written for (``BackendAdapter.PROTOCOL_VERSION``; unstated
+means 1). An older adapter keeps running: capabilities added since are simply not declared (the
+scenarios needing them skip as unsupported), hooks added since run with their defaults, facts
+added since are held to the seeds'. The conformance plugin turns :func:`shortfall` into one
+warning per backend at the end of the run, with the number of scenarios it cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.protocol import PROTOCOL_VERSION, BackendAdapter, Capability
+
+
+@dataclass(frozen=True)
+class Additions:
+    """What one protocol version added."""
+
+    capabilities: frozenset[Capability] = frozenset()
+    hooks: tuple[str, ...] = ()  # optional methods with defaults
+    facts: tuple[str, ...] = ()  # declared class attributes with defaults (the seeds')
+
+
+# Version 1: the first published protocol (forms, the four FSDP strategies, mixed precision,
+# offload, ignored modules, flat parameters, unshard options, state dicts, exec order, 2-D,
+# introspection).
+ADDED: dict[int, Additions] = {
+    2: Additions(
+        capabilities=frozenset(
+            {Capability.UNITS, Capability.UNMANAGED_ROOT, Capability.MIXED_STRATEGIES, Capability.SHARD_OPTIM_STATE}
+        ),
+        hooks=(
+            "make_optimizer",
+            "zero_grad",
+            "backward",
+            "step",
+            "local_shard",
+            "set_local_shard",
+            "local_grad_shard",
+            "set_local_grad_shard",
+            "mixed_precision_dtypes",
+            "collective_label",
+            "close",
+        ),
+    ),
+    3: Additions(
+        capabilities=frozenset({Capability.NATIVE_CHECKPOINT}),
+        facts=("FLAT_PARAMETER_NAME", "REFUSALS", "MIXED_PRECISION_UNSHARD"),
+    ),
+    # Seed strength (issue 23): exact storage sizes, raw names, the 2-D layout of non-TP values.
+    4: Additions(
+        capabilities=frozenset({Capability.INTROSPECT_STORAGE}),
+        facts=("SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX", "NON_TP_2D_STATE_DICT_MESH"),
+    ),
+}
+assert max(ADDED) == PROTOCOL_VERSION, "conformance.protocol.versions.ADDED must describe every protocol version"
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """What an adapter written for ``version`` does not declare of what later versions added."""
+
+    version: int
+    capabilities: frozenset[Capability] = frozenset()
+    hooks: tuple[str, ...] = ()
+    facts: tuple[str, ...] = ()
+
+    def costs(self, skip_reason: str) -> bool:
+        """Whether a test skipped with ``skip_reason`` was lost to an undeclared capability."""
+        return skip_reason.startswith("unsupported: ") and any(
+            capability.value in skip_reason for capability in self.capabilities
+        )
+
+    def describe(self, name: str, cost: int) -> str:
+        parts = []
+        if self.capabilities:
+            listed = ", ".join(sorted(c.name for c in self.capabilities))
+            parts.append(
+                f"does not declare the capabilities {listed} ({cost} scenarios skipped as unsupported for them)"
+            )
+        if self.hooks:
+            parts.append(f"runs the default {', '.join(self.hooks)}")
+        if self.facts:
+            parts.append(f"is held to the seeds' {', '.join(self.facts)}")
+        return (
+            f"backend {name!r} was written for protocol version {self.version} (current: {PROTOCOL_VERSION}): it "
+            + "; it ".join(parts)
+            + f". Review docs/writing-an-adapter.md, declare what it has and set PROTOCOL_VERSION = {PROTOCOL_VERSION}"
+        )
+
+
+def shortfall(adapter_cls: type[BackendAdapter]) -> Shortfall | None:
+    """None for an adapter written for the current protocol."""
+    version = adapter_cls.PROTOCOL_VERSION
+    if version >= PROTOCOL_VERSION:
+        return None
+    later = [ADDED[v] for v in range(version + 1, PROTOCOL_VERSION + 1)]
+    capabilities = frozenset().union(*(a.capabilities for a in later)) - adapter_cls.CAPABILITIES
+    hooks = tuple(
+        hook for a in later for hook in a.hooks if getattr(adapter_cls, hook) is getattr(BackendAdapter, hook)
+    )
+    facts = tuple(
+        fact for a in later for fact in a.facts if getattr(adapter_cls, fact) is getattr(BackendAdapter, fact)
+    )
+    return Shortfall(version, capabilities, hooks, facts)

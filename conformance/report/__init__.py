@@ -1,0 +1,1 @@
+"""The conformance reports: the matrix (markdown) and the HTML page."""

@@ -1,0 +1,1 @@
+"""The suite's machinery: backend selection, expectations, session gate, vacuity, the rank-side backend fixture."""

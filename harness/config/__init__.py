@@ -1,0 +1,1 @@
+"""Parent side: options and decisions made before tests run (devices, world sizes, preflight, repro, signals)."""

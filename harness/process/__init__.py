@@ -1,0 +1,1 @@
+"""Parent side: the OS processes of a run (pool, launcher, zygote, reaper, rank environment, GPU locks)."""

@@ -1,0 +1,392 @@
+"""A warm pool of N rank processes of one kind: start, dispatch one test, wait with deadlines, kill.
+
+The pool owns the ranks' lifetimes and nothing else: it knows nothing about pytest. Its workers come
+from a `harness.process.launcher.WorkerLauncher` (forked by the session's zygote, or spawned), and become
+ranks here: each gets torchrun's environment (`harness.process.rank_env`), whose MASTER_PORT is a TCPStore
+the parent hosts on an OS-assigned loopback port, and a `WorkerConfig` that points it at a
+FileStore in the pool's private directory, so concurrent sessions on one machine never collide.
+
+`WorkerPool.run` is one test: `_dispatch` sends the task to every rank, `_wait` collects their
+results (a failed rank leaves the others only the straggler grace; `hopeless` may end the wait
+early), and the ranks that never answered are classified (`_Progress.unfinished_cause`) and lost
+with their Python stacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from harness.config.devices import DeviceKind, GpuReservation
+from harness.messages import RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
+from harness.process import procfs
+from harness.process.launcher import LOG_TAIL_BYTES, WorkerLauncher, WorkerProcess, describe_exit
+from harness.process.rank_env import AgentStore, rank_environment
+from harness.process.rank_files import RankFiles
+from harness.text import describe_exception, read_tail
+
+_POLL_S = 0.1  # how often exit status is polled where the kernel gives no pidfd to wait on
+_HOPELESS_POLL_S = 0.25  # how often `hopeless` is asked while ranks are pending
+# How a hung rank's stacks are quoted (the tail of faulthandler's dump of every thread).
+_STACKS_TAIL_BYTES = 20000
+# How long a hung rank gets to answer SIGUSR1 with its stacks. A rank answers in milliseconds
+# (faulthandler writes from its C signal handler, whatever Python is doing); the bound only
+# matters for one that cannot. On Ctrl-C / SIGTERM it is shorter: the session must stop in
+# seconds, and CI's cancellation grace (often 10 s before SIGKILL) must cover the whole clean-up.
+_STACKS_WAIT_S = 2.0
+_STACKS_WAIT_ON_SIGNAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    world_size: int
+    device_kind: DeviceKind
+    collective_timeout_s: float
+
+
+class PoolStartError(RuntimeError):
+    pass
+
+
+class _RankProcess:
+    def __init__(self, rank: int, worker: WorkerProcess, files: RankFiles) -> None:
+        self.rank = rank
+        self.worker = worker
+        self.files = files
+        self.dispatched_at: float | None = None
+        """When the current task was sent (time.monotonic); a lost rank's duration counts from it."""
+
+    @property
+    def to_rank(self) -> Connection:
+        return self.worker.to_worker
+
+    @property
+    def from_rank(self) -> Connection:
+        return self.worker.from_worker
+
+    def exit_code(self, timeout_s: float = 5.0) -> int | None:
+        return self.worker.exit_code(timeout_s)
+
+    def lost(self, cause: str, stacks: str = "") -> RankLoss:
+        """A RankLoss with the exception the test raised on this rank before, if it noted one, and how
+        long the rank had been running the test when it was found lost (dead, or about to be killed)."""
+        raised = ""
+        with contextlib.suppress(OSError), open(self.files.raised, encoding="utf-8", errors="replace") as handle:
+            raised = handle.read()
+        duration_s = 0.0 if self.dispatched_at is None else time.monotonic() - self.dispatched_at
+        return RankLoss(self.rank, cause, stacks, raised, duration_s)
+
+    def collect(self) -> RankResult:
+        """The rank's outcome if it sent one, else how it was lost (call once it answered or exited)."""
+        if self.worker.exited():
+            # Dead: never block on the pipe. See [Note: a rank's death] in harness.process.launcher.
+            os.set_blocking(self.from_rank.fileno(), False)
+        try:
+            if self.from_rank.poll():
+                result: RankResult = self.from_rank.recv()
+                return result
+        except (EOFError, OSError):
+            pass
+        return self.lost(describe_exit(self.exit_code()))
+
+
+@dataclass
+class _Progress:
+    """One test across the ranks while `WorkerPool.run` waits: who answered, who is pending, and the
+    clocks that decide how long the pending ones get and why they are lost."""
+
+    deadline_s: float
+    straggler_grace_s: float
+    started: float
+    results: dict[int, RankResult]
+    pending: dict[int, _RankProcess]
+    failed_at: float | None = None
+    """When the first rank failed or was lost: the others get `straggler_grace_s` from then."""
+    gave_up: str | None = None
+    """Why `hopeless` judged the pending ranks unable to finish, if it did."""
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.deadline_s
+
+    def limit(self) -> float:
+        """Until when the pending ranks are waited for: the test deadline, or the grace after a failure."""
+        if self.failed_at is None:
+            return self.deadline
+        return min(self.deadline, self.failed_at + self.straggler_grace_s)
+
+    def note(self, rank: int, result: RankResult) -> None:
+        self.results[rank] = result
+        if self.failed_at is None and (isinstance(result, RankLoss) or result.status == "failed"):
+            self.failed_at = time.monotonic()
+
+    def unfinished_cause(self) -> str:
+        """Why the ranks still pending when the wait ended are lost."""
+        waited = time.monotonic() - self.started
+        if self.gave_up is not None:
+            return f"stopped by the harness {waited:.1f} s into the test: {self.gave_up}"
+        if self.failed_at is not None and self.failed_at + self.straggler_grace_s < self.deadline:
+            return (
+                f"hung: still running {waited:.1f} s into the test, "
+                f"{self.straggler_grace_s:g} s after another rank failed"
+            )
+        return f"hung: no result within the {self.deadline_s:g} s test deadline"
+
+
+class WorkerPool:
+    """N warm ranks of one (world size, device, timeout) kind."""
+
+    def __init__(
+        self,
+        key: PoolKey,
+        run_dir: str,
+        rank_fixture_modules: tuple[str, ...],
+        session_tag: str,
+        label_providers: tuple[str, ...] = (),
+        launcher: WorkerLauncher | None = None,
+    ) -> None:
+        self.key = key
+        self.run_dir = run_dir
+        self._rank_fixture_modules = rank_fixture_modules
+        self._label_providers = label_providers
+        self._session_tag = session_tag
+        self._own_launcher = launcher is None
+        self._launcher = launcher or WorkerLauncher(run_dir, session_tag)
+        self._ranks: list[_RankProcess] = []
+        self._agent_store: AgentStore | None = None
+        self._gpus: GpuReservation | None = None
+        self.interrupted_results: dict[int, RankResult] | None = None
+        """Set when `run` was interrupted (Ctrl-C, pytest-timeout): what each rank had done by then."""
+
+    @property
+    def agent_store_failure(self) -> str | None:
+        """Why this pool's MASTER_ADDR:MASTER_PORT store could not be built, or None."""
+        return self._agent_store.failure if self._agent_store is not None else None
+
+    def rank_files(self, rank: int) -> RankFiles:
+        return RankFiles(self.run_dir, rank)
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.worker.pid for proc in self._ranks]
+
+    @property
+    def launcher(self) -> WorkerLauncher:
+        return self._launcher
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if self.key.device_kind == "cuda":
+            try:
+                self._gpus = GpuReservation(self.key.world_size)
+            except RuntimeError as error:
+                raise PoolStartError(str(error)) from None
+        # The zygote first: the store's threads would make forking pytest for it unsafe.
+        self._launcher.start_zygote()
+        self._agent_store = AgentStore()
+        try:
+            for rank in range(self.key.world_size):
+                self._ranks.append(self._spawn(rank))
+            self._await_ready(timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self, rank: int) -> _RankProcess:
+        files = RankFiles(self.run_dir, rank)
+        assert self._agent_store is not None
+        full = rank_environment(
+            os.environ,
+            rank=rank,
+            world_size=self.key.world_size,
+            master_port=self._agent_store.port,
+            cuda_devices=self._gpus.names if self._gpus is not None else None,
+        )
+        # Only what differs from the session's environment travels: the zygote and spawned
+        # workers start from the session's (`session_environment` drops what a rank must not see).
+        rank_env = {key: value for key, value in full.items() if os.environ.get(key) != value}
+        proc = _RankProcess(rank, self._launcher.launch(rank_env), files)
+        proc.to_rank.send(
+            WorkerConfig(
+                rank=rank,
+                world_size=self.key.world_size,
+                local_rank=rank,
+                device_kind=self.key.device_kind,
+                store_path=os.path.join(self.run_dir, "store"),
+                collective_timeout_s=self.key.collective_timeout_s,
+                run_dir=self.run_dir,
+                sys_path=list(sys.path),
+                rank_fixture_modules=self._rank_fixture_modules,
+                label_providers=self._label_providers,
+            )
+        )
+        return proc
+
+    def _await_ready(self, timeout_s: float) -> None:
+        waiting = {proc.from_rank: proc for proc in self._ranks}
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = sorted(proc.rank for proc in waiting.values())
+                raise PoolStartError(f"ranks {ranks} did not join the world within {timeout_s:.0f} s")
+            for conn in ready:
+                proc = waiting.pop(conn)
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    raise PoolStartError(
+                        f"rank {proc.rank} {describe_exit(proc.exit_code())} during start-up:\n"
+                        f"{read_tail(proc.worker.log, LOG_TAIL_BYTES)}{read_tail(proc.files.stderr, LOG_TAIL_BYTES)}"
+                    ) from None
+                assert isinstance(message, WorkerReady), message
+
+    def run(
+        self,
+        task: TestTask,
+        deadline_s: float,
+        straggler_grace_s: float,
+        hopeless: Callable[[set[int], set[int]], str | None] | None = None,
+    ) -> dict[int, RankResult]:
+        """Run `task` on every rank; ranks that neither answer nor die in time are reported hung.
+
+        `hopeless(finished ranks, waiting ranks)`, asked every 0.25 s while ranks are pending, may
+        end the wait early with the reason the waiting ranks can never finish (`harness.trace.one_sided`).
+
+        Once a rank has failed, the others get only `straggler_grace_s` more: a failed rank
+        usually leaves its peers blocked in a collective, and waiting for the collective
+        timeout would only delay the report.
+
+        If the wait is interrupted (KeyboardInterrupt or SessionTerminated for Ctrl-C and SIGTERM,
+        pytest-timeout's exception), the exception propagates after `interrupted_results` is set:
+        the ranks that answered, and the others as lost, with their Python stacks (when a CI job
+        is cancelled because it hung, those stacks are the evidence; a signal gets a shorter wait
+        for them, so the session still stops in about a second).
+        """
+        self.interrupted_results = None
+        progress = self._dispatch(task, deadline_s, straggler_grace_s)
+        try:
+            self._wait(progress, hopeless)
+        except BaseException as error:
+            self.interrupted_results = self._lose_interrupted(progress, error)
+            raise
+        if progress.pending:
+            stacks = self._dump_stacks(list(progress.pending.values()))
+            cause = progress.unfinished_cause()  # after the stacks: the time waited includes them
+            for proc in progress.pending.values():
+                progress.results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
+        return dict(sorted(progress.results.items()))
+
+    def _dispatch(self, task: TestTask, deadline_s: float, straggler_grace_s: float) -> _Progress:
+        """Send `task` to every rank; a rank whose pipe is already closed is lost at once."""
+        results: dict[int, RankResult] = {}
+        pending: dict[int, _RankProcess] = {}
+        for proc in self._ranks:
+            with contextlib.suppress(OSError):
+                os.truncate(proc.files.raised, 0)
+            proc.dispatched_at = time.monotonic()
+            try:
+                proc.to_rank.send(task)
+                pending[proc.rank] = proc
+            except OSError:
+                results[proc.rank] = proc.lost(describe_exit(proc.exit_code()))
+        started = time.monotonic()
+        failed_at = started if results else None  # a rank lost at dispatch starts the straggler grace
+        return _Progress(deadline_s, straggler_grace_s, started, results, pending, failed_at)
+
+    @staticmethod
+    def _wait(progress: _Progress, hopeless: Callable[[set[int], set[int]], str | None] | None) -> None:
+        """Collect results until every rank answered, `hopeless` gave up, or the time limit passed."""
+        # Each pending rank is waited on through its result pipe and its process (pidfd, or
+        # polling). See [Note: a rank's death] in harness.process.launcher.
+        while progress.pending and progress.gave_up is None:
+            limit = progress.limit()
+            waitables: dict[object, _RankProcess] = {}
+            polled = False
+            for proc in progress.pending.values():
+                waitables[proc.from_rank] = proc
+                if proc.worker.pidfd is not None:
+                    waitables[proc.worker.pidfd] = proc
+                else:
+                    polled = True
+            timeout = max(0.0, limit - time.monotonic())
+            if polled or hopeless is not None:
+                timeout = min(timeout, _POLL_S if polled else _HOPELESS_POLL_S)
+            ready = wait(list(waitables), timeout=timeout)
+            answered = {waitables[obj].rank for obj in ready}
+            if polled:
+                answered |= {rank for rank, proc in progress.pending.items() if proc.worker.exited()}
+            if not answered and hopeless is not None:
+                progress.gave_up = hopeless(set(progress.results), set(progress.pending))
+            if not answered:
+                if time.monotonic() >= limit:
+                    return
+                continue
+            for rank in sorted(answered):
+                progress.note(rank, progress.pending.pop(rank).collect())
+
+    def _lose_interrupted(self, progress: _Progress, error: BaseException) -> dict[int, RankResult]:
+        """Every rank's result when `error` interrupted the wait: the pending ones lost, with their stacks."""
+        lost = list(progress.pending.values())
+        wait_s = _STACKS_WAIT_ON_SIGNAL_S if isinstance(error, KeyboardInterrupt) else _STACKS_WAIT_S
+        try:
+            stacks = self._dump_stacks(lost, wait_s)
+        except (KeyboardInterrupt, OSError):
+            # A second Ctrl-C where no signal guard holds it, or the run directory is gone:
+            # the losses are still reported, without stacks.
+            stacks = {}
+        cause = f"was still running when the pytest process stopped the test ({describe_exception(error)})"
+        for proc in lost:
+            progress.results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
+        return dict(sorted(progress.results.items()))
+
+    def _dump_stacks(self, procs: list[_RankProcess], wait_s: float = _STACKS_WAIT_S) -> dict[int, str]:
+        """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before they are killed."""
+        for proc in procs:
+            # Empty the file first: the rank holds it in append mode, so its dump starts at
+            # offset 0 and a non-zero size below means this dump has begun.
+            open(proc.files.stacks, "w").close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.worker.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + wait_s
+        for proc in procs:
+            while time.monotonic() < deadline and os.path.getsize(proc.files.stacks) == 0:
+                time.sleep(0.02)
+        time.sleep(0.05)  # let faulthandler finish writing every thread (once for all ranks)
+        return {
+            proc.rank: read_tail(proc.files.stacks, _STACKS_TAIL_BYTES) or "(no stack: the rank did not answer SIGUSR1)"
+            for proc in procs
+        }
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Polite shutdown (ranks leave their process group), then kill whatever remains."""
+        for proc in self._ranks:
+            with contextlib.suppress(OSError):
+                proc.to_rank.send(Shutdown())
+        deadline = time.monotonic() + timeout_s
+        for proc in self._ranks:
+            proc.worker.exit_code(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        markers = [f"{procfs.PROCESS_ENV}={self._session_tag}.{proc.worker.serial}" for proc in self._ranks]
+        for proc in self._ranks:
+            proc.worker.kill()
+        # Descendants of ranks that had died before (re-parented to init, out of every tree).
+        if markers:
+            procfs.kill(procfs.marked_processes(markers))
+        self._ranks.clear()
+        if self._agent_store is not None:
+            self._agent_store.close()
+            self._agent_store = None
+        if self._own_launcher:
+            self._launcher.close()
+        if self._gpus is not None:
+            self._gpus.release()
+            self._gpus = None

@@ -1,0 +1,193 @@
+"""Runs one test body inside a rank: the part shared by warm workers and torchrun lockstep mode.
+
+It imports the test module (with pytest's assertion rewriting), resolves rank fixtures, wraps the
+body in per-test isolation and the collective trace, and turns whatever happened into a
+`RankOutcome`. It never lets an exception escape: a failing body is a result, not a crash, and
+an exception of any shape (one whose `__str__` raises included) is described safely; a failure of
+the harness's own steps is a failed outcome that asks for the rank to be replaced.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from harness.messages import RankOutcome, Status, TestTask
+from harness.rank import faults, fixtures, tracing
+from harness.rank.isolation import TestIsolation
+from harness.rank.labels import load_label_providers
+from harness.text import clip, describe_exception
+
+_TRACEBACK_LIMIT = 256 * 1024  # characters of one rank's failure text sent to the parent
+
+
+def import_test_module(name: str, file: str) -> ModuleType:
+    """Import a test module with pytest's assertion rewriting, as the parent did."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == file:
+        return module
+    package = name.rpartition(".")[0]
+    if package:
+        importlib.import_module(package)
+    source = Path(file).read_bytes()
+    tree = ast.parse(source, filename=file)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, file)
+    except ImportError:
+        pass  # plain asserts still fail, only with less detail
+    code = compile(tree, file, "exec", dont_inherit=True)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None, f"cannot build an import spec for {file}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve_callable(task: TestTask) -> Callable[..., Any]:
+    obj: Any = import_test_module(task.module_name, task.module_file)
+    for part in task.qualname.split("."):
+        obj = getattr(obj, part)
+        if isinstance(obj, type):
+            obj = obj()  # a test class: methods run on a fresh instance, as in pytest
+    return obj
+
+
+def format_failure(error: BaseException) -> str:
+    """Traceback without the runner's own frames: the user's code is what matters."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    try:
+        text = "".join(traceback.format_exception(type(error), error, tb))
+    except Exception as failure:  # noqa: BLE001 - formatting a foreign exception must not fail the rank
+        text = f"{describe_exception(error)}\n(its traceback could not be formatted: {describe_exception(failure)})"
+    return clip(text, _TRACEBACK_LIMIT)
+
+
+class TestRunner:
+    """Executes tasks for one rank; holds what must persist across tests (isolation baseline)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        rank_fixture_modules: tuple[str, ...],
+        label_providers: tuple[str, ...],
+        trace_path: str,
+        raised_path: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.rank_fixture_modules = rank_fixture_modules
+        self.trace_path = trace_path
+        self.raised_path = raised_path
+        tracing.install()
+        load_label_providers(label_providers)
+        self.isolation = TestIsolation()
+
+    def run(self, task: TestTask) -> RankOutcome:
+        started = time.perf_counter()
+        try:
+            return self._run(task, started)
+        except BaseException as error:  # noqa: BLE001 - the harness's own steps failed, not the body
+            summary = f"harness error on rank {self.rank}: {describe_exception(error)}"
+            return RankOutcome(
+                rank=self.rank,
+                status="failed",
+                duration_s=time.perf_counter() - started,
+                summary=summary,
+                traceback=format_failure(error),
+                replace_reason=summary,
+            )
+
+    def _run(self, task: TestTask, started: float) -> RankOutcome:
+        # Order matters. Isolation brackets everything; the trace brackets the body and the rank
+        # fixtures' setup and teardown (their collectives belong to the test, and a fixture that
+        # diverges is found like a body that does). Faults are read and disarmed in `finally`,
+        # whatever the body did, so a fault armed but not fired never reaches the next test.
+        self.isolation.enter(task.seed)
+        tracing.begin_test(self.trace_path)
+        try:
+            # In its own frame: by the time isolation runs, nothing of the test (its arguments,
+            # fixture values, the body's function) is referenced from here, so what it built is
+            # garbage that isolation can collect, not state that lives into the next test.
+            status, summary, failure = self._execute(task)
+        finally:
+            tracing.end_test()
+            injected = faults.active_faults()
+            faults.clear()
+        sync_state, replace_reason = self.isolation.exit()
+        return RankOutcome(
+            rank=self.rank,
+            status=status,
+            duration_s=time.perf_counter() - started,
+            summary=summary,
+            traceback=failure,
+            sync_state=sync_state,
+            injected_faults=injected,
+            replace_reason=replace_reason,
+        )
+
+    def _execute(self, task: TestTask) -> tuple[Status, str, str]:
+        """Resolve the rank fixtures, run the body, tear the fixtures down: (status, summary, traceback)."""
+        try:
+            with ExitStack() as teardown:
+                for module in self.rank_fixture_modules:
+                    importlib.import_module(module)
+                test = resolve_callable(task)
+                ctx = fixtures.RankContext(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    device=self.device,
+                    params=task.params,
+                    options=task.options,
+                )
+                kwargs = dict(task.call_kwargs)
+                try:
+                    kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
+                    test(**kwargs)
+                except BaseException as error:
+                    # Noted before the fixtures' teardown runs: a teardown that aborts the process
+                    # (gloo's SIGABRT on a mismatched collective) must not take the cause with it.
+                    self._note_raised(error)
+                    raise
+        except pytest.skip.Exception as skip:
+            return "skipped", str(skip.msg), ""
+        except pytest.xfail.Exception as xfail:
+            return "xfailed", str(xfail.msg), ""
+        except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
+            return "failed", describe_exception(error), format_failure(error)
+        return "passed", "", ""
+
+    def _note_raised(self, error: BaseException) -> None:
+        if self.raised_path is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
+            return
+        try:
+            with open(self.raised_path, "w", encoding="utf-8", errors="replace") as handle:
+                handle.write(f"{describe_exception(error)}\n{format_failure(error)}")
+        except OSError:
+            pass  # the outcome still carries the failure if the rank survives

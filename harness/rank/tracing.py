@@ -1,0 +1,512 @@
+"""Rank side of the collective trace: wraps torch.distributed's entry points and records each call.
+
+Why a trace: torch's own checks catch a divergent collective only when op, shape or dtype differ.
+A *same-shape* mismatch (rank 0 all-gathers layer1 while rank 1 all-gathers layer2) silently
+corrupts weights. Recording what each rank issued, with a semantic label (`harness.rank.labels`), lets
+the parent diff the ranks after the test (`harness.trace.divergence`), even after a rank was SIGKILLed
+or hung. The records and their file are `harness.trace.records`; the parent reads only that module.
+
+Where the trace hooks in (and why there):
+  * The Python entry points of `torch.distributed.distributed_c10d` (re-exported as
+    `torch.distributed.*`) and of `torch.distributed._functional_collectives` are replaced by
+    thin wrappers. FSDP1 (`dist.all_gather_single` / `dist.all_gather_into_tensor`,
+    `dist.reduce_scatter_*`, `dist.all_reduce`), FSDP2 (`_fsdp_collectives`: `dist.all_gather_single`,
+    `dist.reduce_scatter_single`, `dist.all_reduce`, and the `*_into_tensor` / `*_tensor` names on
+    older torch) and DTensor (`funcol.all_gather_single`, `funcol.reduce_scatter_single`,
+    `funcol.all_reduce`, ...) all look these functions up as module attributes at call time.
+    Modules that bound a function early (`from torch.distributed.distributed_c10d import broadcast`,
+    as DTensor's `_collective_utils` does) are found by scanning `sys.modules` for same-named
+    references to the original function and rebinding them.
+  * Patching `ProcessGroup` methods instead was rejected: functional collectives reach the C++
+    process group through the dispatcher (`torch.ops._c10d_functional.*`), never through the
+    Python-visible methods, so DTensor traffic would be missed; and a dispatcher-level mode
+    would tax every tensor op, not just collectives.
+  * `torch.distributed._broadcast_coalesced` (used to sync module states) is wrapped too.
+    Collectives issued from C++ alone (DDP's reducer) are not seen.
+A collective that is implemented by calling another traced entry point (e.g.
+`all_gather_into_tensor` delegating to `all_gather_single`, `all_gather_object` using
+`all_gather`) is recorded once, as the outermost call, thanks to a per-thread re-entrancy flag.
+Aliases are recorded under one canonical name (`harness.rank.collective_ops`) so ranks that spell an
+op differently compare equal. Under `torch.compile` tracing the wrappers step aside and call the
+original function, so Dynamo still sees the functions it knows.
+
+Besides op, group, shapes and dtypes, a record carries what makes a collective's identity
+(`harness.trace.divergence` compares it): the label, the names of the tensors for ops whose members pass
+the same logical tensor (`harness.rank.tensor_names`), the user's call site (`harness.rank.call_sites`), and
+the root rank and reduction every member must agree on. Building a record never raises into the
+caller: a failure becomes a `{"note": ...}` line in the trace and the call runs as if untraced.
+
+The wrapper is also the one interception point for fault injection: `set_interceptor` installs a
+callback that sees each record first and may issue the call its own way (`harness.rank.faults`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from harness.rank import call_sites, labels, tensor_names
+from harness.rank.collective_ops import (
+    BROADCAST_COALESCED,
+    BROADCAST_COALESCED_PARAMS,
+    C10D_SPECS,
+    FUNCOL_SPECS,
+    KNOWN_OPS,
+    OpSpec,
+)
+from harness.rank.labels import register_label_provider
+from harness.trace.records import P2P_SEND_OPS, CollectiveRecord, done_line, note_line, record_line
+
+__all__ = [
+    "KNOWN_OPS",
+    "CollectiveCall",
+    "CollectiveRecord",
+    "Interceptor",
+    "Runner",
+    "begin_test",
+    "end_test",
+    "install",
+    "is_installed",
+    "register_label_provider",
+    "set_interceptor",
+    "wrap",
+]
+
+
+@dataclass
+class CollectiveCall:
+    """A collective about to be issued, as handed to an interceptor's runner (see `set_interceptor`)."""
+
+    record: CollectiveRecord
+    issue: Callable[[], Any]
+    """Issues the real collective and returns its result."""
+    spec: OpSpec
+    params: dict[str, Any] = field(repr=False)
+    """The call's output parameters and `async_op`, by name."""
+
+    @property
+    def async_op(self) -> bool:
+        return bool(self.params.get("async_op"))
+
+    def output_tensors(self, result: Any) -> list[torch.Tensor]:
+        """The tensors this collective wrote, given `issue()`'s result; waits for async work first."""
+        if self.spec.functional:
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+            return [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in _flatten_tensors(result)]
+        if self.async_op and result is not None:
+            result.wait()
+        return _flatten_tensors(*(self.params.get(name) for name in self.spec.outputs))
+
+    def skipped_result(self) -> Any:
+        """What the caller gets back when the collective is not issued at all."""
+        if self.spec.functional:
+            raise ValueError(
+                f"cannot skip functional collective {self.record.op}: its caller needs the result "
+                "tensor; inject 'delay', 'corrupt', 'raise', 'exit' or 'hang' instead"
+            )
+        if self.async_op:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(None)
+            return torch._C._distributed_c10d._create_work_from_future(future)
+        if self.spec.op in ("recv", "irecv"):
+            return self.record.peer if self.record.peer is not None else -1
+        return None
+
+
+Runner = Callable[[CollectiveCall], Any]
+Interceptor = Callable[[CollectiveRecord], "Runner | None"]
+
+
+class _ThreadState(threading.local):
+    """Per-thread re-entrancy flag: a traced call made inside another is not recorded again."""
+
+    def __init__(self) -> None:
+        self.busy = False
+
+
+class _TestState:
+    """What is being recorded for the current test (one instance per test)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.next_index = 0
+        self.seq_by_key: dict[tuple, int] = {}
+        self.rank: int | None = None
+        self.notes: set[str] = set()
+
+
+_thread = _ThreadState()
+_lock = threading.Lock()  # index and seq numbering: collectives may be issued from several threads
+_test: _TestState | None = None
+_interceptor: Interceptor | None = None
+_group_ranks_cache: dict[Any, tuple[int, ...]] = {}
+_dtype_names: dict[torch.dtype, str] = {}
+_installed = False
+_is_compiling = torch.compiler.is_compiling
+
+
+# ----------------------------------------------------------------------------------- public API
+
+
+def install() -> None:
+    """Wrap every collective entry point of this process (idempotent) and start tracking module
+    forwards for labels. Recording only happens between `begin_test` and `end_test`."""
+    global _installed
+    if _installed:
+        return
+    import torch.distributed._functional_collectives as funcol
+
+    replacements: dict[int, _Replacement] = {}
+
+    def add(owner: Any, name: str, spec: OpSpec, positions: dict[str, int] | None = None) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        known = replacements.get(id(original))
+        if known is None:
+            wrapper = wrap(original, spec, positions)
+            known = replacements[id(original)] = _Replacement(original, wrapper, {getattr(original, "__name__", name)})
+        known.names.add(name)
+
+    for name, spec in C10D_SPECS.items():
+        add(c10d, name, spec)
+    add(dist, "_broadcast_coalesced", BROADCAST_COALESCED, {p: i for i, p in enumerate(BROADCAST_COALESCED_PARAMS)})
+    for name, spec in FUNCOL_SPECS.items():
+        add(funcol, name, spec)
+    _rebind_everywhere(replacements)
+    labels.track_module_forwards()
+    _installed = True
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def recorded_count() -> int:
+    """How many collectives this rank has recorded in the current test so far (0 outside one).
+
+    Read before and after a call to learn whether it issued any (``harness.collectives_issued``)."""
+    test = _test
+    return 0 if test is None else test.next_index
+
+
+def begin_test(trace_path: str) -> None:
+    """Start recording into `trace_path` (created or truncated); ends any test still open."""
+    global _test
+    end_test()
+    # O_APPEND: every record is one write at the end of the file, whole or (if the rank is
+    # killed mid-write) cut short at the very end, never interleaved (see harness.trace.records).
+    fd = os.open(trace_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    labels.begin_test()
+    _test = _TestState(fd)
+
+
+def end_test() -> None:
+    """Stop recording and close the trace file; forget groups and module names of this test."""
+    global _test
+    test, _test = _test, None
+    if test is not None:
+        os.close(test.fd)
+    # A later test may create a group whose Python object reuses a destroyed one's id.
+    _group_ranks_cache.clear()
+    labels.reset()
+
+
+def set_interceptor(interceptor: Interceptor | None) -> None:
+    """Install the one interceptor (used by `harness.rank.faults`), or remove it with None.
+
+    The interceptor sees each record before it is written (it may set `fault` / `skipped`) and
+    returns a runner that issues the call its own way, or None to issue it normally. It is consulted
+    even when no test is recording, so fault injection also works under torchrun.
+    """
+    global _interceptor
+    _interceptor = interceptor
+
+
+def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = None) -> Callable:
+    """A drop-in replacement for `original` that records (and lets an interceptor take over) each call.
+
+    `positions` maps parameter names to positions, for callables without an inspectable signature.
+    """
+    if positions is None:
+        positions = _param_positions(original)
+
+    @functools.wraps(original)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(*args, **kwargs)
+        thread = _thread
+        if thread.busy or (_test is None and _interceptor is None):
+            return original(*args, **kwargs)
+        thread.busy = True
+        try:
+            # The harness never changes an outcome: if the record cannot be built (a group
+            # argument this torch resolves differently, a label provider that raises), the
+            # failure becomes a note in the trace and the call runs as if untraced.
+            test = _test
+            try:
+                params = _Params(args, kwargs, positions)
+                record = _build_record(spec, params)
+            except Exception as error:  # noqa: BLE001 - whatever broke, the call must still run
+                _note(test, spec, error)
+                return original(*args, **kwargs)
+            if record is None:
+                return original(*args, **kwargs)
+            runner = _interceptor(record) if _interceptor is not None else None
+            # The record goes to disk before the collective is issued: a rank that hangs or dies
+            # inside it still shows it, without a "done" line (the trace file's completeness rule).
+            if test is not None:
+                try:
+                    os.write(test.fd, record_line(record))
+                except Exception as error:  # noqa: BLE001 - an argument of an unexpected type, a closed fd
+                    _note(test, spec, error)
+            if runner is None:
+                result = original(*args, **kwargs)
+            else:
+                call = CollectiveCall(record, lambda: original(*args, **kwargs), spec, params.as_dict(spec))
+                result = runner(call)
+            # Only if the same test is still recording: end_test() may have closed the fd (and
+            # a later test reused the number) while this call was blocked in another thread.
+            if test is not None and test is _test:
+                with contextlib.suppress(OSError):
+                    os.write(test.fd, done_line(record.index))
+            return result
+        finally:
+            thread.busy = False
+
+    traced.__trace_original__ = original  # type: ignore[attr-defined]
+    return traced
+
+
+# ------------------------------------------------------------------------------------ recording
+
+
+def _note(test: _TestState | None, spec: OpSpec, error: Exception) -> None:
+    """Write, once per test and kind of failure, why a call of `spec` could not be recorded."""
+    text = (
+        f"{spec.op} not recorded: {type(error).__name__}: {error} (the call ran untraced; "
+        "this is a harness limitation, please report it with this line)"
+    )
+    if test is None or test is not _test or text in test.notes:
+        return
+    test.notes.add(text)
+    with contextlib.suppress(OSError):
+        os.write(test.fd, note_line(text))
+        # Also on the rank's stderr, which the test's report keeps (the trace file is the next
+        # test's once this one ends).
+        sys.stderr.write(f"[harness] {text}\n")
+
+
+class _Params:
+    """Positional-or-keyword argument lookup without the cost of `Signature.bind`."""
+
+    __slots__ = ("args", "kwargs", "positions")
+
+    def __init__(self, args: tuple, kwargs: dict, positions: dict[str, int]) -> None:
+        self.args, self.kwargs, self.positions = args, kwargs, positions
+
+    def get(self, name: str) -> Any:
+        position = self.positions.get(name)
+        if position is not None and position < len(self.args):
+            return self.args[position]
+        return self.kwargs.get(name)
+
+    def as_dict(self, spec: OpSpec) -> dict[str, Any]:
+        names = {*spec.outputs, "async_op"}
+        return {name: self.get(name) for name in names}
+
+
+def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
+    """The record for this call, or None when this rank is not a member of the call's group."""
+    if spec.op.startswith("funcol."):
+        import torch.distributed._functional_collectives as funcol
+
+        if funcol._are_we_tracing():
+            return None
+        group = _funcol_group_ranks(params.get(spec.group))
+    else:
+        group = _c10d_group_ranks(params.get(spec.group))
+    if group is None:
+        return None
+    tensors = _flatten_tensors(*(params.get(name) for name in spec.inputs))
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
+    numel = sum(t.numel() for t in tensors)
+    uneven = spec.always_uneven or any(params.get(name) is not None for name in spec.uneven_when)
+    peer = _rank_argument(spec.peer, params, group) if spec.peer else None
+    label = labels.current_label()
+    names = tensor_names.names_of(tensors) if spec.same_tensor else ()
+    site = call_sites.call_site(3)  # above _build_record and the wrapper
+    agreed = _agreed_args(spec, params, group)
+    with _lock:
+        test = _test
+        if test is None:  # only an interceptor is listening (faults under torchrun): no numbering
+            index, seq, rank = -1, -1, dist.get_rank()
+        else:
+            if test.rank is None:
+                test.rank = dist.get_rank()
+            rank = test.rank
+            index = test.next_index
+            test.next_index += 1
+            if spec.peer:
+                # Both ends of a pair count the same stream: sends a->b on a, receives from a on b.
+                key: tuple = ("p2p", rank, peer) if spec.op in P2P_SEND_OPS else ("p2p", peer, rank)
+            else:
+                key = group
+            seq = test.seq_by_key.get(key, 0)
+            test.seq_by_key[key] = seq + 1
+    return CollectiveRecord(
+        rank=rank,
+        index=index,
+        seq=seq,
+        op=spec.op,
+        group=group,
+        shapes=shapes,
+        dtypes=dtypes,
+        numel=numel,
+        label=label,
+        peer=peer,
+        uneven=uneven,
+        tensors=names,
+        site=site,
+        args=agreed,
+        async_op=bool(params.get("async_op")),
+        asymmetric=call_sites.in_asymmetric_region(),
+    )
+
+
+def _flatten_tensors(*values: Any) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    stack = list(reversed(values))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+    return tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _c10d_group_ranks(group: Any) -> tuple[int, ...] | None:
+    if group is c10d.GroupMember.NON_GROUP_MEMBER:
+        return None
+    ranks = _group_ranks_cache.get(group)
+    if ranks is None:
+        process_group = c10d._get_default_group() if group is None else group
+        ranks = _group_ranks_cache[group] = tuple(dist.get_process_group_ranks(process_group))
+    return ranks
+
+
+def _funcol_group_ranks(group: Any) -> tuple[int, ...] | None:
+    """Global ranks of a functional-collective group argument, without creating any group."""
+    if isinstance(group, tuple) and len(group) == 2 and not isinstance(group[0], int):  # (DeviceMesh, dim)
+        mesh, dim = group
+        return _c10d_group_ranks(mesh.get_group(dim))
+    if isinstance(group, (list, tuple)):
+        if group and isinstance(group[0], (list, tuple)):  # MPMD: the row holding this rank
+            me = dist.get_rank()
+            return next((tuple(row) for row in group if me in row), None)
+        return tuple(group)
+    if isinstance(group, str):
+        ranks = _group_ranks_cache.get(group)
+        if ranks is None:
+            process_group = torch._C._distributed_c10d._resolve_process_group(group)
+            ranks = _group_ranks_cache[group] = tuple(dist.get_process_group_ranks(process_group))
+        return ranks
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return _c10d_group_ranks(group)
+    return _c10d_group_ranks(group.get_group())  # 1-D DeviceMesh
+
+
+def _rank_argument(names: tuple[str, str], params: _Params, group: tuple[int, ...]) -> int | None:
+    """The global rank named by a (global-rank parameter, group-rank parameter) pair."""
+    global_name, group_name = names
+    value = params.get(global_name)
+    if value is None and group_name:
+        group_value = params.get(group_name)
+        value = group[group_value] if group_value is not None else None
+    return value
+
+
+def _agreed_args(spec: OpSpec, params: _Params, group: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+    """The non-tensor arguments every member must pass alike: the root rank and the reduction."""
+    agreed: list[tuple[str, str]] = []
+    if spec.root is not None:
+        agreed.append(("root", str(_rank_argument(spec.root, params, group))))
+    if spec.reduce_op is not None:
+        agreed.append(("op", _reduce_op_name(params.get(spec.reduce_op), spec.default_reduce_op)))
+    return tuple(agreed)
+
+
+def _reduce_op_name(value: Any, default: str) -> str:
+    """SUM, AVG, ... whether given as c10d's enum, a `ReduceOp` object or funcol's string."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.upper()
+    value = getattr(value, "op", value)  # a ReduceOp object wraps its RedOpType
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value).rpartition(".")[2]
+
+
+# ------------------------------------------------------------------------------------- patching
+
+
+def _param_positions(function: Callable) -> dict[str, int]:
+    parameters = inspect.signature(function).parameters.values()
+    return {
+        p.name: i
+        for i, p in enumerate(parameters)
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+
+@dataclass
+class _Replacement:
+    original: Callable
+    wrapper: Callable
+    names: set[str]
+    """Attribute names under which torch publishes the original (its own name and aliases)."""
+
+
+def _rebind_everywhere(replacements: dict[int, _Replacement]) -> None:
+    """Replace module-level references to an original with its wrapper, so that bindings made
+    before `install` are traced too.
+
+    In torch's own modules only the names torch publishes it under are rebound (an early
+    `from torch.distributed import all_gather_single`): torch keeps some originals under internal
+    aliases on purpose (`funcol.legacy_allgather` is a Dynamo remapping key). Elsewhere every
+    name is, whatever it is: a module the zygote imported before this rank installed the trace
+    may hold a private alias, such as the reference engine's `_all_gather_single`.
+    """
+    by_identity = {id(replacement.original): replacement for replacement in replacements.values()}
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        in_torch = module_name == "torch" or module_name.startswith("torch.")
+        for name, value in list(namespace.items()):
+            replacement = by_identity.get(id(value))
+            if replacement is None or value is not replacement.original:
+                continue
+            if not in_torch or name in replacement.names:
+                namespace[name] = replacement.wrapper

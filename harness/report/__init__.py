@@ -1,0 +1,1 @@
+"""Parent side: what report plugins receive and the built-in reports (JUnit, trace tables, run summary)."""

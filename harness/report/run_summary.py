@@ -1,0 +1,269 @@
+"""The end of every run: what ran where, every report written, why tests were skipped, and whether
+the run is complete; and a one-line reason on each failed distributed test's short-summary line.
+
+`RunSummary` is a plugin (registered by `harness.plugin` as `harness-run-summary`). It learns what
+ran from the report hooks like any report plugin (`pytest_harness_test_result`: device and world
+size of every distributed test), counts skips by reason from pytest's reports, and at the
+terminal summary writes one section:
+
+    ============================ run summary ============================
+    backends: reference, torch-fsdp2                  (lines of pytest_harness_summary_lines)
+    harness: 12 distributed tests, 1 pool starts, 4 rank processes; device: cpu; world sizes: 2, 4
+    skipped: 3 tests, by reason:
+          2  unsupported: execution order validation: ...
+          1  needs 4 GPUs, found 0
+    reports: reports/junit/rank-0.xml, rank-1.xml, rank-2.xml, rank-3.xml
+             reports/conformance.md, conformance.html
+             reports/traces/ (1 file)
+    INCOMPLETE: interrupted (KeyboardInterrupt) with 5 of 12 tests finished; the reports hold only the tests that ran
+
+A failed distributed test's text starts with a per-rank account ("distributed test failed: rank 0
+failed, rank 1 passed"), which says nothing on its own; pytest's short summary shows only the
+first line. `reason` picks the line that explains the failure (the rank that failed first and
+its exception, a lost rank's cause, the first divergent collective) and it becomes the report's
+crash message, which pytest's `FAILED <nodeid> - <reason>` line and its junitxml `message` show
+(pytest fits the line to the terminal's width; whole with -vv or on CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import pytest
+
+from harness.config import world_sizes
+from harness.report.results import DistributedTestResult, skip_reason
+from harness.text import describe_exception
+
+__all__ = ["RunSummary", "incomplete_reason", "reason"]
+
+TOP_SKIP_REASONS = 5
+_REASON_CHARS = 300
+_SECTION = re.compile(r"^={3,} rank (\d+): (\w+)(?: \(after rank \d+\))? ={3,}$")
+_FIRST = re.compile(r"^rank (\d+) failed first \((.*)\); .*$")
+_DIVERGENCE = "ranks issued divergent collectives:"
+_INTERRUPT = pytest.StashKey[str]()  # what interrupted the session (pytest_keyboard_interrupt)
+
+
+def reason(text: str) -> str:
+    """One line that explains a failure, from a failed test's text (the harness verdict's
+    per-rank account, or any other failure text: its first line)."""
+    lines = [line.rstrip() for line in text.removeprefix("Failed: ").strip().splitlines()]
+    if not lines:
+        return ""
+    if not lines[0].startswith("distributed test failed:"):
+        return _cut(lines[0])
+    for line in lines:
+        found = _FIRST.match(line)
+        if found:
+            rank = found.group(1)
+            return _cut(f"rank {rank} failed first: {found.group(2).removeprefix(f'rank {rank} ')}")
+    causes: dict[str, list[int]] = {}
+    for rank, body in _sections(lines):
+        causes.setdefault(_cause(rank, body), []).append(rank)
+    divergence = next((line for line in lines if line.startswith(_DIVERGENCE)), "")
+    if not causes:
+        return _cut(divergence or lines[0])
+    return _cut("; ".join(f"{_ranks(ranks)}: {cause}" for cause, ranks in causes.items()))
+
+
+def _sections(lines: list[str]) -> Iterable[tuple[int, list[str]]]:
+    """(rank, body) of every failed rank's section of the per-rank account."""
+    rank, body = None, []
+    for line in [*lines, "=== rank -1: end ==="]:
+        header = _SECTION.match(line) or (line == "=== rank -1: end ===")
+        if header:
+            if rank is not None:
+                yield rank, body
+            matched = _SECTION.match(line)
+            rank = int(matched.group(1)) if matched and matched.group(2) == "failed" else None
+            body = []
+        elif line.startswith(("unfinished collectives:", _DIVERGENCE)):
+            if rank is not None:
+                yield rank, body
+            rank = None
+        else:
+            body.append(line)
+
+
+def _cause(rank: int, body: list[str]) -> str:
+    """A rank's cause: a lost rank's own line, else the exception its last traceback ended in."""
+    content = [line for line in body if line.strip()]
+    if not content:
+        return "failed"
+    if content[0].startswith(f"rank {rank} "):
+        return content[0].removeprefix(f"rank {rank} ")
+    starts = [index for index, line in enumerate(content) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        after = content[starts[-1] + 1 :]
+        head = next((line for line in after if not line.startswith((" ", "\t"))), "")
+        if head:
+            return head
+    return content[0]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
+
+
+def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | None:
+    """Why the run stopped before running every selected test (an interrupt, -x / --maxfail),
+    None when it ran them all. `ran`: how many tests were reported, when the caller counted."""
+    status = session.exitstatus
+    if status == pytest.ExitCode.INTERRUPTED:
+        why = f"interrupted ({session.config.stash.get(_INTERRUPT, 'KeyboardInterrupt')})"
+    elif session.shouldfail:
+        why = f"stopped early ({session.shouldfail})"
+    elif session.shouldstop:
+        why = f"stopped early ({session.shouldstop})"
+    else:
+        return None
+    selected = len(getattr(session, "items", []) or [])
+    if ran is not None and selected:
+        why += f" with {ran} of {selected} tests finished"
+    return why
+
+
+class RunSummary:
+    """Collects what the end-of-run section says; see the module's docstring."""
+
+    def __init__(self, config: pytest.Config, reports_dir: str, harness_summary: Any) -> None:
+        self.config = config
+        self.reports_dir = reports_dir
+        self.harness_summary = harness_summary  # () -> "N distributed tests, ..." (the session's)
+        self.started = time.time()
+        self.devices: Counter[str] = Counter()
+        self.world_sizes: set[int] = set()
+        self.skips: Counter[str] = Counter()
+        self.reported: set[str] = set()
+        self.incomplete: str | None = None
+
+    # -- what ran ------------------------------------------------------------------------------
+    def pytest_harness_test_result(self, item: pytest.Item, result: DistributedTestResult) -> None:
+        self.devices[result.suite.device] += 1
+        self.world_sizes.add(result.suite.world_size)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.failed or report.skipped:
+            self.reported.add(report.nodeid)
+        if report.skipped and not hasattr(report, "wasxfail"):
+            text = skip_reason(report)
+            self.skips[text.splitlines()[0] if text else "skipped"] += 1
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+        report = yield
+        # The call phase: the harness's verdict (or the text a plugin made of it); a fixture's
+        # error in setup or teardown keeps pytest's own message, its exception.
+        if report.failed and report.when == "call" and world_sizes.is_distributed(item):
+            give_reason(report, reason(report.longreprtext))
+        return report
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """Ctrl-C, SIGTERM (`harness.config.signals`), or pytest's own stop ("1 error during collection")."""
+        self.config.stash[_INTERRUPT] = describe_exception(excinfo.value)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.incomplete = incomplete_reason(session, len(self.reported))
+
+    # -- the section ---------------------------------------------------------------------------
+    def lines(self, report_paths: list[str]) -> list[str]:
+        hook = self.config.hook.pytest_harness_summary_lines
+        contributed = [line for lines in hook(config=self.config) for line in lines]
+        harness = f"harness: {self.harness_summary()}"
+        if self.devices:
+            harness += f"; device: {', '.join(sorted(self.devices))}"
+            harness += f"; world sizes: {', '.join(map(str, sorted(self.world_sizes)))}"
+        lines = [*contributed, harness]
+        if self.skips:
+            total = sum(self.skips.values())
+            lines.append(f"skipped: {total} test{'s' * (total != 1)}, by reason:")
+            width = len(str(max(self.skips.values())))
+            for text, count in self.skips.most_common(TOP_SKIP_REASONS):
+                lines.append(f"  {count:>{width}}  {text}")
+            if len(self.skips) > TOP_SKIP_REASONS:
+                rest = len(self.skips) - TOP_SKIP_REASONS
+                lines.append(f"  ({rest} more reason{'s' * (rest != 1)}: -rs lists every skip)")
+        files = [path for path in report_paths if not os.path.isdir(path)]
+        folders = [line for path in report_paths if os.path.isdir(path) and (line := self._folder(path))]
+        for index, entry in enumerate(_grouped(files) + folders):
+            lines.append(("reports: " if index == 0 else "         ") + entry)
+        if self.incomplete:
+            lines.append(f"INCOMPLETE: {self.incomplete}; the reports hold only the tests that ran")
+        return lines
+
+    def _folder(self, directory: str) -> str:
+        """A report plugin's directory (reports/traces/), with the files this run wrote in it (it may
+        hold older ones); "" when it wrote none."""
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return ""
+        fresh = [n for n in names if os.path.getmtime(os.path.join(directory, n)) >= self.started - 1]
+        if not fresh:
+            return ""
+        return f"{_shown(directory)}{os.sep} ({len(fresh)} file{'s' * (len(fresh) != 1)} from this run)"
+
+    def write(self, terminalreporter: Any, report_paths: list[str]) -> None:
+        terminalreporter.section("run summary", sep="=", red=bool(self.incomplete))
+        for line in self.lines(report_paths):
+            terminalreporter.write_line(line, red=line.startswith("INCOMPLETE"))
+
+
+def give_reason(report: pytest.TestReport, line: str) -> None:
+    """Make `line` the failed report's crash message (what the short summary and junitxml show)."""
+    if not line:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and dataclasses.is_dataclass(crash):
+        report.longrepr.reprcrash = dataclasses.replace(crash, message=line)  # type: ignore[union-attr]
+    elif isinstance(report.longrepr, str):
+        report.longrepr = ReasonedText(report.longrepr, line)
+
+
+@dataclasses.dataclass
+class _Crash:
+    message: str
+    path: str = ""
+    lineno: int = 0
+
+
+class ReasonedText:
+    """A failure text with a crash message: pytest reads `reprcrash.message` for the short summary
+    line. A plugin's plain-text verdict (the conformance expectations') has none; pytest 9 shows a
+    text's first line itself, older pytest 8 releases showed nothing, so the text gets one."""
+
+    def __init__(self, text: str, line: str) -> None:
+        self.text = text
+        self.reprcrash = _Crash(line)
+
+    def toterminal(self, out: Any) -> None:
+        out.line(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _shown(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _grouped(paths: list[str]) -> list[str]:
+    """Paths one directory a line: "reports/junit/rank-0.xml, rank-1.xml"."""
+    by_directory: dict[str, list[str]] = {}
+    for path in paths:
+        directory, name = os.path.split(_shown(path))
+        by_directory.setdefault(directory, []).append(name)
+    return [os.path.join(folder, ", ".join(names)) for folder, names in by_directory.items()]

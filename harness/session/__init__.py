@@ -1,0 +1,1 @@
+"""Parent side: the per-test flow, pool and torchrun lockstep sessions, the verdict."""

@@ -1,0 +1,110 @@
+"""torchrun / multi-node mode: this pytest process is one rank, and every rank runs the same
+selection in lockstep.
+
+torchrun (or SLURM + torchrun) launches the world; we do not build a launcher. Each rank's
+pytest collects the same tests, runs each distributed body itself, then all ranks exchange
+their outcomes and traces over a separate gloo group, so every rank reaches the same verdict:
+a failure on one rank fails that test everywhere instead of leaving the others hanging.
+Each rank writes its own `rank-<r>.xml`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from harness.config.devices import join_world, rank_device
+from harness.messages import RankLoss, RankResult, TestTask
+from harness.process.rank_env import loopback_interface
+from harness.rank.runner import TestRunner
+from harness.session.flow import Execution, HarnessSession, WorldUnusable
+from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_or_empty
+
+
+class LockstepSession(HarnessSession):
+    def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
+        super().__init__(config, rank_fixture_modules, reports_dir)
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world == self.world_size:
+            # The whole world is on this host: gloo needs no network but loopback, and must not
+            # depend on how the host name resolves (see harness.process.rank_env). Set before any group.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        # GPUs are counted on this node (LOCAL_WORLD_SIZE): `plan` is the session's one device decision.
+        self.torchrun_world = (self.world_size, local_world)
+        self.device_plan = self.plan(self.world_size)
+        if self.device_plan.kind is None:
+            raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
+        device = rank_device(self.device_plan.kind, local_rank)
+        join_world(device, self.options.collective_timeout, init_method="env://")
+        # Outcomes travel on their own gloo group: the default one may be wedged by the test. A
+        # rank stuck in a collective reaches the exchange up to one collective timeout after its
+        # peers (plus the straggler grace), so the exchange waits longer than that.
+        exchange_s = 2 * self.options.collective_timeout + self.options.straggler_grace
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_s))
+        self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
+        self.trace_path = os.path.join(self.trace_dir, "trace")
+        self.runner = TestRunner(
+            self.rank, self.world_size, local_rank, device, rank_fixture_modules, self.label_providers, self.trace_path
+        )
+        self.unusable_since: str | None = None
+
+    def own_ranks(self, world_size: int) -> range:
+        return range(self.rank, self.rank + 1)
+
+    def kill_all(self) -> None:
+        shutil.rmtree(self.trace_dir, ignore_errors=True)
+
+    def summary(self) -> str:
+        return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
+
+    def collected(self, nodeids: list[str]) -> None:
+        """Ranks that collected different tests would pair the wrong bodies: refuse to start."""
+        digest = hashlib.sha256("\n".join(nodeids).encode()).hexdigest()
+        digests: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(digests, digest, group=self.control)
+        if len(set(digests)) != 1:
+            raise pytest.UsageError(
+                "ranks collected different tests ("
+                + ", ".join(f"rank {r}: {d[:8]}" for r, d in enumerate(digests) if d)
+                + "); run the same pytest command and the same checkout on every node"
+            )
+
+    def execute(self, item: pytest.Function, world_size: int, device_kind: str, task: TestTask) -> Execution:
+        if self.unusable_since is not None:
+            raise WorldUnusable(
+                f"the torchrun world is unusable since {self.unusable_since}; relaunch to run the remaining tests"
+            )
+        started = time.monotonic()
+        outcome = self.runner.run(task)
+        records = read_trace_or_empty(self.trace_path)
+        gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, (outcome, records), group=self.control)
+        except RuntimeError as error:
+            self.unusable_since = f"{item.nodeid} did not reach the end on every rank"
+            lost = f"did not reach the end of the test within --collective-timeout ({error})"
+            # What this process knows of a peer's duration: the test ran here until the exchange gave up.
+            elapsed = time.monotonic() - started
+            results: dict[int, RankResult] = {r: RankLoss(r, lost, duration_s=elapsed) for r in range(self.world_size)}
+            results[self.rank] = outcome
+            return Execution(results, {}, {self.rank: records})
+        results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}
+        traces = {rank: entry[1] for rank, entry in enumerate(gathered) if entry is not None}
+        # A collective left unfinished on any rank has wedged the default group for good (the
+        # pool would restart here; a torchrun world cannot): later tests fail fast instead.
+        if last_unfinished(traces):
+            self.unusable_since = f"{item.nodeid} left a collective unfinished"
+        replace = [f"rank {r}: {o.replace_reason}" for r, o in results.items() if getattr(o, "replace_reason", "")]
+        if replace and self.unusable_since is None:
+            self.unusable_since = f"{item.nodeid} ({'; '.join(replace)})"
+        return Execution(results, {}, traces)

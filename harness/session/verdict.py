@@ -1,0 +1,183 @@
+"""What N per-rank results mean: one pytest outcome with its text, and whether the world can go on."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from harness.messages import RankLoss, RankOutcome, RankResult, Status
+from harness.text import first_line
+from harness.trace.records import CollectiveRecord, last_unfinished
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Status
+    message: str
+    divergence: str = ""
+    """The divergence heading when the trace diff failed the test, else empty."""
+
+
+def decide(
+    results: dict[int, RankResult],
+    divergence: str | None = None,
+    divergence_expected: bool = False,
+    unfinished: str | None = None,
+    stderr: Mapping[int, str] | None = None,
+) -> Verdict:
+    """All ranks must agree: one failing rank fails the test; ranks disagreeing on a skip fail it too.
+
+    A divergence between the ranks' collective traces fails a test that would otherwise pass
+    (silent corruption is the bug) unless the test declared it expected; it is added to the
+    text of a test that failed anyway, expected or not, since it usually explains the failure,
+    and so are the collectives ranks were stuck in (`unfinished`).
+    """
+    distinct = {result.status for result in results.values()}
+    if unfinished and "failed" in distinct:
+        results_text = f"{failure_text(results, stderr)}\n\nunfinished collectives: {unfinished}"
+    else:
+        results_text = failure_text(results, stderr)
+    if divergence and not (divergence_expected and "failed" not in distinct):
+        heading = f"ranks issued divergent collectives: {divergence}"
+        if distinct == {"passed"}:
+            return Verdict("failed", heading, heading)
+        return Verdict("failed", f"{results_text}\n\n{heading}", heading)
+    if distinct == {"passed"}:
+        return Verdict("passed", "")
+    if distinct in ({"skipped"}, {"xfailed"}):
+        reasons = sorted({result.summary for result in results.values()})
+        return Verdict(distinct.pop(), "; ".join(reasons))  # type: ignore[arg-type]
+    return Verdict("failed", results_text)
+
+
+def world_reusable(results: dict[int, RankResult], traces: dict[int, list[CollectiveRecord]]) -> bool:
+    """Whether the ranks that ran this test may run the next one (the warm pool's reuse rule).
+
+    Only when nothing the test started can still be in flight, i.e. all of:
+      * every rank answered (a rank that died or hung is gone or must be killed);
+      * all report the same sync state (default-group collective sequence number, groups
+        created): a rank that issued a collective its peers never matched, or created a group
+        they did not, would pair the next test's collectives with the wrong ones;
+      * no traced collective was left unfinished: a collective that raised or timed out leaves
+        gloo pairs closed (and an NCCL communicator possibly aborted), unusable for later ones;
+      * no rank asked to be replaced (`RankOutcome.replace_reason`: it could not put its own
+        state back, e.g. the test destroyed the default process group).
+    A failed test whose ranks all failed cleanly (an assertion, an exception outside any
+    collective) keeps its pool; that is what makes a red suite still fast.
+    """
+    if not all(isinstance(result, RankOutcome) for result in results.values()):
+        return False
+    if any(isinstance(result, RankOutcome) and result.replace_reason for result in results.values()):
+        return False
+    sync_states = {result.sync_state for result in results.values() if isinstance(result, RankOutcome)}
+    return len(sync_states) == 1 and not last_unfinished(traces)
+
+
+LOST_STDERR_LINES = 25
+"""How much of a lost rank's stderr the verdict shows (its per-rank file has all of it)."""
+
+
+def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | None = None) -> str:
+    """The per-rank account of a failed test: the rank that failed first, when one can be told
+    apart, comes first and the others are marked as failing after it; stacks leave out the
+    harness's own frames (the JUnit files keep them whole). A lost rank's account ends with the
+    last lines of its `stderr` (by rank), often the only trace of why it died."""
+    stderr = stderr or {}
+    lines = [
+        "distributed test failed: " + ", ".join(f"rank {rank} {result.status}" for rank, result in results.items())
+    ]
+    first = first_failed_rank(results)
+    if first is not None:
+        followers = [rank for rank, result in results.items() if result.status == "failed" and rank != first]
+        where = _user_line(_failure_stack(results[first]))
+        lines.append(
+            f"rank {first} failed first ({first_line(results[first].summary)}{f' at {where}' if where else ''}); "
+            f"{_ranks(followers)} failed after it, in collectives it left unmatched"
+        )
+    order = sorted(results, key=lambda rank: rank != first)
+    for rank in order:
+        result = results[rank]
+        if result.status == "passed":
+            continue
+        lines.append("")
+        after = f" (after rank {first})" if first is not None and rank != first and result.status == "failed" else ""
+        lines.append(f"{'=' * 20} rank {rank}: {result.status}{after} {'=' * 20}")
+        if isinstance(result, RankLoss):
+            lines.append(result.account(stderr.get(rank, ""), without_harness_frames, last_lines=LOST_STDERR_LINES))
+        elif result.status == "failed":
+            lines.append(without_harness_frames(result.traceback.rstrip()) or result.summary)
+        else:
+            lines.append(f"{result.status} on this rank only: {result.summary}")
+    return "\n".join(lines)
+
+
+# How a rank fails when a peer failed first: its collectives break or time out, or the harness
+# stops it. A failure that is none of these is the rank's own.
+_CONSEQUENCE = re.compile(
+    r"Connection (reset|closed) by peer|[Tt]imed out|[Tt]imeout|DistBackendError|Broken pipe|"
+    r"stopped by the harness|after another rank failed|NCCL (error|communicator was aborted)"
+)
+
+
+def first_failed_rank(results: dict[int, RankResult]) -> int | None:
+    """The one rank whose failure is its own while every other failed rank's is a consequence
+    (a broken or timed-out collective, a stop by the harness); None when there is no such one."""
+    failed = {rank: result for rank, result in results.items() if result.status == "failed"}
+    if len(failed) < 2:
+        return None
+    own = [rank for rank, result in failed.items() if not _CONSEQUENCE.search(result.summary)]
+    return own[0] if len(own) == 1 else None
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+_HARNESS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the harness package
+# An injected fault's frames are part of the test's story ("hung in faults._hang"): kept.
+_KEPT_HARNESS_FILES = (os.path.join(_HARNESS_DIR, "rank", "faults.py"),)
+_TORCH_MARK = f"{os.sep}torch{os.sep}"
+
+
+def without_harness_frames(text: str) -> str:
+    """A traceback or faulthandler dump without the harness's, the zygote's and runpy's frames
+    (those of an injected fault, `harness.rank.faults`, stay)."""
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        frame = _FRAME.match(line)
+        if frame:
+            path = frame.group(1)
+            skipping = (path.startswith(_HARNESS_DIR) and path not in _KEPT_HARNESS_FILES) or path == "<frozen runpy>"
+        elif skipping and line.startswith("    "):  # the skipped frame's source lines
+            continue
+        else:
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _failure_stack(result: RankResult) -> str:
+    if isinstance(result, RankLoss):
+        return result.raised or result.stacks
+    return result.traceback
+
+
+def _user_line(stack: str) -> str:
+    """`file:line` of the innermost frame outside torch and the harness in a traceback."""
+    found = ""
+    for line in stack.splitlines():
+        frame = _FRAME.match(line)
+        path = frame.group(1) if frame else "<"
+        if not (path.startswith(("<", _HARNESS_DIR)) or _TORCH_MARK in path):
+            found = f"{_relative(path)}:{frame.group(2)}"  # type: ignore[union-attr]
+    return found
+
+
+def _relative(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

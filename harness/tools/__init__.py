@@ -1,0 +1,1 @@
+"""Command-line tools (`python -m harness.tools.<tool>`): trace a plain script, read Flight Recorder dumps."""

@@ -1,0 +1,206 @@
+"""Collective trace records and the per-rank trace file that carries them from rank to parent.
+
+This module is what the parent side (session, lockstep, divergence) needs to read a trace; it
+imports nothing that patches torch.distributed (that is `harness.rank.tracing`, rank side).
+
+File format: one line per event, appended with a single `os.write` each (O_APPEND), so lines
+from one rank never interleave and a reader sees only whole lines, except possibly the last one
+of a rank killed mid-write:
+
+    {"rank":0,"index":3,"seq":2,"op":"all_reduce",...}   a collective, written BEFORE it is issued
+    {"done":3}                                            written when that call returned
+    {"note":"..."}                                        the trace could not record a call (the
+                                                          call itself ran as if untraced)
+
+Completeness rule: because a record is on disk before its collective starts, a rank that hangs,
+aborts (gloo's SIGABRT) or is SIGKILLed inside a collective still shows that collective, without
+its "done" line. That is how "unfinished collectives" are known; nothing else marks them. For
+async ops "done" means the call returned its Work, not that the work completed.
+"""
+
+from __future__ import annotations
+
+import json
+import json.encoder
+from dataclasses import dataclass
+from typing import Any
+
+_quote = json.encoder.encode_basestring_ascii  # a JSON string literal, escaped (C implementation)
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"
+
+
+P2P_SEND_OPS = frozenset({"send", "isend", "send_object_list"})
+P2P_RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
+
+
+@dataclass(slots=True)
+class CollectiveRecord:
+    """One collective as issued by one rank.
+
+    index: position in this rank's trace of the current test (0-based).
+    seq: position among this rank's collectives on the same group (same global ranks), 0-based;
+         for point-to-point ops, position among this rank's ops in the same direction between the pair.
+    group: global ranks of the process group.  peer: the other side of a send/recv (global rank).
+    shapes/dtypes/numel: the tensors every member must agree on (the op's inputs; see
+         `harness.rank.collective_ops`).
+    uneven: the op legitimately lets shapes differ across ranks (all_to_all with splits).
+    fault: description of a fault injected on this call; skipped: the call was never issued.
+    tensors: the name of each input tensor ("" for an unnamed one; empty when none is named), see
+         `harness.rank.tensor_names`.  site: the user's `file:line` that issued it (`harness.rank.call_sites`).
+    args: the non-tensor arguments every member must agree on, as (name, value) text pairs
+         (root: the global rank of src/dst; op: the reduction).  async_op: issued with async_op=True.
+    asymmetric: issued inside `harness.asymmetric()`, where ranks run different code on purpose:
+         tensors and sites are not compared.
+    completed: the call returned (false for the call a rank was stuck in or died in).
+    """
+
+    rank: int
+    index: int
+    seq: int
+    op: str
+    group: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    numel: int
+    label: str
+    peer: int | None = None
+    uneven: bool = False
+    fault: str = ""
+    skipped: bool = False
+    tensors: tuple[str, ...] = ()
+    site: str = ""
+    args: tuple[tuple[str, str], ...] = ()
+    async_op: bool = False
+    asymmetric: bool = False
+    completed: bool = False
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.op in P2P_SEND_OPS or self.op in P2P_RECV_OPS
+
+    @property
+    def is_send(self) -> bool:
+        return self.op in P2P_SEND_OPS
+
+    def to_json(self) -> str:
+        """The record's line (without newline); `completed` is not part of it (see `done_line`).
+
+        Written out by hand rather than through `json.dumps` of a dict: this runs before every
+        collective, and it is twice as fast (strings still go through json's own escaping)."""
+        text = _quote
+        parts = [
+            f'{{"rank":{self.rank:d},"index":{self.index:d},"seq":{self.seq:d},"op":{text(self.op)}',
+            f',"group":{_ints(self.group)},"shapes":[{",".join(map(_ints, self.shapes))}]',
+            f',"dtypes":[{",".join(map(text, self.dtypes))}],"numel":{self.numel:d},"label":{text(self.label)}',
+        ]
+        if self.peer is not None:
+            parts.append(f',"peer":{self.peer:d}')
+        if self.uneven:
+            parts.append(',"uneven":true')
+        if self.fault:
+            parts.append(f',"fault":{text(self.fault)}')
+        if self.skipped:
+            parts.append(',"skipped":true')
+        if self.tensors:
+            parts.append(f',"tensors":[{",".join(map(text, self.tensors))}]')
+        if self.site:
+            parts.append(f',"site":{text(self.site)}')
+        if self.args:
+            parts.append(f',"args":[{",".join(f"[{text(name)},{text(value)}]" for name, value in self.args)}]')
+        if self.async_op:
+            parts.append(',"async":true')
+        if self.asymmetric:
+            parts.append(',"asymmetric":true')
+        parts.append("}")
+        return "".join(parts)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CollectiveRecord:
+        return cls(
+            rank=data["rank"],
+            index=data["index"],
+            seq=data["seq"],
+            op=data["op"],
+            group=tuple(data["group"]),
+            shapes=tuple(tuple(s) for s in data["shapes"]),
+            dtypes=tuple(data["dtypes"]),
+            numel=data["numel"],
+            label=data["label"],
+            peer=data.get("peer"),
+            uneven=data.get("uneven", False),
+            fault=data.get("fault", ""),
+            skipped=data.get("skipped", False),
+            tensors=tuple(data.get("tensors", ())),
+            site=data.get("site", ""),
+            args=tuple((str(name), str(value)) for name, value in data.get("args", ())),
+            async_op=data.get("async", False),
+            asymmetric=data.get("asymmetric", False),
+        )
+
+
+def record_line(record: CollectiveRecord) -> bytes:
+    """The bytes to append, in one write, before the collective is issued."""
+    return (record.to_json() + "\n").encode()
+
+
+def done_line(index: int) -> bytes:
+    """The bytes to append, in one write, once the call with this index returned."""
+    return b'{"done":%d}\n' % index
+
+
+def note_line(text: str) -> bytes:
+    """The bytes to append for a note: something the trace could not record, and why."""
+    return (json.dumps({"note": text}) + "\n").encode()
+
+
+def read_trace(path: str, notes: list[str] | None = None) -> list[CollectiveRecord]:
+    """Records of one rank's trace file; a last line cut short by a killed rank is ignored.
+    The file's notes are appended to `notes` when given."""
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    records: dict[int, CollectiveRecord] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no trailing newline: the write was cut short
+                continue
+            raise ValueError(f"{path}:{number}: corrupt trace line {line[:80]!r}") from None
+        if "done" in data:
+            if data["done"] in records:
+                records[data["done"]].completed = True
+        elif "note" in data:
+            if notes is not None:
+                notes.append(str(data["note"]))
+        else:
+            record = CollectiveRecord.from_json(data)
+            records[record.index] = record
+    return sorted(records.values(), key=lambda r: r.index)
+
+
+def read_trace_or_empty(path: str) -> list[CollectiveRecord]:
+    """`read_trace`, or no records when the file does not exist (the rank died before its first test)."""
+    try:
+        return read_trace(path)
+    except FileNotFoundError:
+        return []
+
+
+def last_unfinished(traces: dict[int, list[CollectiveRecord]]) -> dict[int, CollectiveRecord]:
+    """Per rank, the last collective it issued that never returned: where it hung or died.
+
+    Ranks whose calls all returned are absent, so an empty result means no collective was left
+    half-done. Calls a fault skipped were never issued and do not count.
+    """
+    stuck: dict[int, CollectiveRecord] = {}
+    for rank, records in traces.items():
+        for record in reversed(records):
+            if not record.completed and not record.skipped:
+                stuck[rank] = record
+                break
+    return stuck
