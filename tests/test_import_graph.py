@@ -8,7 +8,8 @@ is a dependency too; the engine's unit <-> state circle was one).  Imports by na
 the designed late binding and are not edges.  Relative imports are refused by ruff
 (`tests/test_lint.py`, flake8-tidy-imports), so every edge here is an absolute name.
 
-The rules (`LAYER_RULES`, `HARNESS_RULES`, private names) are documented in docs/architecture.md, "Import rules".
+The rules (`LAYER_RULES`; `PACKAGE_RULES` over `HARNESS_SIDES` and `CONFORMANCE_PACKAGES`; private
+names) are documented in docs/architecture.md, "Import rules".
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class LayerRule:
     importers: tuple[str, ...]
     forbidden: tuple[str, ...]
     why: str
-    exempt: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()  # importers the rule does not apply to (each with its reason)
+    allowed: tuple[str, ...] = ()  # targets that are not forbidden after all (each with its reason)
 
     def broken_by(self, edge: Edge) -> bool:
         return (
             _matches(edge.importer, self.importers)
             and not _matches(edge.importer, self.exempt)
             and _matches(edge.target, self.forbidden)
+            and not _matches(edge.target, self.allowed)
         )
 
 
@@ -110,28 +113,129 @@ LAYER_RULES = (
     ),
 )
 
-# Inside the harness (docs/architecture.md, "Import rules the harness keeps").
-HARNESS_RULES = (
+# The harness's sub-packages, by the process their code runs in (docs/architecture.md, "The tree").
+# Every module of the harness belongs to exactly one entry (`test_every_module_has_a_side`): a new
+# module lands in a package whose side is known, or the test names it.
+PARENT, RANK, SHARED, TOOL, API = "parent", "rank", "shared", "tool", "api"
+HARNESS_SIDES = {
+    "harness": API,  # the package's __init__: public names, imported lazily from either side
+    "harness.plugin": PARENT,  # the pytest entry point
+    "harness.hookspecs": PARENT,
+    "harness.config": PARENT,
+    "harness.session": PARENT,
+    "harness.report": PARENT,
+    "harness.process": PARENT,
+    "harness.rank": RANK,
+    "harness.trace": SHARED,
+    "harness.messages": SHARED,
+    "harness.text": SHARED,
+    "harness.tools": TOOL,
+}
+CONFORMANCE_PACKAGES = (
+    "conformance",  # its __init__
+    "conformance.protocol",
+    "conformance.suite",
+    "conformance.report",
+    "conformance.adapters",
+    "conformance.test_*",  # the scenarios (expectation ids embed their paths: they stay at the top)
+    "conformance.scenario_specs",
+)
+
+
+def _side_packages(side: str) -> tuple[str, ...]:
+    return tuple(package for package, its_side in HARNESS_SIDES.items() if its_side == side and package != "harness")
+
+
+PACKAGE_RULES = (
     LayerRule(
-        "parent-side-never-imports-the-tracer",
-        importers=(
-            "harness.session.flow",
-            "harness.session.pool_session",
-            "harness.session.verdict",
-            "harness.trace.divergence",
-            "harness.report.junit",
-            "harness.report.results",
-            "harness.report.trace_tables",  # the traces report plugin
+        "parent-side-never-imports-the-rank-side",
+        importers=_side_packages(PARENT),
+        # A torchrun process is itself a rank (lockstep runs the rank's runner in pytest); the
+        # zygote forks into ranks, so it imports what it becomes.
+        exempt=("harness.session.lockstep", "harness.process.zygote"),
+        forbidden=("harness.rank",),
+        # The rank-fixture registry: the parent registers placeholders by name; it patches nothing.
+        allowed=("harness.rank.fixtures",),
+        why="harness.rank runs in rank processes (harness.rank.tracing patches torch.distributed when "
+        "imported); the parent reads what ranks did through harness.messages and harness.trace.records",
+    ),
+    LayerRule(
+        "rank-side-never-imports-the-parent-side",
+        importers=_side_packages(RANK),
+        forbidden=(
+            "harness.plugin",
+            "harness.hookspecs",
+            "harness.config",
+            "harness.session",
+            "harness.report",
+            "harness.process",
         ),
-        forbidden=("harness.rank.tracing",),
-        why="harness.rank.tracing patches torch.distributed when imported; the parent reads traces "
-        "through harness.trace.records",
+        # What both sides of a rank's process boundary agree on: /proc helpers, a rank's side files.
+        allowed=("harness.process.procfs", "harness.process.rank_files"),
+        why="a rank gets its configuration in harness.messages.WorkerConfig / TestTask and answers with "
+        "RankOutcome; parent-side modules carry pytest state a rank does not have",
+    ),
+    LayerRule(
+        "shared-modules-import-no-side",
+        importers=_side_packages(SHARED),
+        forbidden=tuple(p for p in HARNESS_SIDES if HARNESS_SIDES[p] in (PARENT, RANK, TOOL)),
+        why="trace records, the trace diff, messages and text helpers are read on both sides and by "
+        "the tools; a side's import would drag pytest state into a rank or the tracer into the parent",
+    ),
+    LayerRule(
+        "config-is-decided-before-anything-runs",
+        importers=("harness.config",),
+        forbidden=("harness.plugin", "harness.session", "harness.report", "harness.process", "harness.tools"),
+        why="options and decisions (devices, world sizes, repro) are made before a session runs; "
+        "sessions, processes and reports read them, never the other way round",
+    ),
+    LayerRule(
+        "reports-only-serialize",
+        importers=("harness.report",),
+        forbidden=("harness.plugin", "harness.session", "harness.process", "harness.tools"),
+        why="report plugins receive a finished DistributedTestResult; they never drive a session",
+    ),
+    LayerRule(
+        "processes-know-no-session",
+        importers=("harness.process",),
+        forbidden=("harness.plugin", "harness.session", "harness.report", "harness.tools"),
+        why="the pool, launcher, zygote and reaper manage processes for whichever session owns them",
     ),
     LayerRule(
         "verdict-and-lockstep-never-import-the-pool",
         importers=("harness.session.verdict", "harness.session.lockstep"),
         forbidden=("harness.process.pool",),
         why="a verdict is pure (it judges outcomes however they were run), and torchrun mode has no pool",
+    ),
+    LayerRule(
+        "tools-stand-alone",
+        importers=("harness.tools",),
+        forbidden=("harness.plugin", "harness.session", "harness.report", "harness.process", "harness.config"),
+        why="the command-line tools run without pytest (a plain torchrun script, Flight Recorder dumps)",
+    ),
+    LayerRule(
+        "the-protocol-is-the-bottom-of-the-suite",
+        importers=("conformance.protocol",),
+        forbidden=(
+            "conformance.suite",
+            "conformance.report",
+            "conformance.adapters",
+            "conformance.test_*",
+            "conformance.scenario_specs",
+        ),
+        why="adapters written out of tree import only the protocol; it must not drag in the suite's machinery",
+    ),
+    LayerRule(
+        "conformance-reports-only-render",
+        importers=("conformance.report",),
+        forbidden=("conformance.suite", "conformance.protocol", "conformance.adapters", "conformance.test_*"),
+        why="the matrix and the HTML page render results the suite hands them; they judge nothing again",
+    ),
+    LayerRule(
+        "scenarios-never-reach-the-suite-machinery",
+        importers=("conformance.test_*", "conformance.scenario_specs"),
+        forbidden=("conformance.suite", "conformance.report"),
+        why="a scenario is backend-neutral test code: it receives its adapter from the backend fixture",
     ),
 )
 
@@ -277,7 +381,8 @@ def circle_message(circle: list[Edge], root: Path) -> str:
 
 
 def violation_message(rule: LayerRule, edges: list[Edge], root: Path) -> str:
-    lines = "\n".join(f"  {edge.importer} imports {edge.target}: {edge.describe(root)}" for edge in edges)
+    shown = dict.fromkeys(f"  {edge.importer} imports {edge.target}: {edge.describe(root)}" for edge in edges)
+    lines = "\n".join(shown)  # one line per statement and target, however many names it binds
     return (
         f"upward import(s) breaking the rule {rule.name!r}:\n{lines}\n"
         f"why: {rule.why}. See docs/architecture.md, 'Import rules'."
@@ -291,7 +396,7 @@ def test_no_import_circle_between_modules() -> None:
         pytest.fail("\n\n".join(circle_message(circle, ROOT) for circle in circles), pytrace=False)
 
 
-@pytest.mark.parametrize("rule", LAYER_RULES + HARNESS_RULES, ids=[rule.name for rule in LAYER_RULES + HARNESS_RULES])
+@pytest.mark.parametrize("rule", LAYER_RULES + PACKAGE_RULES, ids=[rule.name for rule in LAYER_RULES + PACKAGE_RULES])
 def test_no_upward_import(rule: LayerRule) -> None:
     violations = rule_violations(ROOT, rule)
     if violations:
@@ -299,6 +404,43 @@ def test_no_upward_import(rule: LayerRule) -> None:
     assert any(_matches(edge.importer, rule.importers) for edge in import_graph(ROOT)), (
         f"rule {rule.name!r} matched no importing module: its package was renamed or moved; update LAYER_RULES"
     )
+
+
+def modules_without_a_package(root: Path) -> list[str]:
+    """Modules of the harness and the conformance suite that no entry of the side tables covers."""
+    modules = {edge.importer for edge in import_graph(root)} | {
+        _module_name(path, root) for path in _python_files(root)
+    }
+    return sorted(
+        module
+        for module in modules
+        if ((module == "harness" or module.startswith("harness.")) and not _in_table(module, HARNESS_SIDES))
+        or (
+            (module == "conformance" or module.startswith("conformance."))
+            and not _in_table(module, CONFORMANCE_PACKAGES)
+        )
+    )
+
+
+def _in_table(module: str, packages: Iterable[str]) -> bool:
+    # "harness" covers only the package's __init__; every other entry covers its sub-tree.
+    return any(
+        module == package or (package not in ("harness", "conformance") and _matches(module, [package]))
+        for package in packages
+    )
+
+
+def test_every_module_has_a_side() -> None:
+    unplaced = modules_without_a_package(ROOT)
+    if unplaced:
+        pytest.fail(
+            "modules outside every package of the layer tables:\n  "
+            + "\n  ".join(unplaced)
+            + "\nwhy: the sub-package says which process a module runs in (harness: HARNESS_SIDES) or which "
+            "layer of the suite it is (conformance: CONFORMANCE_PACKAGES), and the package rules check its "
+            "imports. Move the module into the package of its concern (docs/architecture.md, 'The tree').",
+            pytrace=False,
+        )
 
 
 def private_name_imports(root: Path) -> list[Edge]:
@@ -391,3 +533,28 @@ def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
             "conformance/suite/backend_plugin.py:1: from conformance.protocol import (PUBLIC, _SECRET)",
         )
     ]
+
+
+def test_checker_refuses_a_parent_module_that_imports_the_tracer_and_a_module_with_no_side(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "harness/__init__.py": "",
+            "harness/rank/__init__.py": "",
+            "harness/rank/tracing.py": "",
+            "harness/rank/fixtures.py": "",
+            "harness/session/__init__.py": "",
+            "harness/session/flow.py": "from harness.rank import fixtures\n",  # allowed: the names registry
+            "harness/session/lockstep.py": "from harness.rank import tracing\n",  # exempt: a torchrun rank
+            "harness/report/__init__.py": "",
+            "harness/report/junit.py": "def write():\n    from harness.rank.tracing import record\n",
+            "harness/stray.py": "",  # a top-level module no side table names
+        },
+    )
+    rule = next(rule for rule in PACKAGE_RULES if rule.name == "parent-side-never-imports-the-rank-side")
+    violations = rule_violations(root, rule)
+    assert [(edge.importer, edge.target, edge.where) for edge in violations] == [
+        ("harness.report.junit", "harness.rank.tracing", "inside a function")
+    ]
+    assert "harness.report.junit imports harness.rank.tracing" in violation_message(rule, violations, root)
+    assert modules_without_a_package(root) == ["harness.stray"]
