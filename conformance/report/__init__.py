@@ -1,1 +1,4 @@
-"""The conformance reports: the matrix (markdown) and the HTML page."""
+"""The conformance reports, rendered from what the suite hands them: the matrix
+(`matrix`, `conformance.md`) and the self-contained HTML page (`html`, with `timeline_svg` and
+`trace_view` for a failed test's collectives).
+"""

@@ -1,1 +1,7 @@
-"""The suite's machinery: backend selection, expectations, session gate, vacuity, the rank-side backend fixture."""
+"""The suite's machinery: which backends run, how their outcomes are judged, what is refused.
+
+`backend_plugin` is the suite's pytest plugin (`--backend`, parametrization, expected failures,
+the reports); `registry` maps names to adapter classes; `expectations` reads a backend's known
+failures; `admission` and `platforms` refuse at session start a backend that cannot run here;
+`vacuity` fails a test that sharded nothing; `backend_fixture` is the rank-side `backend` fixture.
+"""

@@ -1,1 +1,6 @@
-"""Parent side: options and decisions made before tests run (devices, world sizes, preflight, repro, signals)."""
+"""Parent side: options and the decisions made from them before tests run.
+
+`devices` (which device and communication backend a world gets), `world_sizes` (which sizes
+each test runs at), `preflight` (bad input refused before the first test), `repro` (what a
+`REPRO:` line carries, `--repro`), `signals` (SIGINT and SIGTERM end the session the same way).
+"""

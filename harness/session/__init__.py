@@ -1,1 +1,7 @@
-"""Parent side: the per-test flow, pool and torchrun lockstep sessions, the verdict."""
+"""Parent side: what a pytest session does with each distributed test.
+
+`flow.HarnessSession` is the per-test flow both modes share (task, results, trace diff, verdict,
+publication to the report plugins); `pool_session` runs tests on warm pools it owns;
+`lockstep` runs them under torchrun, where this pytest process is one rank; `verdict` turns N
+per-rank results into one outcome and says whether the world can run the next test.
+"""

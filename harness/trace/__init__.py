@@ -1,1 +1,7 @@
-"""Both sides: trace records, the cross-rank diff and one-sided waits (never patches torch.distributed)."""
+"""Shared by both sides and the tools: collective trace records and what is read from them.
+
+`records` is a record and the per-rank trace file that carries records from a rank to the
+parent; `divergence` diffs the ranks' traces and names the first collective they disagree on;
+`one_sided` notices, while a test runs, a rank waiting in a collective its peers will never
+issue. Nothing here patches torch.distributed (that is `harness.rank.tracing`).
+"""
