@@ -104,7 +104,7 @@ def help_options() -> dict[str, tuple[str, str]]:
 def _code_text() -> str:
     """The sources the docs describe: Python packages, scripts, CI scripts and the project file."""
     patterns = (
-        "harness/*.py",
+        "harness/**/*.py",
         "conformance/**/*.py",
         "engine/*.py",
         "fixtures/*.py",
