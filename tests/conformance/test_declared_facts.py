@@ -60,7 +60,7 @@ def proves(backend: str, fact: str, world_size: int = 2) -> Callable[[Proof], Pr
 def declared_facts(adapter_cls: type[BackendAdapter]) -> set[str]:
     """The facts an adapter class (or a base other than the protocol's) sets itself; a refusal
     counts per misuse (``REFUSALS.<MISUSE>``): those it leaves out are held to the seeds'."""
-    owners = [klass for klass in adapter_cls.__mro__ if klass is not BackendAdapter]
+    owners = [klass for klass in adapter_cls.__mro__ if klass not in BackendAdapter.__mro__]
     declared = {fact for fact in FACTS if any(fact in vars(klass) for klass in owners)}
     facts = declared - {"REFUSALS"}
     if "REFUSALS" in declared:

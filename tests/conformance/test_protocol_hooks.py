@@ -495,12 +495,19 @@ def test_the_template_lists_every_method_and_declaration_of_the_protocol() -> No
     from conformance.adapters.template import TemplateAdapter
 
     public_templates = set(TEMPLATE_METHODS)
+    # BackendAdapter and the bases it is split into by concern (facts, capabilities, hooks).
+    protocol_members = {
+        name: value
+        for klass in BackendAdapter.__mro__
+        if klass.__module__.startswith("conformance.protocol.")
+        for name, value in vars(klass).items()
+    }
     provided = {
         name
-        for name, value in vars(BackendAdapter).items()
+        for name, value in protocol_members.items()
         if callable(value) and name not in public_templates and not name.startswith("__")
         if name not in {"supports", "unsupported_reason", "forms", "named_parameter", "_specs", "_spec_requirements"}
     }
-    declarations = {name for name in vars(BackendAdapter) if name.isupper()}
+    declarations = {name for name in protocol_members if name.isupper()}
     missing = sorted((provided | declarations) - set(vars(TemplateAdapter)) - {"EXPECTATIONS"})
     assert missing == [], f"conformance/adapters/template.py lacks {missing}"

@@ -1,0 +1,285 @@
+"""The adapter base class: the public methods scenarios call, and the adoption of older adapters.
+
+:class:`BackendAdapter` joins an adapter's declarations (:class:`BackendFacts`,
+:class:`BackendCapabilities`) and optional hooks (:class:`BackendHooks`) with the template
+methods: each public method (``shard``, ``unshard``, the state dicts, the native checkpoint)
+checks every capability the call exercises, then calls the adapter's implementation (``_shard``,
+``_unshard``, ...; :data:`TEMPLATE_METHODS`). An adapter written for a protocol before version 3
+implemented the public methods itself; its methods are adopted as the implementations when its
+class is created (:func:`_adopt_implementations`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from conformance.protocol.capabilities import BackendCapabilities, require, require_all, unshard_capabilities
+from conformance.protocol.facts import BackendFacts
+from conformance.protocol.hooks import BackendHooks
+from conformance.protocol.vocabulary import (
+    ApiForm,
+    BackendEnv,
+    Capability,
+    Requirement,
+    ShardEvent,
+    ShardingSpec,
+    StateDictKind,
+)
+
+# The public methods that check the declared capabilities, then call the adapter's
+# implementation: public name -> the method an adapter implements.
+TEMPLATE_METHODS = {
+    "shard": "_shard",
+    "unshard": "_unshard",
+    "state_dict": "_state_dict",
+    "load_state_dict": "_load_state_dict",
+    "optim_state_dict": "_optim_state_dict",
+    "load_optim_state_dict": "_load_optim_state_dict",
+    "save_checkpoint": "_save_checkpoint",
+    "load_checkpoint": "_load_checkpoint",
+}
+
+
+class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
+    """Base class of every adapter. Subclasses set ``name`` and ``CAPABILITIES``.
+
+    Every ``model`` argument is the module :meth:`shard` returned. Module FQNs in arguments
+    and results are always those of the *original* model (no wrapper prefixes), so a scenario
+    is written once for every backend.
+
+    What an adapter declares lives in the bases, by concern: its facts (:class:`BackendFacts`:
+    names, refusals, shard layout), its capabilities (:class:`BackendCapabilities`: capabilities,
+    unsupported reasons and combinations, platforms) and its optional hooks with plain-torch
+    defaults (:class:`BackendHooks`: training loop, storage, collective label, close). This class
+    holds who the adapter is and the methods scenarios call to shard, unshard, save and look inside.
+    """
+
+    # The backend's name: test ids, reports, the matrix column and the expectations file use it.
+    name: ClassVar[str]
+    # The protocol version this adapter was written for; unstated means the first.
+    PROTOCOL_VERSION: ClassVar[int] = 1
+    # The adapter's own expected-failure file (conformance.suite.expectations): a path relative to the
+    # file of the module that sets it, e.g. "expectations.toml" next to the adapter module, so
+    # a package registered as an entry point ships its known failures with it.
+    EXPECTATIONS: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Adoption first, then the bases' checks (BackendCapabilities: an API form is declared),
+        # the order they have always run in.
+        _adopt_implementations(cls)
+        super().__init_subclass__(**kwargs)
+
+    def __init__(self, env: BackendEnv) -> None:
+        self.env = env
+
+    # -- applying sharding ----------------------------------------------------------------
+    # The public methods below check every capability the call exercises (a missing one skips
+    # the test as "unsupported: ...", never runs it half-supported), then call the adapter's
+    # implementation (the underscored abstract method). An adapter implements those and never
+    # repeats the checks: a forgotten refusal cannot happen.
+
+    def shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        """Shard ``model`` (already on ``env.device``) and return the module to run, after
+        checking ``spec.needed_capabilities(form)`` and the declared combinations."""
+        require_all(self, spec.needed_capabilities(form) | spec.conditions())
+        sharded = self._shard(model, spec, form)
+        self._specs()[sharded] = spec
+        return sharded
+
+    def _specs(self) -> weakref.WeakKeyDictionary[nn.Module, ShardingSpec]:
+        """The spec each module :meth:`shard` returned was sharded with (for the combinations
+        a later call on it completes, e.g. an optimizer state dict of a model with original
+        parameters)."""
+        specs = self.__dict__.get("_sharded_with")
+        if specs is None:
+            specs = self.__dict__["_sharded_with"] = weakref.WeakKeyDictionary()
+        return specs
+
+    def _spec_requirements(self, model: nn.Module) -> set[Requirement]:
+        spec = self._specs().get(model)
+        return set() if spec is None else spec.feature_capabilities() | spec.conditions()
+
+    @abc.abstractmethod
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        """Shard ``model`` (already on ``env.device``) and return the module to run.
+
+        The wrapper form returns the root wrapper; the composable form returns ``model``
+        itself (sharded in place). The result's ``parameters()`` are what the optimizer gets.
+        Every capability the spec uses is declared (:meth:`shard` checked).
+        """
+
+    # -- unshard ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters, after
+        checking the capabilities these options exercise (:func:`unshard_capabilities`)."""
+        options = {
+            "writeback": writeback,
+            "rank0_only": rank0_only,
+            "offload_to_cpu": offload_to_cpu,
+            "recurse": recurse,
+            "with_grads": with_grads,
+        }
+        require_all(self, unshard_capabilities(**options) | self._spec_requirements(model))
+        with self._unshard(model, fqn, **options):
+            yield
+
+    @abc.abstractmethod
+    def _unshard(
+        self,
+        model: nn.Module,
+        fqn: str = "",
+        *,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+        with_grads: bool = False,
+    ) -> AbstractContextManager[None]:
+        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters.
+
+        Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
+        tensors under the original FQNs once the declared :attr:`WRAPPER_COMPONENTS` are
+        removed (also with flat parameters: the originals, not the flat parameter).
+        ``writeback``: changes made inside persist after exit. ``rank0_only``: only rank 0
+        materialises full parameters. ``offload_to_cpu``: the full parameters live on CPU.
+        ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
+        ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
+        own error, declared in :attr:`REFUSALS` (scenarios check it exactly).
+        """
+
+    # -- state dicts ----------------------------------------------------------------------
+    def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
+        return self._state_dict(model, kind)
+
+    def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+        require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
+        self._load_state_dict(model, state_dict, kind)
+
+    def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        """Optimizer state dict keyed by parameter FQNs."""
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
+        return self._optim_state_dict(model, optim, kind)
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+        needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
+        require_all(self, needed | self._spec_requirements(model))
+        self._load_optim_state_dict(model, optim, state_dict, kind)
+
+    @abc.abstractmethod
+    def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
+        """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
+
+    @abc.abstractmethod
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
+        """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
+
+    @abc.abstractmethod
+    def _optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
+        """Optimizer state dict keyed by parameter FQNs."""
+
+    @abc.abstractmethod
+    def _load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict: Mapping[str, Any],
+        kind: StateDictKind,
+    ) -> None:
+        """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
+
+    # -- native checkpoint (optional capability) -------------------------------------------
+    def save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Save model and optimizer state in the backend's own sharded format under
+        ``directory`` (the same path on every rank; every rank calls this). The suite never
+        reads the files: it checks them by round trip (load, compare full state, train on)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._save_checkpoint(model, optim, directory)
+
+    def load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        """Load what :meth:`save_checkpoint` wrote into ``model`` and ``optim`` (sharded alike)."""
+        require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
+        self._load_checkpoint(model, optim, directory)
+
+    def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _save_checkpoint")
+
+    def _load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
+        raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _load_checkpoint")
+
+    # -- introspection (optional capabilities) ------------------------------------------
+    def is_unsharded(self, model: nn.Module, unit: str) -> bool:
+        """Whether the unit rooted at FQN ``unit`` currently holds unsharded parameter storage."""
+        require(self, Capability.INTROSPECT_UNSHARDED)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_UNSHARDED but lacks it")
+
+    def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
+        """Elements of storage this rank holds allocated right now for the unsharded parameters
+        of the unit at FQN ``unit`` (every copy counted: a compute-dtype buffer and a
+        full-precision one both allocated count twice): 0 once freed; while unsharded, the
+        padded size the declared ``SHARD_LAYOUT`` gives (:func:`expected_unsharded_numel`).
+        Reads only (no collective). Only for sharded units (a NO_SHARD unit is never freed)."""
+        require(self, Capability.INTROSPECT_STORAGE)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_STORAGE but lacks unsharded_storage_numel")
+
+    def unit_fqns(self, model: nn.Module) -> dict[str, list[str]]:
+        """Unit FQN -> FQNs (from the model root) of the parameters that unit manages."""
+        require(self, Capability.INTROSPECT_UNIT_FQNS)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_UNIT_FQNS but lacks it")
+
+    def record_events(self, model: nn.Module) -> AbstractContextManager[list[ShardEvent]]:
+        """Context yielding a list that fills with every unshard/reshard state change."""
+        require(self, Capability.INTROSPECT_EVENTS)
+        raise AssertionError(f"{type(self).__name__} declares INTROSPECT_EVENTS but lacks it")
+
+
+def _adopt_implementations(cls: type[BackendAdapter]) -> None:
+    """Keep the public methods the protocol's templates.
+
+    An adapter written for a protocol before version 3 implemented ``shard``, ``unshard`` and the
+    state-dict methods itself: its methods become the implementations (``_shard``, ...) behind
+    the checking templates, so it keeps running and gains the checks. From version 3 on, an
+    adapter implements the underscored methods; overriding a public one is refused, since it
+    would bypass the capability checks.
+    """
+    for public, implementation in TEMPLATE_METHODS.items():
+        if public not in vars(cls):
+            continue
+        if cls.PROTOCOL_VERSION >= 3:
+            raise TypeError(
+                f"{cls.__name__} overrides {public}(), which checks the declared capabilities before "
+                f"calling the adapter: implement {implementation}() instead (protocol version "
+                f"{cls.PROTOCOL_VERSION}; docs/writing-an-adapter.md)"
+            )
+        if implementation not in vars(cls):
+            setattr(cls, implementation, vars(cls)[public])
+        delattr(cls, public)

@@ -1,0 +1,140 @@
+"""Optional hooks: what an adapter may override, each with a plain-torch default.
+
+The training loop a scenario drives (``make_optimizer``, ``zero_grad``, ``backward``, ``step``),
+the per-rank storage of a parameter (``local_shard`` and its setters and gradient twins), the
+label of the collective being issued (``collective_label``) and the end of a test (``close``).
+A backend that owns its training loop or keeps its shards outside ``param`` (DeepSpeed)
+overrides them; every other backend inherits the defaults. Protocol versions list which version
+added each (:mod:`conformance.protocol.versions`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from conformance.protocol.vocabulary import OptimizerFactory
+
+
+class BackendHooks:
+    """The optional hooks of an adapter with their defaults.
+
+    A base of :class:`~conformance.protocol.adapter.BackendAdapter`. The storage hooks map names
+    through ``original_fqn`` (declared beside ``WRAPPER_COMPONENTS`` in
+    :class:`~conformance.protocol.facts.BackendFacts`).
+    """
+
+    # -- training loop (optional hooks; the defaults are plain torch) ----------------------
+    # A scenario that trains calls only these, in this order (docs/writing-an-adapter.md,
+    # "The training-loop contract"):
+    #
+    #     optim = backend.make_optimizer(sharded, factory)   # once, before the first forward
+    #     for each iteration:
+    #         backend.zero_grad(sharded, optim)
+    #         loss = loss_of(sharded(*inputs))
+    #         backend.backward(sharded, loss)
+    #         backend.step(sharded, optim)
+    #
+    # A backend that owns its training loop (DeepSpeed builds the optimizer into its engine and
+    # runs engine.backward / engine.step) overrides them; nothing global is patched.
+
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer that trains ``model``: called once, after :meth:`shard`, before the
+        first forward. Default: ``factory(model.parameters())``.
+
+        A backend that must own the optimizer builds it from ``factory`` here. The result is
+        an opaque handle to scenarios: they pass it back to :meth:`zero_grad`, :meth:`step`
+        and the optimizer state dict methods, and call nothing on it themselves.
+        """
+        return factory(model.parameters())
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (a scalar computed from ``model``'s output) and leave the
+        reduced gradients where the backend keeps them. Default: ``loss.backward()``."""
+        loss.backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Apply one optimizer step with the current gradients. Default: ``optimizer.step()``."""
+        optimizer.step()
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients before the next backward. Default:
+        ``optimizer.zero_grad(set_to_none=True)``."""
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- storage: what this rank holds of a parameter --------------------------------------
+    # ``fqn`` names a parameter of the module shard() returned, as original_fqn() gives its
+    # name in ``model.named_parameters()`` (flat parameters keep their own names). None of
+    # these issue a collective, so a scenario may call them on some ranks only.
+
+    def named_parameter(self, model: nn.Module, fqn: str) -> nn.Parameter:
+        """The parameter object of ``model`` that :meth:`original_fqn` names ``fqn``."""
+        names = []
+        for name, param in model.named_parameters(remove_duplicate=False):
+            original = self.original_fqn(name)
+            if original == fqn:
+                return param
+            names.append(original)
+        raise KeyError(f"{type(self).__name__}: no parameter {fqn!r}; the sharded model has {names}")
+
+    def local_shard(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        """A detached copy of what this rank stores of parameter ``fqn``.
+
+        In the backend's own layout: any shape, empty where this rank stores nothing of it,
+        padding included where the backend pads. Default: the parameter itself, or its
+        local shard when it is a DTensor. Under DeepSpeed ZeRO-3 ``param`` is an empty
+        placeholder and the shard lives elsewhere, which is why scenarios ask here.
+        """
+        return _local_tensor(self.named_parameter(model, fqn)).detach().clone()
+
+    def set_local_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        """Overwrite this rank's stored part of ``fqn`` with ``value`` (shaped like
+        :meth:`local_shard`'s result), everywhere the backend keeps it (a master copy an
+        optimizer holds included), so later gathers and steps see it."""
+        _copy_into(_local_tensor(self.named_parameter(model, fqn)), value, fqn)
+
+    def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
+        """A detached copy of this rank's stored gradient of ``fqn`` (layout as
+        :meth:`local_shard`), or None when this rank stores no gradient for it.
+        Default: ``param.grad`` or its DTensor local shard."""
+        grad = self.named_parameter(model, fqn).grad
+        return None if grad is None else _local_tensor(grad).detach().clone()
+
+    def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        """Overwrite this rank's stored gradient of ``fqn`` (which must exist) with ``value``."""
+        grad = self.named_parameter(model, fqn).grad
+        if grad is None:
+            raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
+        _copy_into(_local_tensor(grad), value, f"{fqn} gradient")
+
+    # -- collective labels and lifetime ------------------------------------------------------
+    def collective_label(self) -> str | None:
+        """What the collective being issued right now carries (e.g. ``"unit1.inp.weight,
+        unit1.inp.bias"``), or None to leave it to the harness (the running module's FQN).
+
+        The rank fixture registers this with the harness's collective trace for the duration
+        of each test, so the divergence diff names what two same-shaped collectives moved.
+        Called inside every traced collective: cheap, no collectives, no exceptions.
+        """
+        return None
+
+    def close(self) -> None:  # an optional hook: doing nothing is the right default
+        """Called once after each test body (passed or not), before the harness destroys
+        the process groups the test created. Drop what the backend caches across models
+        (e.g. process groups a library keeps in module globals). Default: nothing."""
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if value.shape != target.shape:
+        raise ValueError(
+            f"{what}: this rank stores shape {tuple(target.shape)}, got a value of shape "
+            f"{tuple(value.shape)} (write what local_shard / local_grad_shard returned, modified)"
+        )
+    with torch.no_grad():
+        target.copy_(value)
