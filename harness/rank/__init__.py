@@ -1,1 +1,2 @@
-"""Rank side: what runs inside a rank (worker, runner, isolation, rank fixtures, faults, collective tracing)."""
+"""Rank side: what runs inside a rank (worker, joining the world, runner, isolation, rank fixtures,
+faults, collective tracing)."""
