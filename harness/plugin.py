@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import tempfile
 import types
 from collections.abc import Generator
 from typing import Any
@@ -25,6 +24,7 @@ from harness import hookspecs
 from harness.config import devices, preflight, repro, world_sizes
 from harness.config.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
 from harness.config.signals import SignalGuard
+from harness.config.torchrun import torchrun_world
 from harness.config.world_sizes import world_size_of  # also imported from here by other plugins
 from harness.rank import fixtures
 from harness.report.junit import JUnitReport
@@ -151,7 +151,8 @@ def pytest_configure(config: pytest.Config) -> None:
     preflight.refuse_parallel_workers(config)
     if config.option.repro:
         repro.reexec_recorded(config, config.option.repro)
-    world_sizes.configure(config, visible_gpu_count())
+    torchrun = torchrun_world()
+    world_sizes.configure(config, visible_gpu_count(), torchrun)
     config.stash[_DEVICES] = DeviceTally(config.option.device)
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
     config.addinivalue_line(
@@ -172,7 +173,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 "fix the module name in the ini file or make the module importable"
             ) from error
     _register_placeholders(config)
-    reports_dir = _reports_dir(config)
+    reports_dir = preflight.reports_directory(config.getoption("reports_dir"), str(config.rootpath))
     preflight.require_writable(
         directories=[
             ("the per-rank JUnit files", os.path.join(reports_dir, "junit")),
@@ -180,12 +181,12 @@ def pytest_configure(config: pytest.Config) -> None:
         ]
     )
     session: HarnessSession
-    if _launched_by_torchrun():
+    if torchrun is not None:
         # Imported only here: a pool parent never loads the rank-side runner, nor through it
         # the module that patches torch.distributed.
         from harness.session.lockstep import LockstepSession
 
-        session = LockstepSession(config, modules, reports_dir)
+        session = LockstepSession(config, modules, reports_dir, torchrun)
     else:
         session = PoolSession(config, modules, reports_dir)
     config.stash[_SESSION] = session
@@ -194,24 +195,11 @@ def pytest_configure(config: pytest.Config) -> None:
     guard.install()
     config.stash[_SIGNALS] = guard
     # The built-in reports, registered like any other report plugin (as pytest registers junitxml).
-    torchrun = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if _launched_by_torchrun() else None
     config.pluginmanager.register(
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
     config.pluginmanager.register(TraceFiles(os.path.join(reports_dir, "traces")), _TRACES_PLUGIN)
     config.pluginmanager.register(RunSummary(config, reports_dir, session.summary), _SUMMARY_PLUGIN)
-
-
-def _launched_by_torchrun() -> bool:
-    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def torchrun_world() -> tuple[int, int] | None:
-    """(WORLD_SIZE, LOCAL_WORLD_SIZE) when torchrun launched this process, else None."""
-    if not _launched_by_torchrun():
-        return None
-    return int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 # -- the public API for other plugins (re-exported by `harness`) ---------------------------
@@ -231,7 +219,7 @@ def world_device(config: pytest.Config, world_size: int | None = None) -> str | 
     had (`--device cuda` with too few GPUs); by default the session's smallest world: one rank,
     or under torchrun the whole torchrun world."""
     torchrun = torchrun_world()
-    size = world_size if world_size is not None else (torchrun[0] if torchrun else 1)
+    size = world_size if world_size is not None else (torchrun.world_size if torchrun else 1)
     return devices.plan_world(config.option.device, size, torchrun).kind
 
 
@@ -276,21 +264,6 @@ def _register_placeholders(config: pytest.Config) -> None:
 
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
     config.pluginmanager.register(holder, "harness-rank-fixture-placeholders")
-
-
-def _reports_dir(config: pytest.Config) -> str:
-    given = config.getoption("reports_dir")
-    directory = os.path.abspath(given) if given else str(config.rootpath / "reports")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        raise pytest.UsageError(
-            f"reports directory {directory!r} is not writable ({error.strerror}); "
-            "pass --reports-dir with a writable path"
-        ) from None
-    return directory
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -362,7 +335,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _say_oversubscribed(session: pytest.Session) -> None:
     """Once, before the first test: CPU worlds with more ranks than cores (slow, and timeouts may need raising)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or _launched_by_torchrun():
+    if reporter is None or torchrun_world() is not None:
         return
     sizes = {size for item in session.items if (size := world_size_of(item)) is not None}
     line = preflight.oversubscription_line(

@@ -1,13 +1,19 @@
-"""Bounding text that is kept or sent: a cut keeps the end (what explains a failure) and says
-exactly how much it dropped, in the unit it cut (bytes of a file, characters of a string).
+"""Text the harness shows, written one way wherever it appears.
 
+Bounding text that is kept or sent: a cut keeps the end (what explains a failure) and says
+exactly how much it dropped, in the unit it cut (bytes of a file, characters of a string).
 Captured output is cut once, where it is read (`read_tail`, bytes); report writers cut longer
 texts again with `clip` (characters), each notice exact for what that cut removed.
+
+Naming things in messages: ranks (`ranks_text`: "rank 0", "ranks 0, 1"), a process group's
+members (`group_text`: "[0, 1]") and a path (`shown_path`: relative to the working directory
+when it is under it).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 
 
 def bytes_cut_notice(dropped: int) -> str:
@@ -55,3 +61,19 @@ def describe_exception(error: BaseException) -> str:
         message = f"<str() of the exception raised {type(failure).__name__}>"
     line = first_line(message)
     return f"{name}: {line}" if line else name
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """ "rank 0" for one rank, "ranks 0, 2" for several, in the order given."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def group_text(ranks: Iterable[int]) -> str:
+    """The members of a process group (global ranks) as a list: "[0, 1]"."""
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the working directory when it lies under it, else as given."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import devices
+from harness.process import gpu_locks
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -212,8 +212,8 @@ def test_every_repository_path_the_docs_name_exists() -> None:
 
 
 def test_the_documented_gpu_lock_directory_is_the_code_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(devices.LOCK_DIR_ENV, raising=False)
-    default = devices.default_lock_dir()
+    monkeypatch.delenv(gpu_locks.LOCK_DIR_ENV, raising=False)
+    default = gpu_locks.default_lock_dir()
     named = {
         (f"{where}:{number}", found)
         for where, number, line in _doc_lines()
@@ -221,4 +221,4 @@ def test_the_documented_gpu_lock_directory_is_the_code_default(monkeypatch: pyte
     }
     assert named, "the docs no longer say where the GPU locks live"
     wrong = sorted(f"{where}: {found}" for where, found in named if found != default)
-    assert wrong == [], f"the GPU locks live in {default} ({devices.LOCK_DIR_ENV} overrides it):\n" + "\n".join(wrong)
+    assert wrong == [], f"the GPU locks live in {default} ({gpu_locks.LOCK_DIR_ENV} overrides it):\n" + "\n".join(wrong)

@@ -29,7 +29,7 @@ from conformance.protocol import versions
 from conformance.report.html import render_html
 from conformance.report.matrix import Matrix, RunDetails, classify, render_markdown
 from conformance.report.trace_view import index_trace_reports
-from conformance.suite import admission, expectations, platforms, registry
+from conformance.suite import expectations, gate, registry
 from harness import skip_reason as skip_reason_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
@@ -131,11 +131,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        # First what the adapters declare (platforms: a backend `all` brought in is left out),
-        # then what they can do here (admission: probes the adapter; refuses).
-        config.stash[_STATE] = _without_refused(config, _select(config))
-        _admit(config, config.stash[_STATE])
-    except (registry.BackendSelectionError, expectations.ExpectationsError, platforms.PlatformRefusal) as error:
+        config.stash[_STATE] = _admit(config, _select(config))
+    except (registry.BackendSelectionError, expectations.ExpectationsError, gate.BackendRefused) as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_STARTED] = time.time()
     config.stash[_RUN] = expectations.RunRecord()
@@ -201,27 +198,15 @@ def _select(config: pytest.Config) -> BackendSelection:
     return BackendSelection(backends, names, expected, origins)
 
 
-def _admit(config: pytest.Config, state: BackendSelection) -> None:
-    """Refuse, before any test runs, a backend that could run nothing here (conformance.suite.admission)."""
-    kind = harness.world_device(config)
-    context = admission.SessionContext(device=torch.device(kind) if kind is not None else None)
-    refused = []
-    for selection in state.backends:
-        reasons = admission.refusals(registry.load(selection), context)
-        refused += [f"backend {state.name(selection)!r} cannot run here: {reason}" for reason in reasons]
-    if refused:
-        raise registry.BackendSelectionError("\n".join(refused))
-
-
-def _without_refused(config: pytest.Config, state: BackendSelection) -> BackendSelection:
-    """``state`` without the backends that cannot run on this session's devices and torch
-    (conformance.suite.platforms): one the user named is a usage error, one `all` brought in is left
-    out and named in the header."""
+def _admit(config: pytest.Config, state: BackendSelection) -> BackendSelection:
+    """``state`` without the backends that cannot run on the device kinds this session's worlds
+    get (conformance.suite.gate): one the user named is a usage error, one `all` brought in is
+    left out and named in the header."""
     named = [s for s in config.getoption("backend") or [registry.DEFAULT] if s != registry.ALL]
-    refused = platforms.refused_backends(
+    refused = gate.refused_backends(
         {selection: registry.load(selection) for selection in state.backends},
         named,
-        harness.device_kinds(config),
+        gate.session_devices(config),
         torch.__version__,
     )
     config.stash[_REFUSED] = {state.names[s]: why for s, why in refused.items()}
@@ -229,7 +214,7 @@ def _without_refused(config: pytest.Config, state: BackendSelection) -> BackendS
         return state
     kept = [s for s in state.backends if s not in refused]
     if not kept:
-        raise platforms.PlatformRefusal("no selected backend can run here: " + "; ".join(refused.values()))
+        raise gate.BackendRefused("no selected backend can run here: " + "; ".join(refused.values()))
     return BackendSelection(
         kept,
         {s: state.names[s] for s in kept},

@@ -55,6 +55,24 @@ def writable_file_problem(path: str) -> str | None:
     return writable_directory_problem(parent, called=parent)
 
 
+def reports_directory(given: str | None, rootdir: str) -> str:
+    """The session's reports directory, absolute and created: `--reports-dir` (`given`), else
+    `<rootdir>/reports`. Refused (usage error) when files cannot be created in it; what goes in
+    it is checked by `require_writable`, by each plugin that writes there."""
+    directory = os.path.abspath(given) if given else os.path.join(rootdir, "reports")
+    problem = writable_directory_problem(directory, called="it")
+    if problem is None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            problem = f"cannot create it ({error.strerror or error})"
+    if problem is not None:
+        raise pytest.UsageError(
+            f"reports directory {directory!r} is not writable ({problem}); pass --reports-dir with a writable path"
+        )
+    return directory
+
+
 def require_writable(directories: Sequence[tuple[str, str]] = (), files: Sequence[tuple[str, str]] = ()) -> None:
     """Refuse the session (usage error) when a report location cannot be written.
 

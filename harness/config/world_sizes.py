@@ -20,13 +20,14 @@ test id names its size and stays the same at that size in every session.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+from harness.config.torchrun import TorchrunWorld
 
 DEFAULT_WORLD_SIZES = (1, 2, 4)
 """The sizes a session runs a constrained test at when neither the session nor the test chose."""
@@ -207,18 +208,21 @@ class SessionWorldSizes:
         return reason
 
 
-def session_world_sizes(option: str | None, device: str, visible_gpus: int) -> SessionWorldSizes:
-    """Resolve `--world-sizes`, torchrun's environment and the device into this session's sizes."""
+def session_world_sizes(
+    option: str | None, device: str, visible_gpus: int, torchrun: TorchrunWorld | None
+) -> SessionWorldSizes:
+    """Resolve `--world-sizes`, the torchrun world this process is a rank of (if any) and the
+    device into this session's sizes."""
     chosen = parse_sizes_option(option) if option else None
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: this process is a rank of a launched world
-        world_size = int(os.environ["WORLD_SIZE"])
+    if torchrun is not None:  # this process is a rank of a launched world
+        world_size = torchrun.world_size
         if chosen is not None and world_size not in chosen:
             raise pytest.UsageError(
                 f"this torchrun world has {world_size} ranks but --world-sizes {option} excludes it; "
                 "under torchrun every test runs at WORLD_SIZE: drop --world-sizes"
             )
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        return SessionWorldSizes((world_size,), f"torchrun WORLD_SIZE={world_size}", local_size=local_size)
+        origin = f"torchrun WORLD_SIZE={world_size}"
+        return SessionWorldSizes((world_size,), origin, local_size=torchrun.local_world_size)
     if chosen is not None:
         return SessionWorldSizes(chosen, f"--world-sizes {_join(chosen).replace(' ', '')}")
     gpus = visible_gpus if device != "cpu" else 0
@@ -231,13 +235,15 @@ _SESSION_KEY = pytest.StashKey[SessionWorldSizes]()
 _DESELECTED_KEY = pytest.StashKey[list[tuple[str, str]]]()
 
 
-def configure(config: pytest.Config, visible_gpus: int) -> None:
+def configure(config: pytest.Config, visible_gpus: int, torchrun: TorchrunWorld | None) -> None:
     config.addinivalue_line(
         "markers",
         "world_size(n | [n, ...] | min=, max=, multiple_of=, default=, exclude=): the world sizes a "
         "test runs at (see harness/config/world_sizes.py); a list or constraints parametrize it (ids ws<N>)",
     )
-    config.stash[_SESSION_KEY] = session_world_sizes(config.option.world_sizes, config.option.device, visible_gpus)
+    config.stash[_SESSION_KEY] = session_world_sizes(
+        config.option.world_sizes, config.option.device, visible_gpus, torchrun
+    )
     config.stash[_DESELECTED_KEY] = []
 
 

@@ -33,10 +33,12 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
+from harness.config.torchrun import LAUNCHED_BY_TORCHRUN, TorchrunWorld
+
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOOPBACK_ADDR = "127.0.0.1"
 _IFF_LOOPBACK = 0x8
-_NOT_INHERITED = ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE")
+_NOT_INHERITED = (LAUNCHED_BY_TORCHRUN, "LOCAL_SIZE")
 
 
 def loopback_interface() -> str:
@@ -73,11 +75,8 @@ def rank_environment(
 ) -> dict[str, str]:
     """`base` with the torchrun contract of rank `rank` of a one-host world (see the module doc)."""
     env = session_environment(base)
+    env.update(TorchrunWorld(rank, local_rank=rank, world_size=world_size, local_world_size=world_size).environment())
     env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=LOOPBACK_ADDR,
         MASTER_PORT=str(master_port),
         TORCHELASTIC_USE_AGENT_STORE="True",

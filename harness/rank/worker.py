@@ -19,12 +19,12 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from harness.config.devices import join_world, rank_device
 from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.process import procfs
 from harness.process.rank_files import RankFiles
 from harness.rank.isolation import ProcessIsolation
 from harness.rank.runner import TestRunner
+from harness.rank.world import join_world, rank_device
 from harness.text import describe_exception
 
 _PR_SET_PDEATHSIG = 1

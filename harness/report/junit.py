@@ -40,6 +40,7 @@ from typing import IO, Any
 
 import pytest
 
+from harness.config.torchrun import TorchrunWorld
 from harness.report.results import DistributedTestResult, RankCase, SuiteKey
 from harness.text import clip
 
@@ -69,14 +70,14 @@ def junit_classname(nodeid: str) -> str:
 class _SharedDirectory:
     """This session's claim on a JUnit directory that other sessions may use at the same time.
 
-    `torchrun` is (rank, world size) when this process is one rank of a torchrun world: it claims
-    only that rank's file, since the other ranks' processes write theirs into the same directory.
+    `torchrun`: the torchrun world this process is one rank of, if any: it claims only that rank's
+    file, since the other ranks' processes write theirs into the same directory.
     """
 
-    def __init__(self, directory: str, torchrun: tuple[int, int] | None = None) -> None:
+    def __init__(self, directory: str, torchrun: TorchrunWorld | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
-        lock = _LOCK if torchrun is None else f".rank-{torchrun[0]}.lock"
+        lock = _LOCK if torchrun is None else f".rank-{torchrun.rank}.lock"
         self._lock: IO[str] | None = open(os.path.join(directory, lock), "a+")  # noqa: SIM115 - held for the session
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,12 +96,12 @@ class _SharedDirectory:
         # What earlier sessions left; only the lock holder removes (what it does not rewrite).
         self.found_at_start = set(self._claimed(torchrun)) if self.owner else set()
 
-    def _claimed(self, torchrun: tuple[int, int] | None) -> list[str]:
+    def _claimed(self, torchrun: TorchrunWorld | None) -> list[str]:
         """The files of earlier sessions this one answers for."""
         found = glob.glob(os.path.join(self.directory, "rank-*.xml"))
         if torchrun is None:
             return found
-        rank, world_size = torchrun
+        rank, world_size = torchrun.rank, torchrun.world_size
 
         def file_rank(path: str) -> int | None:
             number = os.path.basename(path).removeprefix("rank-").partition(".")[0]
@@ -135,7 +136,7 @@ class JUnitReport:
     """Collects every rank's cases during the session; writes `rank-<r>.xml` files at its end."""
 
     def __init__(
-        self, directory: str, session_properties: dict[str, str], torchrun: tuple[int, int] | None = None
+        self, directory: str, session_properties: dict[str, str], torchrun: TorchrunWorld | None = None
     ) -> None:
         self.directory = directory
         self.session_properties = session_properties

@@ -39,7 +39,7 @@ import pytest
 
 from harness.config import world_sizes
 from harness.report.results import DistributedTestResult, skip_reason
-from harness.text import describe_exception
+from harness.text import describe_exception, ranks_text, shown_path
 
 __all__ = ["RunSummary", "incomplete_reason", "reason"]
 
@@ -109,7 +109,7 @@ def _cause(rank: int, body: list[str]) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return ranks_text(ranks)
 
 
 def _cut(line: str) -> str:
@@ -256,8 +256,7 @@ class ReasonedText:
 
 
 def _shown(path: str) -> str:
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
+    return shown_path(path)
 
 
 def _grouped(paths: list[str]) -> list[str]:

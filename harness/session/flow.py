@@ -25,6 +25,7 @@ import torch
 
 from harness.config import repro
 from harness.config.devices import DevicePlan, plan_world
+from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankOutcome, RankResult, Status, TestTask
 from harness.rank import fixtures
 from harness.report.results import DistributedTestResult, SuiteKey, rank_cases, skip_reason
@@ -82,8 +83,8 @@ def session_properties(config: pytest.Config) -> dict[str, str]:
 class HarnessSession:
     """Task building, verdicts and reporting shared by both ways of running ranks."""
 
-    torchrun_world: tuple[int, int] | None = None
-    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun world this process is a rank of, else None."""
+    torchrun: TorchrunWorld | None = None
+    """The torchrun world this process is a rank of (the lockstep session), else None."""
 
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         self.config = config
@@ -116,7 +117,7 @@ class HarnessSession:
     def plan(self, world_size: int) -> DevicePlan:
         """The device for a world of this size, or a skip reason when it cannot be had (the one
         device decision: `harness.plugin` asks it once per test and keeps the answer)."""
-        return plan_world(self.options.device, world_size, self.torchrun_world)
+        return plan_world(self.options.device, world_size, self.torchrun)
 
     def summary(self) -> str:
         return f"{self.dispatched} distributed tests"

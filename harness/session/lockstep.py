@@ -20,31 +20,32 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from harness.config.devices import join_world, rank_device
+from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankLoss, RankResult, TestTask
 from harness.process.rank_env import loopback_interface
 from harness.rank.runner import TestRunner
+from harness.rank.world import join_world, rank_device
 from harness.session.flow import Execution, HarnessSession, WorldUnusable
 from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
 class LockstepSession(HarnessSession):
-    def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
+    def __init__(
+        self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str, torchrun: TorchrunWorld
+    ) -> None:
         super().__init__(config, rank_fixture_modules, reports_dir)
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if local_world == self.world_size:
+        self.rank = torchrun.rank
+        self.world_size = torchrun.world_size
+        if torchrun.on_one_host:
             # The whole world is on this host: gloo needs no network but loopback, and must not
             # depend on how the host name resolves (see harness.process.rank_env). Set before any group.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         # GPUs are counted on this node (LOCAL_WORLD_SIZE): `plan` is the session's one device decision.
-        self.torchrun_world = (self.world_size, local_world)
+        self.torchrun = torchrun
         self.device_plan = self.plan(self.world_size)
         if self.device_plan.kind is None:
             raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
-        device = rank_device(self.device_plan.kind, local_rank)
+        device = rank_device(self.device_plan.kind, torchrun.local_rank)
         join_world(device, self.options.collective_timeout, init_method="env://")
         # Outcomes travel on their own gloo group: the default one may be wedged by the test. A
         # rank stuck in a collective reaches the exchange up to one collective timeout after its
@@ -54,7 +55,13 @@ class LockstepSession(HarnessSession):
         self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
         self.trace_path = os.path.join(self.trace_dir, "trace")
         self.runner = TestRunner(
-            self.rank, self.world_size, local_rank, device, rank_fixture_modules, self.label_providers, self.trace_path
+            self.rank,
+            self.world_size,
+            torchrun.local_rank,
+            device,
+            rank_fixture_modules,
+            self.label_providers,
+            self.trace_path,
         )
         self.unusable_since: str | None = None
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
-from harness.text import first_line
+from harness.text import first_line, ranks_text, shown_path
 from harness.trace.records import CollectiveRecord, last_unfinished
 
 
@@ -175,9 +175,8 @@ def _user_line(stack: str) -> str:
 
 
 def _relative(path: str) -> str:
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
+    return shown_path(path)
 
 
 def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return ranks_text(ranks)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from harness.text import group_text, ranks_text
 from harness.trace.records import CollectiveRecord, last_unfinished
 
 __all__ = ["Divergence", "diagnosis", "first_divergence", "format_trace_table", "unfinished_collectives"]
@@ -62,9 +63,9 @@ class Divergence:
             by_text: dict[str, list[int]] = {}
             for rank, last in sorted(self.last.items()):
                 by_text.setdefault(self._describe_stop(last, self.skipped.get(rank)), []).append(rank)
-            stopped = "; ".join(f"{_ranks(ranks)} {text}" for text, ranks in by_text.items())
+            stopped = "; ".join(f"{ranks_text(ranks)} {text}" for text, ranks in by_text.items())
             issued = ", ".join(
-                f"{_ranks([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
+                f"{ranks_text([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
                 for rank in sorted(self.issued)
             )
             return f"{self.where}: {stopped} ({issued})"
@@ -77,7 +78,7 @@ class Divergence:
         for rank in sorted(self.issued):
             text = self._describe_issued(rank, show_shapes, show_args, where == self.where)
             classes.setdefault(text, []).append(rank)
-        return f"{where}: " + " vs ".join(f"{_ranks(ranks)} {text}" for text, ranks in classes.items())
+        return f"{where}: " + " vs ".join(f"{ranks_text(ranks)} {text}" for text, ranks in classes.items())
 
     def _describe_issued(self, rank: int, show_shapes: bool, show_args: bool, show_site: bool = True) -> str:
         text = _describe(self.issued[rank], show_shapes, show_site, show_args)
@@ -120,7 +121,7 @@ def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int])
         lines = [f"ranks issued divergent collectives: {divergence.describe()}"]
     else:
         total = sum(len(records) for records in traces.values())
-        lines = [f"no divergence between the collectives of ranks {_ranks_list(world_ranks)} ({total} recorded)"]
+        lines = [f"no divergence between the collectives of ranks {group_text(world_ranks)} ({total} recorded)"]
     unfinished = unfinished_collectives(traces)
     if unfinished:
         lines.append(f"unfinished collectives: {unfinished}")
@@ -132,7 +133,7 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
     every recorded collective returned."""
     stuck = [
-        f"rank {rank} in collective #{record.seq + 1} on group {_ranks_list(record.group)}: {_describe(record, False)}"
+        f"rank {rank} in collective #{record.seq + 1} on group {group_text(record.group)}: {_describe(record, False)}"
         for rank, record in sorted(last_unfinished(traces).items())
     ]
     return "; ".join(stuck) or None
@@ -161,7 +162,7 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
             where = (
                 f"->{record.peer}"
                 if record.is_send
-                else (f"<-{record.peer}" if record.is_p2p else _ranks_list(record.group))
+                else (f"<-{record.peer}" if record.is_p2p else group_text(record.group))
             )
             status = "done" if record.completed else "NOT RETURNED"
             if record.skipped:
@@ -202,7 +203,7 @@ def _group_divergences(recorded: dict[int, list[CollectiveRecord]], members: set
     for group, by_rank in per_group.items():
         ranks = [rank for rank in group if rank in members]
         sequences = {rank: by_rank.get(rank, []) for rank in ranks}
-        where = f"collective #{{}} on group {_ranks_list(group)}"
+        where = f"collective #{{}} on group {group_text(group)}"
         divergence = _first_difference(sequences, where, _collective_key)
         if divergence is not None:
             yield divergence
@@ -301,14 +302,6 @@ def _describe(record: CollectiveRecord, show_shapes: bool, show_site: bool = Tru
     if record.fault:
         text += f" (injected fault: {record.fault})"
     return text
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _ranks_list(ranks: Iterable[int]) -> str:
-    return "[" + ", ".join(map(str, ranks)) + "]"
 
 
 def _shape(shape: tuple[int, ...]) -> str:

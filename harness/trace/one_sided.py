@@ -20,12 +20,12 @@ test costs the parent a few small reads per poll.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
 
-from harness.trace.records import CollectiveRecord
+from harness.text import group_text
+from harness.trace.records import CollectiveRecord, RankTrace
 
 __all__ = ["OneSidedWatch"]
 
@@ -51,7 +51,7 @@ class OneSidedWatch:
         self.trace_paths = trace_paths
         self.settle_s = settle_s
         self._tails = {rank: _Tail() for rank in trace_paths}
-        self._records: dict[int, dict[int, CollectiveRecord]] = {rank: {} for rank in trace_paths}
+        self._traces = {rank: RankTrace() for rank in trace_paths}
         self._mismatch_seen: tuple[tuple, float] | None = None
 
     def check(self, finished: set[int], waiting: set[int]) -> str | None:
@@ -68,7 +68,7 @@ class OneSidedWatch:
             if others and all(member in finished and self._count(member, record) <= position for member in others):
                 issued = ", ".join(f"rank {member} {self._count(member, record)}" for member in others)
                 return (
-                    f"waited alone in collective #{position + 1} on group {_ranks(record.group)} "
+                    f"waited alone in collective #{position + 1} on group {group_text(record.group)} "
                     f"({_short(record)}): the other members finished without issuing it "
                     f"(collectives they issued on that group: {issued})"
                 )
@@ -96,14 +96,13 @@ class OneSidedWatch:
             if now - self._mismatch_seen[1] < self.settle_s:
                 return None
             calls = " vs ".join(f"rank {member} {_short(peer)}" for member, peer in peers.items() if peer)
-            return (
-                f"waited in collective #{position + 1} on group {_ranks(record.group)}, which can never match: {calls}"
-            )
+            group = group_text(record.group)
+            return f"waited in collective #{position + 1} on group {group}, which can never match: {calls}"
         self._mismatch_seen = None
         return None
 
     def _stuck(self, rank: int) -> CollectiveRecord | None:
-        records = self._records[rank]
+        records = self._traces[rank].by_index
         if not records:
             return None
         last = records[max(records)]
@@ -115,14 +114,14 @@ class OneSidedWatch:
         """How many calls `rank` issued on `record`'s group before it."""
         return sum(
             1
-            for other in self._records[rank].values()
+            for other in self._traces[rank].by_index.values()
             if other.group == record.group and not other.is_p2p and not other.skipped and other.index < record.index
         )
 
     def _count(self, rank: int, like: CollectiveRecord) -> int:
         return sum(
             1
-            for other in self._records[rank].values()
+            for other in self._traces[rank].by_index.values()
             if other.group == like.group and not other.is_p2p and not other.skipped
         )
 
@@ -132,7 +131,7 @@ class OneSidedWatch:
             with open(self.trace_paths[rank], "rb") as handle:
                 if os.fstat(handle.fileno()).st_size < tail.offset:  # a new test truncated it
                     tail.offset, tail.partial = 0, b""
-                    self._records[rank].clear()
+                    self._traces[rank].clear()
                 handle.seek(tail.offset)
                 data = handle.read()
         except FileNotFoundError:
@@ -141,19 +140,9 @@ class OneSidedWatch:
         lines = (tail.partial + data).split(b"\n")
         tail.partial = lines.pop()
         for line in lines:
-            if not line:
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "done" in entry:
-                record = self._records[rank].get(entry["done"])
-                if record is not None:
-                    record.completed = True
-            elif "note" not in entry:
-                record = CollectiveRecord.from_json(entry)
-                self._records[rank][record.index] = record
+            if line:
+                with contextlib.suppress(ValueError):  # a corrupt line: the verdict reads the file again
+                    self._traces[rank].add(line)
 
 
 def _agreement_key(record: CollectiveRecord) -> tuple:
@@ -168,7 +157,3 @@ def _short(record: CollectiveRecord) -> str:
     if record.site:
         text += f" at {record.site}"
     return text
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    return "[" + ", ".join(map(str, ranks)) + "]"

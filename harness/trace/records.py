@@ -156,31 +156,84 @@ def note_line(text: str) -> bytes:
     return (json.dumps({"note": text}) + "\n").encode()
 
 
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A `done_line`: the call with this index returned."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A `note_line`: something the trace could not record, and why."""
+
+    text: str
+
+
+def decode_line(line: str | bytes) -> CollectiveRecord | Done | Note:
+    """One whole line of a trace file (without its newline), as the event it records.
+
+    Raises ValueError for a line that is not one: cut short by a killed rank, or corrupt."""
+    try:
+        data = json.loads(line)
+        if "done" in data:
+            return Done(int(data["done"]))
+        if "note" in data:
+            return Note(str(data["note"]))
+        return CollectiveRecord.from_json(data)
+    except (ValueError, TypeError, KeyError) as error:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"not a trace line ({type(error).__name__}: {error})") from None
+
+
+class RankTrace:
+    """One rank's trace as its lines are read: the records by index, each marked completed once
+    its done line is read, and the notes. Fed a whole file (`read_trace`) or the lines appended
+    since the last look (`harness.trace.one_sided`)."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, CollectiveRecord] = {}
+        self.notes: list[str] = []
+
+    def add(self, line: str | bytes) -> None:
+        """Take in one whole line (see `decode_line`; ValueError for one that is not a trace line)."""
+        event = decode_line(line)
+        if isinstance(event, Done):
+            record = self.by_index.get(event.index)
+            if record is not None:
+                record.completed = True
+        elif isinstance(event, Note):
+            self.notes.append(event.text)
+        else:
+            self.by_index[event.index] = event
+
+    def clear(self) -> None:
+        self.by_index.clear()
+        self.notes.clear()
+
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        """The records in the order the rank issued them."""
+        return sorted(self.by_index.values(), key=lambda r: r.index)
+
+
 def read_trace(path: str, notes: list[str] | None = None) -> list[CollectiveRecord]:
     """Records of one rank's trace file; a last line cut short by a killed rank is ignored.
     The file's notes are appended to `notes` when given."""
     with open(path, encoding="utf-8") as handle:
         lines = handle.read().split("\n")
-    records: dict[int, CollectiveRecord] = {}
+    trace = RankTrace()
     for number, line in enumerate(lines, start=1):
         if not line:
             continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
+            trace.add(line)
+        except ValueError:
             if number == len(lines):  # no trailing newline: the write was cut short
                 continue
             raise ValueError(f"{path}:{number}: corrupt trace line {line[:80]!r}") from None
-        if "done" in data:
-            if data["done"] in records:
-                records[data["done"]].completed = True
-        elif "note" in data:
-            if notes is not None:
-                notes.append(str(data["note"]))
-        else:
-            record = CollectiveRecord.from_json(data)
-            records[record.index] = record
-    return sorted(records.values(), key=lambda r: r.index)
+    if notes is not None:
+        notes.extend(trace.notes)
+    return trace.records
 
 
 def read_trace_or_empty(path: str) -> list[CollectiveRecord]:

@@ -22,7 +22,7 @@ import fixtures
 from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
 from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
 from conformance.protocol import BackendAdapter, BackendEnv, Capability
-from conformance.suite import platforms, registry
+from conformance.suite import gate, registry
 from conformance.test_divergence import training_step
 from harness import current_seed
 
@@ -493,7 +493,7 @@ def _fsdp2_cannot_ignore_parameters(rank: int, world_size: int, device: torch.de
 if not HAS_IGNORED_PARAMS:
     proves("torch-fsdp2", Capability.IGNORED_MODULES)(_fsdp2_cannot_ignore_parameters)
 # Proofs that never run the backend's sharded model, so they also hold on a device or torch where the
-# backend is refused (conformance.suite.platforms): torch 2.6's fully_shard refuses ignored_params at once.
+# backend is refused (conformance.suite.gate): torch 2.6's fully_shard refuses ignored_params at once.
 RUN_NOTHING = frozenset({Capability.IGNORED_MODULES})
 
 
@@ -589,7 +589,7 @@ def test_declared_absence_is_real(
     if backend_name not in _installed_builtins():
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
         pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
-    cannot_run = platforms.unsupported(registry.load(backend_name), device.type, torch.__version__)
+    cannot_run = gate.unsupported(registry.load(backend_name), device.type, torch.__version__)
     if cannot_run is not None and capability not in RUN_NOTHING:
         pytest.skip(reason=f"{backend_name}: {cannot_run} (its proofs run where it does)")
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))

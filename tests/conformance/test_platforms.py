@@ -1,4 +1,6 @@
-"""Declared platforms (SUPPORTED_PLATFORMS): refused once at session start, and proven for torch FSDP2."""
+"""The session gate (conformance.suite.gate): a backend runs only on device kinds its declared
+platforms (SUPPORTED_PLATFORMS) allow and where it has an API form, refused once at session start
+for every kind this session's worlds may get; the torch FSDP2 declaration is proven here."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import pytest
 import torch
 
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.template import TemplateAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.suite import platforms
+from conformance.protocol import Capability
+from conformance.suite import gate
+from harness.config import devices
 
 pytest_plugins = ["pytester"]
 
@@ -28,24 +33,55 @@ class NewTorchOnCpu(ReferenceAdapter):
 
 
 def test_a_device_left_out_is_refused_with_the_reason() -> None:
-    assert platforms.unsupported(CudaOnly, "cpu", "2.13.0") == "it does not run on cpu: it needs NCCL"
-    assert platforms.unsupported(CudaOnly, "cuda", "2.6.0") is None
+    assert gate.unsupported(CudaOnly, "cpu", "2.13.0") == "it does not run on cpu: it needs NCCL"
+    assert gate.unsupported(CudaOnly, "cuda", "2.6.0") is None
 
 
 def test_a_torch_outside_the_range_is_refused_with_the_reason() -> None:
-    why = platforms.unsupported(NewTorchOnCpu, "cpu", "2.6.0+cu124")
+    why = gate.unsupported(NewTorchOnCpu, "cpu", "2.6.0+cu124")
     assert why == "on cpu it needs torch >=2.7, this is torch 2.6.0+cu124: CPU streams have no record_event before 2.7"
-    assert platforms.unsupported(NewTorchOnCpu, "cpu", "2.7.0") is None
-    assert platforms.unsupported(ReferenceAdapter, "cpu", "2.6.0") is None  # the default: everywhere
+    assert gate.unsupported(NewTorchOnCpu, "cpu", "2.7.0") is None
+    assert gate.unsupported(ReferenceAdapter, "cpu", "2.6.0") is None  # the default: everywhere
+
+
+CPU_RUNNER = gate.SessionDevices(kinds=("cpu",), reachable=True)
+GPU_RUNNER_AUTO = gate.SessionDevices(kinds=("cuda", "cpu"), reachable=True)  # a world larger than the GPUs: cpu
+GPU_RUNNER_CUDA = gate.SessionDevices(kinds=("cuda",), reachable=True)
+
+
+class NeedsCudaAtRunTime(TemplateAdapter):
+    """Declares every platform but finds out only when built that it needs CUDA: no API form on cpu
+    (docs/writing-an-adapter.md, 'Backends that run only on CUDA'). Building it touches no GPU."""
+
+    name = "needs-cuda-at-run-time"
+
+    def capabilities(self) -> frozenset[Capability]:
+        if self.env.device.type != "cuda":
+            return self.CAPABILITIES - {Capability.WRAPPER, Capability.COMPOSABLE}
+        return self.CAPABILITIES
 
 
 def test_a_named_backend_is_an_error_one_from_all_is_left_out() -> None:
     adapters = {"cuda-only": CudaOnly, "reference": ReferenceAdapter}
-    with pytest.raises(platforms.PlatformRefusal, match=r"backend 'cuda-only' cannot run here: it does not run on cpu"):
-        platforms.refused_backends(adapters, ["cuda-only"], ["cpu"], "2.13.0")
-    refused = platforms.refused_backends(adapters, [], ["cpu"], "2.13.0")
+    with pytest.raises(gate.BackendRefused, match=r"backend 'cuda-only' cannot run here: it does not run on cpu"):
+        gate.refused_backends(adapters, ["cuda-only"], CPU_RUNNER, "2.13.0")
+    refused = gate.refused_backends(adapters, [], CPU_RUNNER, "2.13.0")
     assert list(refused) == ["cuda-only"] and "it needs NCCL" in refused["cuda-only"]
-    assert platforms.refused_backends(adapters, ["cuda-only"], ["cuda"], "2.13.0") == {}
+    assert gate.refused_backends(adapters, ["cuda-only"], GPU_RUNNER_CUDA, "2.13.0") == {}
+
+
+def test_every_device_kind_a_world_may_get_is_gated_on_forms_too() -> None:
+    """--device auto on a GPU runner: worlds that fit on the GPUs get cuda, larger ones cpu. A
+    backend with a form on cuda only is refused for cpu, naming the kind, the backend and the fix."""
+    adapters = {"needs-cuda-at-run-time": NeedsCudaAtRunTime, "reference": ReferenceAdapter}
+    assert gate.refused_backends(adapters, ["needs-cuda-at-run-time"], GPU_RUNNER_CUDA, "2.13.0") == {}
+    refused = gate.refused_backends(adapters, [], GPU_RUNNER_AUTO, "2.13.0")
+    assert list(refused) == ["needs-cuda-at-run-time"]  # brought in by `all`: left out, the reason in the header
+    why = refused["needs-cuda-at-run-time"]
+    assert why.startswith("backend 'needs-cuda-at-run-time' cannot run here: its capabilities() on cpu include ")
+    assert "--device" in why and "SUPPORTED_PLATFORMS" in why
+    unreachable = gate.SessionDevices(kinds=("cpu",), reachable=False)  # the adapter is not built to ask
+    assert gate.refused_backends(adapters, [], unreachable, "2.13.0") == {}
 
 
 def test_a_malformed_declaration_is_an_error() -> None:
@@ -53,15 +89,15 @@ def test_a_malformed_declaration_is_an_error() -> None:
         name = "sloppy"
         SUPPORTED_PLATFORMS: ClassVar[Mapping[str, str]] = {"cpu": "2.7+"}
 
-    with pytest.raises(platforms.PlatformRefusal, match=r"backend 'sloppy': SUPPORTED_PLATFORMS .* is not valid"):
-        platforms.refused_backends({"sloppy": Sloppy}, [], ["cpu"], "2.13.0")
+    with pytest.raises(gate.BackendRefused, match=r"backend 'sloppy': SUPPORTED_PLATFORMS .* is not valid"):
+        gate.refused_backends({"sloppy": Sloppy}, [], CPU_RUNNER, "2.13.0")
 
 
 def test_fsdp2_declares_cpu_exactly_where_cpu_streams_record_events() -> None:
     """The claim behind torch-fsdp2's declaration, on whichever torch runs this: fully_shard on
     CPU records events on torch.cpu.Stream, which has record_event from torch 2.7 on."""
     has_events = hasattr(torch.cpu.Stream(), "record_event")
-    declared = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__) is None
+    declared = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__) is None
     assert declared == has_events, f"torch {torch.__version__}: record_event {has_events}, CPU declared {declared}"
 
 
@@ -79,4 +115,23 @@ def test_the_plugin_refuses_at_session_start(pytester: pytest.Pytester) -> None:
     )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*backend 'cuda-only' cannot run here: it does not run on cpu: it needs NCCL*"])
+    assert "test_case" not in result.stdout.str()
+
+
+def test_a_gpu_runner_with_device_auto_refuses_a_backend_without_a_form_on_cpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two visible GPUs, --device auto: a world of one runs on cuda, a world of four on cpu. The
+    backend has a form on cuda only, so the session is refused for cpu before any test is
+    collected (it was admitted while only the one-rank world's device was asked)."""
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 2)
+    pytester.makepyfile(test_scenario=SCENARIO)
+    result = pytester.runpytest(
+        *("-p", "conformance.suite.backend_plugin", "-p", "no:cacheprovider", "--collect-only"),
+        *("--device", "auto", "--backend", f"{__name__}:NeedsCudaAtRunTime"),
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(
+        ["*backend 'needs-cuda-at-run-time' cannot run here: its capabilities() on cpu include neither*--device*"]
+    )
     assert "test_case" not in result.stdout.str()

@@ -1,5 +1,5 @@
 """No vacuous verdict: a backend that can run nothing is refused at session start, and a
-scenario that passes without sharding anything is red (conformance.suite.admission, conformance.suite.vacuity).
+scenario that passes without sharding anything is red (conformance.suite.gate, conformance.suite.vacuity).
 The harness's own routes (rank fixtures without a world_size marker, --device cuda without GPUs)
 are tested in tests/harness/test_options.py."""
 
@@ -12,27 +12,31 @@ from adapter_testing import run_inner_session
 
 from conformance.adapters.template import TemplateAdapter
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
-from conformance.suite.admission import SessionContext, refusals
+from conformance.suite.gate import SessionDevices, refusal
 from conformance.suite.vacuity import ShardWatch
 from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
 
-CPU = SessionContext(device=torch.device("cpu"))
+CPU = SessionDevices(kinds=("cpu",), reachable=True)
+TORCH = torch.__version__
 
 
 def test_a_backend_without_a_usable_form_is_refused_with_what_is_missing() -> None:
-    (reason,) = refusals(NoFormsHereAdapter, CPU)
-    assert "capabilities() on cpu include neither WRAPPER or COMPOSABLE" in reason
+    reason = refusal("no-forms-here", NoFormsHereAdapter, CPU, TORCH)
+    assert reason is not None and "capabilities() on cpu include neither WRAPPER or COMPOSABLE" in reason
     assert "--device" in reason
 
 
 def test_a_backend_that_cannot_be_built_is_refused_with_the_cause() -> None:
-    (reason,) = refusals(BrokenConstructorAdapter, CPU)
-    assert "RuntimeError: no accelerator runtime found" in reason
+    reason = refusal("broken-constructor", BrokenConstructorAdapter, CPU, TORCH)
+    assert reason is not None and "RuntimeError: no accelerator runtime found" in reason
 
 
 def test_usable_backends_and_sessions_without_devices_are_admitted() -> None:
-    assert refusals(TemplateAdapter, CPU) == []
-    assert refusals(NoFormsHereAdapter, SessionContext(device=None)) == []  # the harness fails that run
+    assert refusal("template", TemplateAdapter, CPU, TORCH) is None
+    no_device = SessionDevices(
+        kinds=("cuda",), reachable=False
+    )  # --device cuda without GPUs: the harness fails that run
+    assert refusal("no-forms-here", NoFormsHereAdapter, no_device, TORCH) is None
 
 
 # In process, no ranks: what the rank fixture's watch concludes from each kind of evidence.

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from test_trace import spawn_ranks
 
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.suite import platforms
+from conformance.suite import gate
 from harness import asymmetric, name_tensor, skip_call_sites_in
 from harness.rank import call_sites, tracing
 from harness.rank.collective_ops import C10D_SPECS
@@ -121,8 +121,8 @@ SCENARIOS = {
 }
 
 
-# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.platforms).
-FSDP2_CANNOT_RUN = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
+# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.gate).
+FSDP2_CANNOT_RUN = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
 RUNNABLE = {name: body for name, body in SCENARIOS.items() if "fsdp2" not in name or FSDP2_CANNOT_RUN is None}
 
 

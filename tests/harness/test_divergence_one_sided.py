@@ -12,7 +12,7 @@ import re
 import torch
 
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.suite import platforms
+from conformance.suite import gate
 from conftest import InnerSession, read_cases
 from tests.support.pytest_output import failure_sections
 
@@ -69,8 +69,8 @@ def test_fsdp2_conditional_submodule(rank):
         x = model[1](x)
     x.sum().backward()
 """
-# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.platforms).
-FSDP2_CANNOT_RUN = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
+# fully_shard runs on CPU only where the torch FSDP2 adapter declares it (conformance.suite.gate).
+FSDP2_CANNOT_RUN = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
 
 EXPECTED = {
     "test_uneven_batches": r"rank 3 failed.*stopped by the harness [\d.]+ s into the test: waited alone in "

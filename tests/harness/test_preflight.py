@@ -45,6 +45,15 @@ def test_a_missing_directory_is_judged_by_its_parent(tmp_path: Path) -> None:
     assert preflight.writable_directory_problem(str(blocker / "junit")) == f"{blocker} is not a directory"
 
 
+def test_the_reports_directory_is_created_or_refused_with_the_fix(tmp_path: Path) -> None:
+    assert preflight.reports_directory(None, str(tmp_path)) == str(tmp_path / "reports")
+    assert (tmp_path / "reports").is_dir()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(pytest.UsageError, match=rf"not writable \({blocker} is not a directory\); pass --reports-dir"):
+        preflight.reports_directory(str(blocker / "sub"), str(tmp_path))
+
+
 def test_a_report_file_must_be_a_writable_file(tmp_path: Path) -> None:
     assert preflight.writable_file_problem(str(tmp_path / "conformance.md")) is None
     (tmp_path / "conformance.md").write_text("kept")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from conftest import InnerSession
 from harness.config import devices
-from harness.config.devices import GpuReservation
 from harness.process import rank_env
+from harness.process.gpu_locks import GpuReservation
 from harness.process.rank_env import LOOPBACK_ADDR, TORCHRUN_VARIABLES, AgentStore, loopback_interface, rank_environment
 from tests.support.warm_pytest import run_pytest
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness import skip_reason, strip_path_components
+from harness.text import group_text, ranks_text, shown_path
 
 
 def _report(outcome: str, longrepr: object) -> pytest.TestReport:
@@ -27,3 +30,14 @@ def test_strip_path_components_drops_wrappers_and_empty_components() -> None:
     # A declared set replaces the default one: torch's wrappers stay unless declared.
     assert strip_path_components("module._fsdp_wrapped_module.w", {"module"}) == "_fsdp_wrapped_module.w"
     assert strip_path_components("_fsdp_wrapped_module") == ""
+
+
+def test_ranks_groups_and_paths_are_written_one_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([0, 2]) == "ranks 0, 2"
+    assert group_text((0, 1)) == "[0, 1]"
+    monkeypatch.chdir(tmp_path / "..")
+    assert shown_path(str(tmp_path / "test_x.py")) == f"{tmp_path.name}/test_x.py"  # under the working directory
+    monkeypatch.chdir(tmp_path)
+    outside = str(tmp_path.parent / "elsewhere.py")
+    assert shown_path(outside) == outside

@@ -3,7 +3,8 @@
 Every rank runs the same selection in lockstep; a failure on one rank fails that test on both
 "nodes" without a hang, and each rank writes its own rank-<r>.xml with every test pytest reported,
 including those failed because an earlier test left the world unusable. Conformance scenarios run
-(not skip) at a world size none of them lists (3).
+(not skip) at a world size none of them lists (3). First, in process: the one reader of
+torchrun's environment (harness.config.torchrun).
 """
 
 from __future__ import annotations
@@ -14,7 +15,52 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from conftest import REPO, SCHEMA, InnerSession, read_cases
+from harness.config.torchrun import TorchrunWorld, torchrun_world
+from harness.process.rank_env import rank_environment
+
+LAUNCHED = {"TORCHELASTIC_RUN_ID": "job"}
+
+
+def test_the_torchrun_world_is_read_from_torchrun_s_variables() -> None:
+    assert torchrun_world({"RANK": "0", "WORLD_SIZE": "2"}) is None  # no agent started this process
+    environ = {**LAUNCHED, "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    world = torchrun_world(environ)
+    assert world == TorchrunWorld(rank=5, local_rank=1, world_size=8, local_world_size=4)
+    assert not world.on_one_host
+    assert world.environment() == {name: environ[name] for name in world.environment()}
+
+
+def test_a_missing_local_world_size_means_one_host() -> None:
+    world = torchrun_world({**LAUNCHED, "RANK": "2", "WORLD_SIZE": "3"})
+    assert world == TorchrunWorld(rank=2, local_rank=2, world_size=3, local_world_size=3)
+    assert world.on_one_host
+
+
+def test_the_pool_writes_the_contract_the_reader_reads() -> None:
+    environ = {**rank_environment({}, rank=1, world_size=3, master_port=1), **LAUNCHED}
+    assert torchrun_world(environ) == TorchrunWorld(rank=1, local_rank=1, world_size=3, local_world_size=3)
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"RANK": "0"}, "but WORLD_SIZE is not: launch pytest with torchrun"),
+        ({"WORLD_SIZE": "2"}, "but RANK is not"),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, "torchrun's WORLD_SIZE='two' is not a whole number"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "torchrun's RANK='2' is not below WORLD_SIZE (2)"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "LOCAL_WORLD_SIZE='4' is more than WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "but LOCAL_RANK is not"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is below 0"),
+    ],
+)
+def test_a_malformed_torchrun_environment_names_the_variable(variables: dict[str, str], message: str) -> None:
+    with pytest.raises(pytest.UsageError) as refused:
+        torchrun_world({**LAUNCHED, **variables})
+    assert message in str(refused.value)
+
 
 TESTS = """
 import pytest, torch, torch.distributed as dist

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.suite import platforms
+from conformance.suite import gate
 from harness.rank import labels, tracing
 from harness.rank.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
 from harness.trace.divergence import first_divergence
-from harness.trace.records import CollectiveRecord, read_trace
+from harness.trace.records import CollectiveRecord, Done, Note, RankTrace, decode_line, note_line, read_trace
 
 
 def spawn_ranks(
@@ -109,6 +109,23 @@ def test_read_trace_rejects_a_corrupt_line_before_the_end(tmp_path):
     path.write_text("garbage\n" + record(0).to_json() + "\n")
     with pytest.raises(ValueError, match=r"tracing.jsonl:1: corrupt trace line"):
         read_trace(str(path))
+
+
+def test_a_trace_read_line_by_line_is_the_trace_read_whole(tmp_path):
+    """The incremental reader (harness.trace.one_sided) and read_trace decode lines one way (RankTrace)."""
+    lines = [record(0).to_json(), '{"done":0}', note_line("a call not recorded").decode().strip(), record(1).to_json()]
+    path = tmp_path / "tracing.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    incremental = RankTrace()
+    for line in lines:
+        incremental.add(line.encode())
+    notes: list[str] = []
+    assert incremental.records == read_trace(str(path), notes)
+    assert incremental.notes == notes == ["a call not recorded"]
+    assert isinstance(decode_line('{"done":4}'), Done) and isinstance(decode_line('{"note":"x"}'), Note)
+    for cut in ('{"rank":0,"ind', "[1, 2]", '{"rank": 0}'):
+        with pytest.raises(ValueError, match="not a trace line"):
+            decode_line(cut)
 
 
 def test_record_json_round_trips_optional_fields():
@@ -266,7 +283,7 @@ def _fsdp2_step(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_module_labels(tmp_path):
-    cannot_run = platforms.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
+    cannot_run = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
     if cannot_run is not None:  # the declared platform, proven in tests/conformance/test_platforms.py
         pytest.skip(reason=f"fully_shard on this torch: {cannot_run}")
     traces = spawn_ranks(_fsdp2_step, tmp_path)

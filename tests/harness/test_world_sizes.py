@@ -8,6 +8,7 @@ import pytest
 
 import fixtures
 from conftest import InnerSession
+from harness.config.torchrun import TorchrunWorld
 from harness.config.world_sizes import (
     DEFAULT_WORLD_SIZES,
     SessionWorldSizes,
@@ -119,21 +120,18 @@ def test_hybrid_shard_group_size(world: int, local: int | None, shard: int | Non
         assert world // shard >= 2  # at least two shard groups, so gradients cross groups
 
 
-def test_session_sizes_from_options_and_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+def test_session_sizes_from_options_and_torchrun() -> None:
     assert parse_sizes_option("8,2, 4,2") == (2, 4, 8)
     with pytest.raises(pytest.UsageError, match="positive integers separated by commas"):
         parse_sizes_option("two")
-    assert session_world_sizes("2,8", "cpu", 8).chosen == (2, 8)
-    assert session_world_sizes(None, "cpu", 8).visible_gpus == 0  # --device cpu: GPUs do not count
-    assert session_world_sizes(None, "auto", 8).visible_gpus == 8
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    torchrun = session_world_sizes(None, "cpu", 0)
+    assert session_world_sizes("2,8", "cpu", 8, None).chosen == (2, 8)
+    assert session_world_sizes(None, "cpu", 8, None).visible_gpus == 0  # --device cpu: GPUs do not count
+    assert session_world_sizes(None, "auto", 8, None).visible_gpus == 8
+    three_hosts = TorchrunWorld(rank=2, local_rank=0, world_size=3, local_world_size=1)
+    torchrun = session_world_sizes(None, "cpu", 0, three_hosts)
     assert (torchrun.chosen, torchrun.local_size, torchrun.origin) == ((3,), 1, "torchrun WORLD_SIZE=3")
     with pytest.raises(pytest.UsageError, match="drop --world-sizes"):
-        session_world_sizes("2,4", "cpu", 0)
+        session_world_sizes("2,4", "cpu", 0, three_hosts)
 
 
 TESTS = """
