@@ -22,6 +22,7 @@ text) and `incomplete_reason` (why a session stopped before running every select
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from harness.config.devices import RunContext
@@ -94,6 +95,17 @@ def set_interceptor(interceptor: Interceptor | None) -> None:
     from harness.rank import tracing  # imported here: the pytest process never wraps torch.distributed
 
     tracing.set_interceptor(interceptor)
+
+
+def __getattr__(name: str) -> ModuleType:
+    """`from harness import faults`: fault injection for scenarios and users (`harness.rank.faults`),
+    imported on first use because it sits in the rank-side trace wrapper, which the pytest
+    process never loads."""
+    if name == "faults":
+        from harness.rank import faults
+
+        return faults
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
 def rank_seed(offset: int = 0) -> int:

@@ -14,6 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+DeviceKind = Literal["cpu", "cuda"]
+"""The device a world's ranks run on; decided by the parent (`harness.config.devices`), sent in `WorkerConfig`."""
+
+
+def comm_backend(kind: str | None) -> str:
+    """The process group backend for a device kind: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if kind == "cuda" else "gloo"
+
+
 Status = Literal["passed", "failed", "skipped", "xfailed"]
 """The outcome of one test on one rank, of the whole test (the verdict), and of its report entries."""
 
@@ -25,7 +34,7 @@ class WorkerConfig:
     rank: int
     world_size: int
     local_rank: int
-    device_kind: Literal["cpu", "cuda"]
+    device_kind: DeviceKind
     store_path: str
     """The FileStore the ranks rendezvous through (in the pool's private directory)."""
     collective_timeout_s: float

@@ -2,7 +2,7 @@
 
 `backend_plugin` is the suite's pytest plugin (`--backend`, parametrization, expected failures,
 the reports); `registry` maps names to adapter classes; `expectations` reads a backend's known
-failures; `gate` refuses at session start, per device kind the session's worlds may get, a backend that
-cannot run there;
-`vacuity` fails a test that sharded nothing; `backend_fixture` is the rank-side `backend` fixture.
+failures; `gate` refuses at session start a backend that cannot run on a device kind the
+session's worlds may get; `vacuity` fails a test that sharded nothing; `backend_fixture` is the
+rank-side `backend` fixture.
 """

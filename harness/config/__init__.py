@@ -1,7 +1,7 @@
 """Parent side: options and the decisions made from them before tests run.
 
-`torchrun` (the one reader of the torchrun world from the environment), `devices` (which device
-and communication backend a world gets), `world_sizes` (which sizes
-each test runs at), `preflight` (bad input refused before the first test), `repro` (what a
+`torchrun` (the one reader of the torchrun world in the environment), `devices` (which device
+and communication backend a world gets), `world_sizes` (which sizes each test runs at),
+`preflight` (bad input refused before the first test; the reports directory), `repro` (what a
 `REPRO:` line carries, `--repro`), `signals` (SIGINT and SIGTERM end the session the same way).
 """

@@ -8,13 +8,12 @@ ranks of this host, LOCAL_WORLD_SIZE); otherwise CPU with gloo. Which GPUs a poo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from harness.config.torchrun import TorchrunWorld
+from harness.messages import DeviceKind, comm_backend
 
-DeviceKind = Literal["cpu", "cuda"]
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -26,11 +25,6 @@ class DevicePlan:
     @property
     def comm_backend(self) -> str:
         return comm_backend(self.kind)
-
-
-def comm_backend(kind: str | None) -> str:
-    """The process group backend for a device kind: NCCL on CUDA, gloo on CPU."""
-    return "nccl" if kind == "cuda" else "gloo"
 
 
 def visible_gpu_count() -> int:

@@ -23,8 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from harness.config.devices import DeviceKind
-from harness.messages import RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
+from harness.messages import DeviceKind, RankLoss, RankResult, Shutdown, TestTask, WorkerConfig, WorkerReady
 from harness.process import procfs
 from harness.process.gpu_locks import GpuReservation
 from harness.process.launcher import LOG_TAIL_BYTES, WorkerLauncher, WorkerProcess, describe_exit

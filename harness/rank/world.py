@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.config.devices import DeviceKind, comm_backend
+from harness.messages import DeviceKind, comm_backend
 
 
 def rank_device(kind: DeviceKind, local_rank: int) -> torch.device:
