@@ -38,7 +38,8 @@ ALLOWED = {
     ("harness/report/junit.py", "_ILLEGAL_XML"): "XML escaping: characters XML 1.0 cannot carry",
     ("harness/report/trace_tables.py", "trace_file_name"): "a node id made safe for a file name",
     ("harness/session/verdict.py", "_CONSEQUENCE"): (
-        "a rank's exception message from gloo, NCCL or torch: did a peer's failure break its collective"
+        "a rank's exception message from gloo, NCCL or torch: did a peer's failure break its collective "
+        "(it also matches two lost-rank causes the pool writes, which RankLoss should carry as data)"
     ),
     ("harness/session/verdict.py", "_FRAME"): "Python's traceback text: the frames' files and lines",
     ("harness/tools/flight_recorder.py", "_RANK_SUFFIX"): "the rank suffix of Flight Recorder's dump file names",
