@@ -15,9 +15,13 @@ Public API for other pytest plugins (the conformance suite uses nothing else of 
 `run_context(item)` (the world size and device the harness chose for a test, a `RunContext`),
 `world_device(config, world_size)` and `device_kinds(config)` (the same decision before any test
 runs), `reports_dir(config)` (where reports go), `require_writable` (refuse, before the first test,
-report paths that could not be written), `failure_reason` (one line that explains a failed test's
-text) and `incomplete_reason` (why a session stopped before running every selected test), and
-`Carried` / `NotCarried` / `ReproPolicy` for the `pytest_harness_repro_options` hook.
+report paths that could not be written), `failure_reason` (one line that explains a failed test:
+a `DistributedTestResult.reason`, else the first line of the failure's text) and
+`incomplete_reason` (why a session stopped before running every selected test), and `Carried` /
+`NotCarried` / `ReproPolicy` for the `pytest_harness_repro_options` hook. Report plugins receive a
+`DistributedTestResult` per test (`pytest_harness_test_result`); `trace_cells` gives a trace
+record's cells as the harness's trace tables show them, and `trace_report_file(config, nodeid)`
+the trace file the harness wrote for a test.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from harness.rank.fixtures import RankContext, rank_fixture
 from harness.rank.isolation import current_seed, seed_everything
 from harness.rank.labels import register_label_provider
 from harness.rank.tensor_names import name_tensor, strip_path_components
-from harness.report.results import skip_reason
-from harness.report.run_summary import incomplete_reason
-from harness.report.run_summary import reason as failure_reason
+from harness.report.results import DistributedTestResult, skip_reason
+from harness.report.run_summary import failure_reason, incomplete_reason
+from harness.report.trace_tables import written_trace_file
+from harness.trace.divergence import trace_cells
 from harness.trace.records import CollectiveRecord
 
 
@@ -108,6 +113,13 @@ def __getattr__(name: str) -> ModuleType:
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
+def trace_report_file(config: pytest.Config, nodeid: str) -> str | None:
+    """The collective-trace file (`reports/traces/<test>.txt`) the harness wrote for `nodeid` in
+    this session; None when it wrote none. Ask after the test's `pytest_harness_test_result`
+    (e.g. in `pytest_harness_write_reports`)."""
+    return written_trace_file(config, nodeid)
+
+
 def rank_seed(offset: int = 0) -> int:
     """A seed that differs per rank, derived from the test's seed, for tests that want it."""
     import torch.distributed as dist
@@ -118,6 +130,7 @@ def rank_seed(offset: int = 0) -> int:
 __all__ = [
     "Carried",
     "CollectiveRecord",
+    "DistributedTestResult",
     "NotCarried",
     "RankContext",
     "ReproPolicy",
@@ -141,6 +154,8 @@ __all__ = [
     "skip_call_sites_in",
     "skip_reason",
     "strip_path_components",
+    "trace_cells",
+    "trace_report_file",
     "world_device",
     "world_size_of",
 ]

@@ -66,8 +66,9 @@ def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
 @pytest.hookspec
 def pytest_harness_test_result(item: pytest.Item, result: DistributedTestResult) -> None:
     """One distributed test's result (`harness.report.results.DistributedTestResult`: pytest's final verdict,
-    every rank's case as its per-rank report shows it, the ranks' traces), once per test, after
-    pytest's reports of its phases are final. Report plugins serialize it; they do not judge it
+    every rank's case as its per-rank report shows it, the ranks' traces and where they diverged,
+    why the ranks failed it and its REPRO line, as data), once per test, after pytest's reports of
+    its phases are final. Report plugins serialize it; they do not judge it
     again (the per-rank reconciliation is the harness's, `harness.report.results.rank_cases`)."""
     raise NotImplementedError
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from html import escape
 
 from conformance.report.matrix import OUTCOMES, Failure, Matrix, anchor, cell_text, run_rows
 from conformance.report.timeline_svg import render_timeline
-from conformance.report.trace_view import COLUMNS, TraceReport, read_trace_report
+from conformance.report.trace_view import TraceView
+from harness import CollectiveRecord, trace_cells
 
-__all__ = ["OUTCOME_COLOURS", "render_html"]
+__all__ = ["OUTCOME_COLOURS", "SHOWN_COLUMNS", "render_html"]
 
 OUTCOME_COLOURS = {
     "pass": "#7fc97f",
@@ -39,8 +41,8 @@ MEANINGS = {
     "skip": "skipped for another reason (e.g. too few GPUs)",
     "not run": "selected but never ran: the run stopped early",
 }
-# Trace columns shown in the readable per-rank tables (the text file keeps every column).
-_SHOWN = ("#", "group/peer", "op", "label", "numel", "dtypes", "tensors", "site", "status")
+# Trace columns (`harness.trace_cells`) shown in the readable per-rank tables (the text file keeps every column).
+SHOWN_COLUMNS = ("#", "group/peer", "op", "label", "numel", "dtypes", "tensors", "site", "status")
 _LONG_TRACE = 40
 
 _STYLE = """
@@ -187,37 +189,34 @@ def _failure(failure: Failure, number: int, trace_path: str | None, reports_dir:
         shown = os.path.relpath(trace_path, reports_dir) if reports_dir else trace_path
         link = f'<a class="trace-link" href="{_href(trace_path, reports_dir)}">{escape(shown)}</a>'
         parts.append(f"<p>collective trace: {link}</p>")
-        parts.append(_trace_view(trace_path))
+    if failure.trace is not None:
+        parts.append(_trace_view(failure.trace))
     parts.append(f"<details><summary>failure text</summary><pre>{escape(failure.text)}</pre></details></section>")
     return "".join(parts)
 
 
-def _trace_view(path: str) -> str:
-    """The timeline (when the ranks diverged) and the per-rank tables; a note for an unreadable file."""
-    try:
-        report = read_trace_report(path)
-    except (OSError, ValueError) as error:
-        return f"<p>(trace file not shown: {escape(str(error))})</p>"
-    marks = report.first_divergence()
-    parts = [f"<p>{escape(report.heading)}</p>"] if report.heading.startswith("first divergence") else []
-    if marks:
-        parts.append(render_timeline(report))
-    for rank, rows in sorted(report.ranks.items()):
-        opened = " open" if len(rows) <= _LONG_TRACE and marks else ""
+def _trace_view(view: TraceView) -> str:
+    """The first divergence with its timeline (when the ranks diverged), and the per-rank tables."""
+    parts = [f"<p>{escape(f'first divergence: {view.divergence}')}</p>"] if view.divergence else []
+    if view.diverged_at:
+        parts.append(render_timeline(view))
+    for rank, records in sorted(view.traces.items()):
+        opened = " open" if len(records) <= _LONG_TRACE and view.diverged_at else ""
         parts.append(
-            f"<details{opened}><summary>rank {rank}: {len(rows)} collectives</summary>"
-            f"{_trace_table(report, rank, marks.get(rank))}</details>"
+            f"<details{opened}><summary>rank {rank}: {len(records)} collectives</summary>"
+            f"{_trace_table(records, view.diverged_at.get(rank))}</details>"
         )
     return "".join(parts)
 
 
-def _trace_table(report: TraceReport, rank: int, diverged: int | None) -> str:
-    head = "".join(f"<th>{escape(column)}</th>" for column in _SHOWN)
+def _trace_table(records: Sequence[CollectiveRecord], diverged: int | None) -> str:
+    """One rank's trace, the collective at the first divergence (its index, `diverged`) marked."""
+    head = "".join(f"<th>{escape(column)}</th>" for column in SHOWN_COLUMNS)
     rows = []
-    for row in report.ranks[rank]:
-        marked = ' class="diverged"' if row.number == diverged else ""
-        cells = "".join(f"<td>{escape(row.cells.get(column, ''))}</td>" for column in _SHOWN if column in COLUMNS)
-        rows.append(f"<tr{marked}>{cells}</tr>")
+    for record in records:
+        marked = ' class="diverged"' if record.index == diverged else ""
+        cells = trace_cells(record)
+        rows.append(f"<tr{marked}>{''.join(f'<td>{escape(cells[column])}</td>' for column in SHOWN_COLUMNS)}</tr>")
     return f'<table class="trace"><tr>{head}</tr>{"".join(rows)}</table>'
 
 

@@ -13,8 +13,9 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from conformance.report.trace_view import TraceView
+
 OUTCOMES = ("pass", "fail", "expected-fail", "unsupported", "skip", "not run")
-_REPRO = re.compile(r"^REPRO: .*$", re.M)
 _MAX_TEXT = 6000
 
 
@@ -22,12 +23,11 @@ _MAX_TEXT = 6000
 class Failure:
     test_id: str
     text: str
+    """The failure's text as pytest printed it, a distributed test's `REPRO:` line last (its end,
+    at most `_MAX_TEXT` characters)."""
     reason: str = ""  # one line that explains it (harness.failure_reason)
-
-    @property
-    def repro(self) -> str:
-        found = _REPRO.findall(self.text)
-        return found[-1] if found else ""
+    repro: str = ""  # the `REPRO:` line that re-runs it (harness.DistributedTestResult.repro), if any
+    trace: TraceView | None = None  # the ranks' collective traces, for a distributed test that had ranks
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Matrix:
     world_sizes: set[int] = field(default_factory=set)
     run: RunDetails | None = None
     incomplete: str | None = None  # why the run stopped early (harness.incomplete_reason)
-    traces: dict[str, str] = field(default_factory=dict)  # test id -> its trace report file
+    traces: dict[str, str] = field(default_factory=dict)  # test id -> the trace file the harness wrote for it
 
     def plan(self, scenario: str, backend: str) -> None:
         """A selected test of this cell: one not recorded by the end is counted "not run"."""
@@ -85,9 +85,12 @@ class Matrix:
         link: str | None = None,
         device: str | None = None,
         world_size: int | None = None,
+        repro: str = "",
+        trace: TraceView | None = None,
     ) -> None:
         """One test's outcome. `reason`: a failure's one line, an expected failure's entry reason
-        (with the entry's `link`)."""
+        (with the entry's `link`); `repro` and `trace`: a failed distributed test's `REPRO:` line
+        (printed after `text`) and collective traces."""
         if backend not in self.backends:
             self.backends.append(backend)
         self.cells[scenario, backend][outcome] += 1
@@ -96,7 +99,8 @@ class Matrix:
         if world_size is not None:
             self.world_sizes.add(world_size)
         if outcome == "fail":
-            self.failures[scenario, backend].append(Failure(test_id, text[-_MAX_TEXT:], reason))
+            printed = "\n".join(filter(None, [text, repro]))
+            self.failures[scenario, backend].append(Failure(test_id, printed[-_MAX_TEXT:], reason, repro, trace))
         elif outcome == "expected-fail":
             self.expected_failures.append(ExpectedFailure(backend, test_id, reason, link))
         elif outcome == "unsupported":
@@ -127,6 +131,11 @@ def classify(outcome: str, wasxfail: str | None, skip_reason: str) -> str:
     if outcome == "skipped":
         return "unsupported" if skip_reason.startswith("unsupported:") else "skip"
     return {"passed": "pass", "failed": "fail"}.get(outcome, outcome)
+
+
+def classify_status(status: str, skip_reason: str) -> str:
+    """A distributed test's outcome as the harness published it (`harness.DistributedTestResult.outcome`)."""
+    return "expected-fail" if status == "xfailed" else classify(status, None, skip_reason)
 
 
 def cell_text(counts: Counter[str]) -> str:

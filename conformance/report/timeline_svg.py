@@ -2,17 +2,18 @@
 
 One lane per rank; each collective a box at its position in that rank's trace (#1 leftmost),
 coloured by the kind of op; hovering a box shows what it carried (its `<title>`). The first
-divergence (from the trace report's heading, `conformance.report.trace_view`) is drawn on every rank
-of the divergent group: a red frame around the collective each rank issued there, joined by a
-red line, or a red cross after the last collective of a rank that stopped before it. A collective
-that never returned has a black frame, one a fault skipped a dashed one.
+divergence (where the harness found it, `TraceView.diverged_at`) is drawn on every rank of the
+divergent group: a red frame around the collective each rank issued there, joined by a red line,
+or a red cross after the last collective of a rank that stopped before it. A collective that never
+returned has a black frame, one a fault skipped a dashed one.
 """
 
 from __future__ import annotations
 
 from html import escape
 
-from conformance.report.trace_view import TraceReport, TraceRow
+from conformance.report.trace_view import TraceView, describe
+from harness import CollectiveRecord
 
 __all__ = ["OP_COLOURS", "op_family", "render_timeline"]
 
@@ -44,19 +45,19 @@ def op_family(op: str) -> str:
     return "other"
 
 
-def render_timeline(report: TraceReport) -> str:
-    """The SVG element (text) for one test's trace report."""
-    ranks = sorted(report.ranks)
-    longest = max((len(rows) for rows in report.ranks.values()), default=0)
+def render_timeline(view: TraceView) -> str:
+    """The SVG element (text) for one test's traces."""
+    ranks = sorted(view.traces)
+    longest = max((len(records) for records in view.traces.values()), default=0)
     step = max(3.0, min(22.0, _WIDTH / max(longest, 1)))
     box = step - 2 if step >= 6 else step
-    marks = report.first_divergence()
+    marks = view.diverged_at
     width = max(int(_LEFT + step * (longest + 2) + 10), _MIN_WIDTH)
     height = _TOP + _LANE * len(ranks) + 40
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="collective timeline of {len(ranks)} ranks">',
-        f"<title>collectives per rank of {escape(report.nodeid)}</title>",
+        f"<title>collectives per rank of {escape(view.nodeid)}</title>",
         f'<text x="{_LEFT}" y="14" font-size="11" fill="#444">collective # in each rank\'s trace &#8594;</text>',
     ]
     for tick in range(0, longest + 1, _tick_every(longest)):
@@ -69,20 +70,20 @@ def render_timeline(report: TraceReport) -> str:
     for lane, rank in enumerate(ranks):
         y = _TOP + lane * _LANE
         parts.append(f'<text x="4" y="{y + _BOX - 5}" font-size="12">rank {rank}</text>')
-        rows = report.ranks[rank]
-        for row in rows:
-            parts.append(_box(row, _LEFT + step * (row.number - 1), y, box))
+        records = view.traces[rank]
+        for record in records:
+            parts.append(_box(rank, record, _LEFT + step * record.index, y, box))
         if rank in marks:
-            number = marks[rank]
-            if number is not None:
-                x = _LEFT + step * (number - 1)
+            index = marks[rank]
+            if index is not None:
+                x = _LEFT + step * index
                 parts.append(
                     f'<rect class="divergence" x="{x - 2:.1f}" y="{y - 2}" width="{box + 4:.1f}" '
                     f'height="{_BOX + 4}" fill="none" stroke="{_DIVERGED}" stroke-width="3"/>'
                 )
                 centres.append((x + box / 2, y + _BOX / 2))
             else:  # stopped before it: a cross after its last collective
-                x = _LEFT + step * len(rows) + 2
+                x = _LEFT + step * len(records) + 2
                 parts.append(
                     f'<g class="divergence" stroke="{_DIVERGED}" stroke-width="3"><title>rank {rank} issued '
                     f"nothing here: it stopped before the first divergence</title>"
@@ -106,16 +107,16 @@ def render_timeline(report: TraceReport) -> str:
     return "".join(parts)
 
 
-def _box(row: TraceRow, x: float, y: int, box: float) -> str:
-    fill = OP_COLOURS[op_family(row.op)]
+def _box(rank: int, record: CollectiveRecord, x: float, y: int, box: float) -> str:
+    fill = OP_COLOURS[op_family(record.op)]
     stroke = ""
-    if row.skipped:
+    if record.skipped:
         fill, stroke = "#ffffff", ' stroke="#555" stroke-dasharray="2 2"'
-    elif row.status.startswith("NOT RETURNED"):
+    elif not record.completed:
         stroke = ' stroke="#000" stroke-width="2"'
     return (
         f'<rect x="{x:.1f}" y="{y}" width="{box:.1f}" height="{_BOX}" fill="{fill}"{stroke}>'
-        f"<title>{escape(row.describe())}</title></rect>"
+        f"<title>{escape(describe(rank, record))}</title></rect>"
     )
 
 

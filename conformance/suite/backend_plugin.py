@@ -7,6 +7,12 @@ rank), the test id, the matrix column, the JUnit ``backend`` property and the ex
 the adapter's ``name`` (``registry.name_of``). Expected failures are matched by scenario id and
 run context (device, torch version, world size); entries that describe nothing the run checked
 are reported as stale, and fail the run under ``--strict-expectations``.
+
+The conformance matrix is a report plugin like the harness's own: a distributed scenario's entry
+comes from the harness's result (``pytest_harness_test_result``: the verdict as pytest reported
+it, why it failed, its REPRO line and collective traces, as data), with what this plugin's
+expectations made of it; pytest's reports fill in only what the harness never publishes (tests
+without ranks). Every selected test is planned in its cell, so one that never ran is "not run".
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import torch
 import harness
 from conformance.protocol import versions
 from conformance.report.html import render_html
-from conformance.report.matrix import Matrix, RunDetails, classify, render_markdown
-from conformance.report.trace_view import index_trace_reports
+from conformance.report.matrix import Matrix, RunDetails, classify, classify_status, render_markdown
+from conformance.report.trace_view import TraceView
 from conformance.suite import expectations, gate, registry
 from harness import skip_reason as skip_reason_of
 
@@ -44,7 +50,7 @@ _REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left
 _INCOMPLETE = pytest.StashKey[
     "str | None"
 ]()  # why the run stopped early (harness.incomplete_reason), at session finish
-_STARTED = pytest.StashKey[float]()  # when the session started (older trace files are not this run's)
+_JUDGED = pytest.StashKey["Judged"]()  # a distributed test's call phase, as the expectations judged it
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,17 @@ class BackendSelection:
 
     def name(self, selection: str) -> str:
         return self.names[selection]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What the expectations made of a test's call phase, kept on a distributed test's item until
+    the harness publishes its result (`pytest_harness_test_result`)."""
+
+    entry: expectations.ExpectedFailure | None
+    """The one entry that describes the test here, if any."""
+    message: str | None
+    """The expectations' own failure ("unexpected pass: ...", "... failed differently ..."), if they failed the test."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -134,7 +151,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_STATE] = _admit(config, _select(config))
     except (registry.BackendSelectionError, expectations.ExpectationsError, gate.BackendRefused) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_STARTED] = time.time()
     config.stash[_RUN] = expectations.RunRecord()
     config.stash[_SKIPS] = {}
 
@@ -345,7 +361,9 @@ def pytest_runtest_makereport(
             if judgement.message is not None:
                 original = report.longreprtext
                 report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
-    if report.when == "call" or report.failed or report.skipped:
+        item.stash[_JUDGED] = Judged(entry, judgement.message if judgement is not None else None)
+    # A distributed test's entry comes with the harness's result (pytest_harness_test_result).
+    if run_context(item).world_size is None and (report.when == "call" or report.failed or report.skipped):
         _record(item, selection, report, entry)
     if report.skipped and not getattr(report, "wasxfail", None):
         item.config.stash[_SKIPS].setdefault(selection, []).append(skip_reason_of(report))
@@ -357,17 +375,53 @@ def pytest_runtest_makereport(
     return report
 
 
+def pytest_harness_test_result(item: pytest.Item, result: harness.DistributedTestResult) -> None:
+    """A distributed scenario's matrix entry: the harness's result (pytest's final verdict, why the
+    ranks failed it, its REPRO line and traces) and what the expectations made of its call phase."""
+    selection = _backend_name(item)
+    matrix = item.config.stash.get(_MATRIX, None)
+    if selection is None or matrix is None:
+        return
+    judged = item.stash.get(_JUDGED, Judged(None, None))
+    outcome = classify_status(result.outcome, result.message if result.outcome == "skipped" else "")
+    reason = ""
+    if outcome == "expected-fail" and judged.entry is not None:
+        reason = judged.entry.reason
+    elif outcome == "fail" and judged.message is not None:
+        reason = harness.failure_reason(None, judged.message)  # the expectations' verdict, not the ranks'
+    elif outcome == "fail":
+        reason = harness.failure_reason(result.reason, result.message)
+    failed = outcome == "fail"
+    context = run_context(item)
+    matrix.record(
+        _scenario(item),
+        selection,
+        item.nodeid,
+        outcome,
+        result.message,
+        reason=reason,
+        link=judged.entry.link if judged.entry else None,
+        device=context.device,
+        world_size=context.world_size,
+        repro=result.repro if failed else "",
+        trace=TraceView(result.nodeid, result.traces, result.divergence, result.diverged_at)
+        if failed and result.traces
+        else None,
+    )
+
+
 def _record(
     item: pytest.Item, selection: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
 ) -> None:
-    """One matrix entry per test: the call phase, or the setup/teardown phase that failed or skipped."""
+    """The matrix entry of a test without ranks (the harness publishes none), from pytest's
+    reports: the call phase, or the setup/teardown phase that failed or skipped."""
     skip_reason = skip_reason_of(report)
     outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
     text = skip_reason if outcome == "unsupported" else report.longreprtext
     reason = (
         entry.reason
         if outcome == "expected-fail" and entry
-        else harness.failure_reason(text)
+        else harness.failure_reason(None, text)
         if outcome == "fail"
         else ""
     )
@@ -505,7 +559,9 @@ def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
     matrix.stale = [str(entry) for entry in stale]
     matrix.incomplete = config.stash.get(_INCOMPLETE, None)
     directory = Path(harness.reports_dir(config))
-    matrix.traces = index_trace_reports(str(directory / "traces"), config.stash[_STARTED] - 1)
+    linked = [failure.test_id for failures in matrix.failures.values() for failure in failures]
+    linked += [expected.test_id for expected in matrix.expected_failures]
+    matrix.traces = {test_id: path for test_id in linked if (path := harness.trace_report_file(config, test_id))}
     written = []
     for name, text in (
         ("conformance.md", render_markdown(matrix)),

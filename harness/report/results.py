@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from harness.messages import RankLoss, RankResult, Status
+from harness.session.verdict import FailureReason
 from harness.text import first_line
 from harness.trace.records import CollectiveRecord
 
@@ -73,6 +74,17 @@ class DistributedTestResult:
     divergence: str = ""
     """The first divergent collective across the ranks' traces (`Divergence.describe()`), also
     when the test expected it; empty when the traces agree."""
+    diverged_at: Mapping[int, int | None] = field(default_factory=dict)
+    """Where that divergence is in `traces` (`Divergence.positions()`): per rank of the divergent
+    group or stream, the index (`CollectiveRecord.index`) of the collective it issued there, None
+    for a rank that stopped before it; empty when the traces agree."""
+    reason: FailureReason | None = None
+    """Why the ranks failed the test (`FailureReason.line()`: one line), when pytest's failure is
+    the ranks' verdict; None for any other outcome or failure (a setup error, an interrupt, a
+    world that could not start, a plugin's verdict: `message` says why)."""
+    repro: str = ""
+    """The `REPRO:` line that re-runs the test, printed with the ranks' failure: set whenever their
+    verdict failed (whatever pytest and its plugins made of it), else empty."""
 
 
 def rank_cases(

@@ -19,101 +19,45 @@ terminal summary writes one section:
 
 A failed distributed test's text starts with a per-rank account ("distributed test failed: rank 0
 failed, rank 1 passed"), which says nothing on its own; pytest's short summary shows only the
-first line. `reason` picks the line that explains the failure (the rank that failed first and
-its exception, a lost rank's cause, the first divergent collective) and it becomes the report's
-crash message, which pytest's `FAILED <nodeid> - <reason>` line and its junitxml `message` show
-(pytest fits the line to the terminal's width; whole with -vv or on CI).
+first line. The verdict decided why, as data (`harness.session.verdict.FailureReason`: the rank
+that failed first and its exception, a lost rank's cause, the first divergent collective);
+`failure_reason` makes it one line, and that line becomes the report's crash message, which
+pytest's `FAILED <nodeid> - <reason>` line and its junitxml `message` show (pytest fits the line
+to the terminal's width; whole with -vv or on CI).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from collections import Counter
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any
 
 import pytest
 
 from harness.config import world_sizes
 from harness.report.results import DistributedTestResult, skip_reason
-from harness.text import describe_exception, ranks_text, shown_path
+from harness.session.flow import verdict_reason
+from harness.session.verdict import FailureReason, fit_reason
+from harness.text import describe_exception, shown_path
 
-__all__ = ["RunSummary", "incomplete_reason", "reason"]
+__all__ = ["RunSummary", "failure_reason", "incomplete_reason"]
 
 TOP_SKIP_REASONS = 5
-_REASON_CHARS = 300
-_SECTION = re.compile(r"^={3,} rank (\d+): (\w+)(?: \(after rank \d+\))? ={3,}$")
-_FIRST = re.compile(r"^rank (\d+) failed first \((.*)\); .*$")
-_DIVERGENCE = "ranks issued divergent collectives:"
 _INTERRUPT = pytest.StashKey[str]()  # what interrupted the session (pytest_keyboard_interrupt)
 
 
-def reason(text: str) -> str:
-    """One line that explains a failure, from a failed test's text (the harness verdict's
-    per-rank account, or any other failure text: its first line)."""
-    lines = [line.rstrip() for line in text.removeprefix("Failed: ").strip().splitlines()]
-    if not lines:
-        return ""
-    if not lines[0].startswith("distributed test failed:"):
-        return _cut(lines[0])
-    for line in lines:
-        found = _FIRST.match(line)
-        if found:
-            rank = found.group(1)
-            return _cut(f"rank {rank} failed first: {found.group(2).removeprefix(f'rank {rank} ')}")
-    causes: dict[str, list[int]] = {}
-    for rank, body in _sections(lines):
-        causes.setdefault(_cause(rank, body), []).append(rank)
-    divergence = next((line for line in lines if line.startswith(_DIVERGENCE)), "")
-    if not causes:
-        return _cut(divergence or lines[0])
-    return _cut("; ".join(f"{_ranks(ranks)}: {cause}" for cause, ranks in causes.items()))
-
-
-def _sections(lines: list[str]) -> Iterable[tuple[int, list[str]]]:
-    """(rank, body) of every failed rank's section of the per-rank account."""
-    rank, body = None, []
-    for line in [*lines, "=== rank -1: end ==="]:
-        header = _SECTION.match(line) or (line == "=== rank -1: end ===")
-        if header:
-            if rank is not None:
-                yield rank, body
-            matched = _SECTION.match(line)
-            rank = int(matched.group(1)) if matched and matched.group(2) == "failed" else None
-            body = []
-        elif line.startswith(("unfinished collectives:", _DIVERGENCE)):
-            if rank is not None:
-                yield rank, body
-            rank = None
-        else:
-            body.append(line)
-
-
-def _cause(rank: int, body: list[str]) -> str:
-    """A rank's cause: a lost rank's own line, else the exception its last traceback ended in."""
-    content = [line for line in body if line.strip()]
-    if not content:
-        return "failed"
-    if content[0].startswith(f"rank {rank} "):
-        return content[0].removeprefix(f"rank {rank} ")
-    starts = [index for index, line in enumerate(content) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        after = content[starts[-1] + 1 :]
-        head = next((line for line in after if not line.startswith((" ", "\t"))), "")
-        if head:
-            return head
-    return content[0]
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ranks_text(ranks)
-
-
-def _cut(line: str) -> str:
-    return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
+def failure_reason(reason: FailureReason | None, text: str = "") -> str:
+    """One line that explains a failed test: the ranks' verdict's `reason` (`FailureReason.line()`,
+    e.g. `DistributedTestResult.reason`) when their verdict is the failure, else the first line of
+    the failure's `text` as whoever decided it wrote it: pytest (a setup error, pytest-timeout),
+    the parent (a world that could not start) or a plugin (the conformance expectations)."""
+    if reason is not None:
+        return reason.line()
+    lines = text.removeprefix("Failed: ").strip().splitlines()
+    return fit_reason(lines[0].rstrip()) if lines else ""
 
 
 def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | None:
@@ -163,10 +107,10 @@ class RunSummary:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
         report = yield
-        # The call phase: the harness's verdict (or the text a plugin made of it); a fixture's
+        # The call phase: the ranks' verdict (or the text a plugin made of it); a fixture's
         # error in setup or teardown keeps pytest's own message, its exception.
         if report.failed and report.when == "call" and world_sizes.is_distributed(item):
-            give_reason(report, reason(report.longreprtext))
+            give_reason(report, failure_reason(verdict_reason(item, report), report.longreprtext))
         return report
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
@@ -213,7 +157,7 @@ class RunSummary:
         fresh = [n for n in names if os.path.getmtime(os.path.join(directory, n)) >= self.started - 1]
         if not fresh:
             return ""
-        return f"{_shown(directory)}{os.sep} ({len(fresh)} file{'s' * (len(fresh) != 1)} from this run)"
+        return f"{shown_path(directory)}{os.sep} ({len(fresh)} file{'s' * (len(fresh) != 1)} from this run)"
 
     def write(self, terminalreporter: Any, report_paths: list[str]) -> None:
         terminalreporter.section("run summary", sep="=", red=bool(self.incomplete))
@@ -255,14 +199,10 @@ class ReasonedText:
         return self.text
 
 
-def _shown(path: str) -> str:
-    return shown_path(path)
-
-
 def _grouped(paths: list[str]) -> list[str]:
     """Paths one directory a line: "reports/junit/rank-0.xml, rank-1.xml"."""
     by_directory: dict[str, list[str]] = {}
     for path in paths:
-        directory, name = os.path.split(_shown(path))
+        directory, name = os.path.split(shown_path(path))
         by_directory.setdefault(directory, []).append(name)
     return [os.path.join(folder, ", ".join(names)) for folder, names in by_directory.items()]

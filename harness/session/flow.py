@@ -29,9 +29,9 @@ from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankOutcome, RankResult, Status, TestTask
 from harness.rank import fixtures
 from harness.report.results import DistributedTestResult, SuiteKey, rank_cases, skip_reason
-from harness.session.verdict import Verdict, decide, failure_text
+from harness.session.verdict import FailureReason, Verdict, decide, failure_text
 from harness.text import describe_exception
-from harness.trace.divergence import first_divergence, format_trace_table, unfinished_collectives
+from harness.trace.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.trace.records import CollectiveRecord
 
 _PICKLABLE_OPTION_TYPES = (str, int, float, bool, type(None))
@@ -45,8 +45,10 @@ class Proposal:
     suite: SuiteKey
     verdict: Verdict
     execution: Execution | None = None
-    divergence: str = ""
-    """The first divergent collective (`Divergence.describe()`), expected or not; else empty."""
+    divergence: Divergence | None = None
+    """The first divergent collective, expected or not; None when the traces agree."""
+    repro: str = ""
+    """The `REPRO:` line of a test the ranks' verdict failed (`harness.config.repro`), else empty."""
 
 
 _PROPOSAL = pytest.StashKey[Proposal]()
@@ -176,10 +178,12 @@ class HarnessSession:
         self.after_test(item, execution)
         if self.options.show_traces:
             sys.stdout.write(f"--- collective traces ---\n{format_trace_table(execution.traces)}\n")
+        reproduction = ""
         if verdict.outcome == "failed":
             repro.remember_failure(item)
-        self.propose(item, Proposal(suite, verdict, execution, divergence.describe() if divergence else ""))
-        self._report(item, execution, verdict)
+            reproduction = repro.repro_line(item)
+        self.propose(item, Proposal(suite, verdict, execution, divergence, reproduction))
+        self._report(item, execution, verdict, reproduction)
 
     def suite(self, item: pytest.Item, world_size: int, plan: DevicePlan | None = None) -> SuiteKey:
         plan = plan or self.plan(world_size)
@@ -199,16 +203,18 @@ class HarnessSession:
         proposal = item.stash.get(_PROPOSAL, None)
         if not phases and proposal is None:
             return  # never started (interrupted before its setup): pytest does not report it either
-        outcome, message = final_verdict(phases, proposal, interrupted)
+        outcome, message, reason = final_verdict(phases, proposal, interrupted)
         proposal = proposal or Proposal(self.suite(item, world_size), Verdict(outcome, message))
-        self.publish(item, proposal, outcome, message)
+        self.publish(item, proposal, outcome, message, reason)
         del item.stash[_PHASES]
         if _PROPOSAL in item.stash:
             del item.stash[_PROPOSAL]
 
-    def publish(self, item: pytest.Item, proposal: Proposal, outcome: Status, message: str) -> None:
-        """Hand one test's verdict, as pytest reported it (`outcome`, `message`), to every report
-        plugin: the single way out for results, and the one place each rank's case is built."""
+    def publish(
+        self, item: pytest.Item, proposal: Proposal, outcome: Status, message: str, reason: FailureReason | None
+    ) -> None:
+        """Hand one test's verdict, as pytest reported it (`outcome`, `message`, `reason`), to every
+        report plugin: the single way out for results, and the one place each rank's case is built."""
         self.published += 1
         world_size = proposal.suite.world_size
         own_ranks = tuple(self.own_ranks(world_size))
@@ -229,7 +235,10 @@ class HarnessSession:
             ),
             own_ranks=own_ranks,
             traces=execution.traces,
-            divergence=proposal.divergence,
+            divergence=proposal.divergence.describe() if proposal.divergence else "",
+            diverged_at=proposal.divergence.positions() if proposal.divergence else {},
+            reason=reason,
+            repro=proposal.repro,
         )
         item.config.hook.pytest_harness_test_result(item=item, result=result)
 
@@ -270,8 +279,9 @@ class HarnessSession:
             sys_path=list(sys.path),
         )
 
-    def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict) -> None:
-        """Show the ranks' output and end in pytest's outcome for the verdict."""
+    def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict, reproduction: str) -> None:
+        """Show the ranks' output and end in pytest's outcome for the verdict (a failure's text ends
+        in its `REPRO:` line)."""
         for rank in execution.results:
             stdout, stderr = execution.captured.get(rank, ("", ""))
             if stdout:
@@ -279,7 +289,7 @@ class HarnessSession:
             if stderr:
                 sys.stdout.write(f"--- rank {rank} stderr ---\n{stderr}\n")
         if verdict.outcome == "failed":
-            pytest.fail(f"{verdict.message}\n{repro.repro_line(item)}", pytrace=False)
+            pytest.fail(f"{verdict.message}\n{reproduction}", pytrace=False)
         if verdict.outcome == "skipped":
             pytest.skip(verdict.message)
         if verdict.outcome == "xfailed":
@@ -288,15 +298,17 @@ class HarnessSession:
 
 def final_verdict(
     phases: list[pytest.TestReport], proposal: Proposal | None, interrupted: BaseException | None
-) -> tuple[Status, str]:
-    """A distributed test's outcome and text as pytest reported them (its junitxml reads the same).
+) -> tuple[Status, str, FailureReason | None]:
+    """A distributed test's outcome and text as pytest reported them (its junitxml reads the same),
+    and why the ranks failed it when pytest's failure is the ranks' verdict.
 
-    The ranks' text is kept where pytest agrees with the ranks' outcome; where a plugin changed the
-    outcome (an xfail marker, an expected failure), pytest's reason is the text.
+    The ranks' text (and reason) is kept where pytest agrees with the ranks' outcome; where a plugin
+    changed the outcome (an xfail marker, an expected failure), pytest's reason is the text.
     """
     by_phase = {report.when: report for report in phases}
     setup, call, teardown = by_phase.get("setup"), by_phase.get("call"), by_phase.get("teardown")
     outcome: Status
+    reason = None
     if setup is not None and setup.failed:
         outcome, message = "failed", f"error in setup: {setup.longreprtext}"
     elif setup is not None and setup.skipped:
@@ -306,19 +318,30 @@ def final_verdict(
     elif call is not None and call.failed:
         agree = proposal is not None and proposal.verdict.outcome == "failed"
         outcome, message = "failed", proposal.verdict.message if agree and proposal else call.longreprtext
+        reason = proposal.verdict.reason if agree and proposal else None
     elif call is not None:
         outcome, message = _skipped(call)
         if proposal is not None and proposal.verdict.outcome == outcome and outcome == "skipped":
             message = proposal.verdict.message
     elif proposal is not None and interrupted is not None:
-        outcome, message = "failed", proposal.verdict.message
+        outcome, message, reason = "failed", proposal.verdict.message, proposal.verdict.reason
     elif interrupted is not None:
         outcome, message = "failed", f"interrupted before the test ran: {describe_exception(interrupted)}"
     else:
         outcome, message = "failed", "the test ended without a result"
     if teardown is not None and teardown.failed:
         outcome, message = "failed", "\n\n".join(filter(None, [message, f"error in teardown: {teardown.longreprtext}"]))
-    return outcome, message
+    return outcome, message, reason
+
+
+def verdict_reason(item: pytest.Item, report: pytest.TestReport) -> FailureReason | None:
+    """Why the ranks failed `item` when pytest's failed call `report` still shows their verdict:
+    None when the failure is not theirs (the parent's, an interrupt's) or a plugin replaced its
+    text with a verdict of its own (the conformance expectations write theirs as text)."""
+    proposal = item.stash.get(_PROPOSAL, None)
+    if proposal is None or not report.failed or isinstance(report.longrepr, str):
+        return None
+    return proposal.verdict.reason
 
 
 def _skipped(report: pytest.TestReport) -> tuple[Status, str]:

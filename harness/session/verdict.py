@@ -11,6 +11,45 @@ from harness.messages import RankLoss, RankOutcome, RankResult, Status
 from harness.text import first_line, ranks_text, shown_path
 from harness.trace.records import CollectiveRecord, last_unfinished
 
+REASON_CHARS = 300
+"""The longest one-line reason (`FailureReason.line`): a FAILED line, a matrix entry."""
+
+
+@dataclass(frozen=True)
+class FailureReason:
+    """Why the ranks failed a test, as data: decided once, with the verdict (`decide`), and read by
+    every report that explains a failure in one line (pytest's FAILED line, the conformance matrix)."""
+
+    first_rank: int | None = None
+    """The rank whose failure is its own while every other failed rank's is a consequence (see
+    `first_failed_rank`); None when no one rank can be told apart."""
+    cause: str = ""
+    """The first failed rank's cause, with where it failed in the test's code: "AssertionError:
+    mine at t.py:3", "exited with code 3" (empty without a `first_rank`)."""
+    ranks_by_cause: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Without a `first_rank`: every failed rank's cause (the exception its traceback ended in, or
+    how it was lost), ranks with the same cause together, in the order of the verdict's account."""
+    divergence: str = ""
+    """"ranks issued divergent collectives: ..." when the trace diff failed the test, else empty."""
+    outcomes: str = ""
+    """Every rank's status ("distributed test failed: rank 0 skipped, rank 1 passed"): the reason
+    left when no rank failed and the traces agree (ranks that disagreed on a skip)."""
+
+    def line(self) -> str:
+        """The reason as one line of at most `REASON_CHARS` characters."""
+        if self.first_rank is not None:
+            text = f"rank {self.first_rank} failed first: {self.cause}"
+        elif self.ranks_by_cause:
+            text = "; ".join(f"{ranks_text(list(ranks))}: {cause}" for cause, ranks in self.ranks_by_cause)
+        else:
+            text = first_line(self.divergence or self.outcomes)
+        return fit_reason(text)
+
+
+def fit_reason(line: str) -> str:
+    """`line` cut to `REASON_CHARS` characters, its end marked."""
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -18,6 +57,9 @@ class Verdict:
     message: str
     divergence: str = ""
     """The divergence heading when the trace diff failed the test, else empty."""
+    reason: FailureReason | None = None
+    """Why the ranks failed the test (`decide`); None for any other outcome, and for a failure the
+    parent decided without the ranks' results (a world that could not start, an interrupt)."""
 
 
 def decide(
@@ -42,14 +84,31 @@ def decide(
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
         if distinct == {"passed"}:
-            return Verdict("failed", heading, heading)
-        return Verdict("failed", f"{results_text}\n\n{heading}", heading)
+            return Verdict("failed", heading, heading, FailureReason(divergence=heading))
+        return Verdict("failed", f"{results_text}\n\n{heading}", heading, failure_reason(results, heading))
     if distinct == {"passed"}:
         return Verdict("passed", "")
     if distinct in ({"skipped"}, {"xfailed"}):
         reasons = sorted({result.summary for result in results.values()})
         return Verdict(distinct.pop(), "; ".join(reasons))  # type: ignore[arg-type]
-    return Verdict("failed", results_text)
+    return Verdict("failed", results_text, reason=failure_reason(results))
+
+
+def failure_reason(results: dict[int, RankResult], divergence: str = "") -> FailureReason:
+    """Why these results fail a test: the rank that failed first and its cause when one can be
+    told apart (`first_failed_rank`), else every failed rank's cause, and the divergence heading;
+    what `failure_text` says at length."""
+    outcomes = _outcomes_line(results)
+    first = first_failed_rank(results)
+    if first is not None:
+        cause = _first_cause(results[first]).removeprefix(f"rank {first} ")
+        return FailureReason(first, cause, divergence=divergence, outcomes=outcomes)
+    by_cause: dict[str, list[int]] = {}
+    for rank in results:  # the order of the account's sections (`failure_text`)
+        if results[rank].status == "failed":
+            by_cause.setdefault(_own_cause(rank, results[rank]), []).append(rank)
+    ranks_by_cause = tuple((cause, tuple(ranks)) for cause, ranks in by_cause.items())
+    return FailureReason(None, "", ranks_by_cause, divergence, outcomes)
 
 
 def world_reusable(results: dict[int, RankResult], traces: dict[int, list[CollectiveRecord]]) -> bool:
@@ -85,16 +144,13 @@ def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | Non
     harness's own frames (the JUnit files keep them whole). A lost rank's account ends with the
     last lines of its `stderr` (by rank), often the only trace of why it died."""
     stderr = stderr or {}
-    lines = [
-        "distributed test failed: " + ", ".join(f"rank {rank} {result.status}" for rank, result in results.items())
-    ]
+    lines = [_outcomes_line(results)]
     first = first_failed_rank(results)
     if first is not None:
         followers = [rank for rank, result in results.items() if result.status == "failed" and rank != first]
-        where = _user_line(_failure_stack(results[first]))
         lines.append(
-            f"rank {first} failed first ({first_line(results[first].summary)}{f' at {where}' if where else ''}); "
-            f"{_ranks(followers)} failed after it, in collectives it left unmatched"
+            f"rank {first} failed first ({_first_cause(results[first])}); "
+            f"{ranks_text(followers)} failed after it, in collectives it left unmatched"
         )
     order = sorted(results, key=lambda rank: rank != first)
     for rank in order:
@@ -111,6 +167,36 @@ def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | Non
         else:
             lines.append(f"{result.status} on this rank only: {result.summary}")
     return "\n".join(lines)
+
+
+def _outcomes_line(results: dict[int, RankResult]) -> str:
+    return "distributed test failed: " + ", ".join(f"rank {rank} {result.status}" for rank, result in results.items())
+
+
+def _first_cause(result: RankResult) -> str:
+    """What the rank that failed first did, and where in the test's code: its summary's first line
+    ("rank 1 exited with code 3" for a lost one), then "at t.py:3" when a frame of the test's code is known."""
+    where = _user_line(_failure_stack(result))
+    return f"{first_line(result.summary)}{f' at {where}' if where else ''}"
+
+
+def _own_cause(rank: int, result: RankResult) -> str:
+    """A failed rank's cause as its section of the account shows it: a lost rank's account's first
+    line (its summary), else the exception line its last traceback ended in (as Python wrote it:
+    qualified type names), else that traceback's first line, else "failed"."""
+    if isinstance(result, RankLoss):
+        return first_line(result.summary).removeprefix(f"rank {rank} ") or "failed"
+    shown = without_harness_frames(result.traceback.rstrip()) or result.summary
+    content = [line for line in shown.splitlines() if line.strip()]
+    if not content:
+        return "failed"
+    starts = [index for index, line in enumerate(content) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        after = content[starts[-1] + 1 :]
+        raised = next((line for line in after if not line.startswith((" ", "\t"))), "")
+        if raised:
+            return raised.rstrip()
+    return content[0].rstrip()
 
 
 # How a rank fails when a peer failed first: its collectives break or time out, or the harness
@@ -170,13 +256,5 @@ def _user_line(stack: str) -> str:
         frame = _FRAME.match(line)
         path = frame.group(1) if frame else "<"
         if not (path.startswith(("<", _HARNESS_DIR)) or _TORCH_MARK in path):
-            found = f"{_relative(path)}:{frame.group(2)}"  # type: ignore[union-attr]
+            found = f"{shown_path(path)}:{frame.group(2)}"  # type: ignore[union-attr]
     return found
-
-
-def _relative(path: str) -> str:
-    return shown_path(path)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ranks_text(ranks)

@@ -16,13 +16,22 @@ is; later disagreements are usually consequences of the first).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from harness.text import group_text, ranks_text
 from harness.trace.records import CollectiveRecord, last_unfinished
 
-__all__ = ["Divergence", "diagnosis", "first_divergence", "format_trace_table", "unfinished_collectives"]
+__all__ = [
+    "TRACE_COLUMNS",
+    "Divergence",
+    "TraceColumn",
+    "diagnosis",
+    "first_divergence",
+    "format_trace_table",
+    "trace_cells",
+    "unfinished_collectives",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,13 @@ class Divergence:
         """Per involved rank, its trace position at this disagreement (stopped ranks: one past their last)."""
         positions = {rank: record.index for rank, record in self.issued.items()}
         positions.update({rank: (record.index + 1 if record is not None else 0) for rank, record in self.last.items()})
+        return positions
+
+    def positions(self) -> dict[int, int | None]:
+        """Per rank of the divergent group or stream, where in its own trace (`CollectiveRecord.index`)
+        it issued the collective of this disagreement; None for a rank that stopped before it."""
+        positions: dict[int, int | None] = dict.fromkeys(self.last)
+        positions.update({rank: record.index for rank, record in self.issued.items()})
         return positions
 
     def precedes(self, other: Divergence) -> bool:
@@ -139,53 +155,59 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
     return "; ".join(stuck) or None
 
 
+@dataclass(frozen=True)
+class TraceColumn:
+    """One column of a trace table: its heading and its cell for a record ("-" for nothing)."""
+
+    name: str
+    cell: Callable[[CollectiveRecord], str]
+
+
+def _where(record: CollectiveRecord) -> str:
+    """The group of a collective ("[0, 1]"), the peer of a point-to-point op ("->1" sent to it, "<-1" received)."""
+    if record.is_send:
+        return f"->{record.peer}"
+    return f"<-{record.peer}" if record.is_p2p else group_text(record.group)
+
+
+def _status(record: CollectiveRecord) -> str:
+    status = "skipped" if record.skipped else ("done" if record.completed else "NOT RETURNED")
+    return status + (f" (fault: {record.fault})" if record.fault else "")
+
+
+def _args(record: CollectiveRecord) -> str:
+    return " ".join([*(f"{name}={value}" for name, value in record.args), *(["async"] * record.async_op)]) or "-"
+
+
+TRACE_COLUMNS = (
+    TraceColumn("#", lambda record: str(record.index + 1)),
+    TraceColumn("group/peer", _where),
+    TraceColumn("group #", lambda record: str(record.seq + 1)),
+    TraceColumn("op", lambda record: record.op),
+    TraceColumn("label", lambda record: record.label or "-"),
+    TraceColumn("numel", lambda record: str(record.numel)),
+    TraceColumn("dtypes", lambda record: ",".join(record.dtypes) or "-"),
+    TraceColumn("shapes", lambda record: " ".join(_shape(s) for s in record.shapes) or "-"),
+    TraceColumn("args", _args),
+    TraceColumn("tensors", lambda record: ",".join(name or "?" for name in record.tensors) or "-"),
+    TraceColumn("site", lambda record: record.site + (" (asymmetric)" if record.asymmetric else "") or "-"),
+    TraceColumn("status", _status),
+)
+"""The columns of every trace table, the text one (`format_trace_table`) and the conformance HTML's."""
+
+
+def trace_cells(record: CollectiveRecord) -> dict[str, str]:
+    """A record's cells in a trace table, by column name (`TRACE_COLUMNS`), numbers from 1."""
+    return {column.name: column.cell(record) for column in TRACE_COLUMNS}
+
+
 def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     """A human-readable dump of every rank's trace, one section per rank (numbers from 1)."""
-    header = (
-        "#",
-        "group/peer",
-        "group #",
-        "op",
-        "label",
-        "numel",
-        "dtypes",
-        "shapes",
-        "args",
-        "tensors",
-        "site",
-        "status",
-    )
+    header = tuple(column.name for column in TRACE_COLUMNS)
     sections = []
     for rank in sorted(traces):
         rows = [header]
-        for record in traces[rank]:
-            where = (
-                f"->{record.peer}"
-                if record.is_send
-                else (f"<-{record.peer}" if record.is_p2p else group_text(record.group))
-            )
-            status = "done" if record.completed else "NOT RETURNED"
-            if record.skipped:
-                status = "skipped"
-            if record.fault:
-                status += f" (fault: {record.fault})"
-            rows.append(
-                (
-                    str(record.index + 1),
-                    where,
-                    str(record.seq + 1),
-                    record.op,
-                    record.label or "-",
-                    str(record.numel),
-                    ",".join(record.dtypes) or "-",
-                    " ".join(_shape(s) for s in record.shapes) or "-",
-                    " ".join([*(f"{name}={value}" for name, value in record.args), *(["async"] * record.async_op)])
-                    or "-",
-                    ",".join(name or "?" for name in record.tensors) or "-",
-                    record.site + (" (asymmetric)" if record.asymmetric else "") or "-",
-                    status,
-                )
-            )
+        rows += [tuple(column.cell(record) for column in TRACE_COLUMNS) for record in traces[rank]]
         widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
         lines = [
             "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows

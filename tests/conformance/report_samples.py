@@ -1,12 +1,14 @@
-"""A conformance matrix and a trace file as a run would leave them, for the report tests
-(test_report_html.py in-process, test_report_browser.py in Chromium)."""
+"""A conformance matrix as a run would leave it, with a failure's traces as the harness hands them
+over and its trace file as the harness writes it, for the report tests (test_report_html.py
+in-process, test_report_browser.py in Chromium)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from conformance.report.matrix import Matrix, RunDetails
+from conformance.report.trace_view import TraceView
+from harness.report.trace_tables import trace_file_name
 from harness.trace.divergence import first_divergence, format_trace_table
 from harness.trace.records import CollectiveRecord
 
@@ -50,17 +52,27 @@ def diverging_traces() -> dict[int, list[CollectiveRecord]]:
     return {0: rank0, 1: rank1}
 
 
+def trace_view(nodeid: str, traces: dict[int, list[CollectiveRecord]]) -> TraceView:
+    """The traces of a failed test and their first divergence, as the harness's result carries them
+    (`DistributedTestResult.traces`, `.divergence`, `.diverged_at`)."""
+    divergence = first_divergence(traces, sorted(traces))
+    if divergence is None:
+        return TraceView(nodeid, traces)
+    return TraceView(nodeid, traces, divergence.describe(), divergence.positions())
+
+
 def write_trace_file(directory: Path, nodeid: str, traces: dict[int, list[CollectiveRecord]]) -> Path:
-    """A trace report as the harness writes one (`HarnessSession._write_trace`)."""
+    """A trace file as the harness writes one (`harness.report.trace_tables.TraceFiles`): the page links to it."""
     divergence = first_divergence(traces, sorted(traces))
     header = f"first divergence: {divergence.describe()}" if divergence else "no divergence between ranks"
-    path = directory / (re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_") + ".txt")
+    path = directory / trace_file_name(nodeid)
     path.write_text(f"{nodeid}\n{header}\n\n{format_trace_table(traces)}\n", encoding="utf-8")
     return path
 
 
 def sample_matrix(tmp_path: Path, trace: dict | None = None) -> Matrix:
-    """Cells of every kind, one divergence failure (with its trace file in `tmp_path` when `trace` is given)."""
+    """Cells of every kind, one divergence failure (with its traces, and its trace file in
+    `tmp_path`, when `trace` is given)."""
     matrix = Matrix(
         run=RunDetails(
             command="cd /x && python -m pytest conformance --backend reference --backend torch-fsdp2",
@@ -93,10 +105,16 @@ def sample_matrix(tmp_path: Path, trace: dict | None = None) -> Matrix:
         link="https://example.org/1",
     )
     matrix.record(
-        SCENARIO, "torch-fsdp2", FAILED_ID, "fail", f"boom\n{REPRO}", reason="ranks issued divergent collectives"
+        SCENARIO,
+        "torch-fsdp2",
+        FAILED_ID,
+        "fail",
+        "boom",
+        reason="ranks issued divergent collectives",
+        repro=REPRO,
+        trace=trace_view(FAILED_ID, trace) if trace is not None else None,
     )
     matrix.record(SCENARIO, "reference", "ok", "pass", "")
     if trace is not None:
-        path = write_trace_file(tmp_path, FAILED_ID, trace)
-        matrix.traces[FAILED_ID] = str(path)
+        matrix.traces[FAILED_ID] = str(write_trace_file(tmp_path, FAILED_ID, trace))
     return matrix

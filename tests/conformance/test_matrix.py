@@ -22,7 +22,8 @@ def test_matrix_renders_counts_and_failure_links() -> None:
         "torch-fsdp2",
         "t[torch-fsdp2-a]",
         "fail",
-        "boom\nREPRO: cd /x && python -m pytest t --backend torch-fsdp2",
+        "boom",
+        repro="REPRO: cd /x && python -m pytest t --backend torch-fsdp2",
     )
     matrix.record(
         "test_exec_order.py::test_first",
@@ -39,4 +40,7 @@ def test_matrix_renders_counts_and_failure_links() -> None:
     page = render_html(matrix)
     assert '<a href="#fail-torch-fsdp2-test-runtime-py-test-training">' in page
     assert '<div class="counts">1 fail</div>' in page
-    assert 'id="fail-torch-fsdp2-test-runtime-py-test-training"' in page and "<pre>boom" in page
+    assert 'id="fail-torch-fsdp2-test-runtime-py-test-training"' in page
+    # The REPRO line, data of its own, is shown above the failure text and last in it, as pytest printed it.
+    assert '<pre class="repro">REPRO: cd /x &amp;&amp; python -m pytest t --backend torch-fsdp2</pre>' in page
+    assert "<pre>boom\nREPRO: cd /x &amp;&amp; python -m pytest t --backend torch-fsdp2</pre>" in page

@@ -1,50 +1,78 @@
-"""The HTML report and what it reads: the harness's trace files, parsed back exactly; a page with
-a legend, split cells, run details, expected failures, unsupported capabilities, failures with
-their REPRO line, trace link and divergence timeline; incomplete runs marked (in-process)."""
+"""The HTML report and what it shows: the harness's trace records in the harness's own columns,
+the first divergence where the harness found it; a page with a legend, split cells, run details,
+expected failures, unsupported capabilities, failures with their REPRO line, trace link and
+divergence timeline; incomplete runs marked (in-process)."""
 
 from __future__ import annotations
 
 import re
+from html import escape
 from pathlib import Path
 
-from conformance.report.html import render_html
+from conformance.report.html import SHOWN_COLUMNS, render_html
 from conformance.report.matrix import render_markdown
-from conformance.report.trace_view import read_trace_report
-from harness.trace.divergence import first_divergence
+from conformance.report.trace_view import describe
+from harness.trace.divergence import TRACE_COLUMNS, first_divergence, format_trace_table
 from tests.conformance.report_samples import (
-    FAILED_ID,
     LONG_LABEL,
     REPRO,
     SCENARIO,
     diverging_traces,
     sample_matrix,
-    write_trace_file,
 )
 
 
-def test_trace_reports_read_back_every_cell(tmp_path: Path) -> None:
+def _trace_tables(page: str) -> dict[int, list[list[str]]]:
+    """rank -> the rows (cell texts, unescaped) of its readable trace table on the page."""
+    tables = {}
+    for rank, table in re.findall(r"<summary>rank (\d+): \d+ collectives</summary>(.*?)</table>", page):
+        rows = re.findall(r"<tr(?: class=\"diverged\")?>(.*?)</tr>", table)
+        tables[int(rank)] = [
+            [
+                cell.replace("&gt;", ">").replace("&lt;", "<").replace("&amp;", "&")
+                for cell in re.findall(r"<t[dh]>(.*?)</t[dh]>", row)
+            ]
+            for row in rows
+        ]
+    return tables
+
+
+def test_the_trace_tables_have_the_harness_columns_and_every_cell(tmp_path: Path) -> None:
     traces = diverging_traces()
-    report = read_trace_report(str(write_trace_file(tmp_path, FAILED_ID, traces)))
-    assert report.nodeid == FAILED_ID and report.heading.startswith("first divergence: collective #3 on group [0, 1]")
-    assert sorted(report.ranks) == [0, 1] and [len(rows) for rows in report.ranks.values()] == [4, 4]
-    first = report.ranks[0][0].cells
+    page = render_html(sample_matrix(tmp_path, trace=traces))
+    # One definition of the columns: the text table's header, and the page's shown columns among them.
+    names = [column.name for column in TRACE_COLUMNS]
+    assert re.split(r"\s{2,}", format_trace_table(traces).splitlines()[1].strip()) == names
+    assert set(SHOWN_COLUMNS) <= set(names)
+    tables = _trace_tables(page)
+    assert sorted(tables) == [0, 1] and [len(rows) for rows in tables.values()] == [5, 5]  # a header and 4 rows
+    assert tables[0][0] == list(SHOWN_COLUMNS)
+    first = dict(zip(SHOWN_COLUMNS, tables[0][1]))
     assert first["label"] == LONG_LABEL and len(first["label"]) > 300
-    assert first["args"] == "op=SUM async" and first["tensors"] == "stem.weight,?" and first["status"] == "done"
-    assert report.ranks[0][3].status == "NOT RETURNED"
-    assert report.ranks[1][2].cells["site"] == "conformance/test_divergence.py:60 (asymmetric)"
-    assert report.ranks[1][3].skipped and "fault: skip all_reduce on rank 1" in report.ranks[1][3].status
-    # The marks are the records the harness's own diff names (numbers from 1).
+    assert first["tensors"] == "stem.weight,?" and first["status"] == "done" and first["#"] == "1"
+    assert dict(zip(SHOWN_COLUMNS, tables[0][4]))["status"] == "NOT RETURNED"
+    assert dict(zip(SHOWN_COLUMNS, tables[1][3]))["site"] == "conformance/test_divergence.py:60 (asymmetric)"
+    assert dict(zip(SHOWN_COLUMNS, tables[1][4]))["status"] == "skipped (fault: skip all_reduce on rank 1)"
+    # The tooltip names every cell that says something, in the harness's words.
+    assert describe(0, traces[0][0]) == (
+        f"rank 0 #1 all_gather_into_tensor [{LONG_LABEL}] numel 36 dtypes float32 shapes [36] args op=SUM async "
+        "tensors stem.weight,? site conformance/test_divergence.py:60 done"
+    )
+    assert f"<title>{escape(describe(1, traces[1][3]))}</title>" in page
+    # The marked rows are the records the harness's own diff names.
     divergence = first_divergence(traces, [0, 1])
-    assert divergence is not None
-    assert report.first_divergence() == {rank: record.index + 1 for rank, record in divergence.issued.items()}
+    assert divergence is not None and divergence.positions() == {0: 2, 1: 2}
+    assert page.count('<tr class="diverged">') == 2
+    assert "<p>first divergence: collective #3 on group [0, 1]" in page
 
 
 def test_a_rank_that_stopped_is_marked_after_its_last_collective(tmp_path: Path) -> None:
     traces = diverging_traces()
     traces[1] = traces[1][:2]  # rank 1 issued nothing after the broadcast
-    report = read_trace_report(str(write_trace_file(tmp_path, FAILED_ID, traces)))
-    assert report.first_divergence() == {0: 3, 1: None}
-    assert "stopped before the first divergence" in render_html(sample_matrix(tmp_path, trace=traces))
+    divergence = first_divergence(traces, [0, 1])
+    assert divergence is not None and divergence.positions() == {0: 2, 1: None}
+    page = render_html(sample_matrix(tmp_path, trace=traces))
+    assert "stopped before the first divergence" in page and page.count('<tr class="diverged">') == 1
 
 
 def test_the_page_shows_what_the_run_was_and_why(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ import pytest
 from adapter_testing import run_inner_session
 
 from harness.messages import RankLoss, RankOutcome
-from harness.report.run_summary import reason
-from harness.session.verdict import decide
+from harness.report.run_summary import failure_reason
+from harness.session.verdict import FailureReason, decide
 
 TESTS = """
 import pytest
@@ -92,22 +92,43 @@ def _failed(rank: int, error: str) -> RankOutcome:
     return RankOutcome(rank, "failed", 1.0, error, trace)
 
 
+def _reason(results: dict, divergence: str | None = None) -> FailureReason:
+    reason = decide(results, divergence).reason
+    assert reason is not None, "a failed verdict carries its reason"
+    return reason
+
+
 def test_the_reason_is_the_line_that_explains_the_failure() -> None:
-    """From the verdict's own text (harness.session.verdict.decide), whatever decided it."""
+    """Decided with the verdict (harness.session.verdict.decide), as data; one line of it."""
     passed = RankOutcome(0, "passed", 1.0)
-    one = decide({0: passed, 1: _failed(1, "AssertionError: rank 1 disagrees")}).message
-    assert reason(one) == "rank 1: AssertionError: rank 1 disagrees"
-    same = decide({0: _failed(0, "ValueError: bad"), 1: _failed(1, "ValueError: bad")}).message
-    assert reason(same) == "ranks 0, 1: ValueError: bad"
-    first = decide(
-        {0: _failed(0, "AssertionError: mine"), 1: _failed(1, "RuntimeError: Connection closed by peer")}
-    ).message
-    assert reason(first) == "rank 0 failed first: AssertionError: mine at t.py:3"
-    lost = decide({0: passed, 1: RankLoss(1, "was killed by SIGKILL (9)")}).message
-    assert reason(lost) == "rank 1: was killed by SIGKILL (9)"
-    diverged = decide({0: passed, 1: RankOutcome(1, "passed", 1.0)}, "collective #2 on group [0, 1]: ...").message
-    assert reason(diverged) == "ranks issued divergent collectives: collective #2 on group [0, 1]: ..."
-    assert reason("unexpected pass: x is listed as an expected failure\n\nmore") == (
+    one = _reason({0: passed, 1: _failed(1, "AssertionError: rank 1 disagrees")})
+    assert one.first_rank is None and one.ranks_by_cause == (("AssertionError: rank 1 disagrees", (1,)),)
+    assert failure_reason(one) == one.line() == "rank 1: AssertionError: rank 1 disagrees"
+    same = _reason({0: _failed(0, "ValueError: bad"), 1: _failed(1, "ValueError: bad")})
+    assert same.line() == "ranks 0, 1: ValueError: bad"
+    first = _reason({0: _failed(0, "AssertionError: mine"), 1: _failed(1, "RuntimeError: Connection closed by peer")})
+    assert (first.first_rank, first.cause) == (0, "AssertionError: mine at t.py:3")
+    assert first.line() == "rank 0 failed first: AssertionError: mine at t.py:3"
+    lost = _reason({0: passed, 1: RankLoss(1, "was killed by SIGKILL (9)")})
+    assert lost.line() == "rank 1: was killed by SIGKILL (9)"
+    diverged = _reason({0: passed, 1: RankOutcome(1, "passed", 1.0)}, "collective #2 on group [0, 1]: ...")
+    assert diverged.divergence == "ranks issued divergent collectives: collective #2 on group [0, 1]: ..."
+    assert diverged.line() == diverged.divergence
+    # A traceback's exception line as Python wrote it (qualified type), whatever the rank's summary says.
+    qualified = _failed(1, "ExercisedNothing: nothing")
+    qualified.traceback = qualified.traceback.replace(
+        "ExercisedNothing:", "conformance.suite.vacuity.ExercisedNothing:"
+    )
+    assert _reason({0: passed, 1: qualified}).line() == "rank 1: conformance.suite.vacuity.ExercisedNothing: nothing"
+    # Ranks that disagreed on a skip: their statuses; a long reason is cut.
+    disagreed = _reason({0: RankOutcome(0, "skipped", 1.0, "no"), 1: passed})
+    assert disagreed.line() == "distributed test failed: rank 0 skipped, rank 1 passed"
+    long = _reason({0: passed, 1: _failed(1, "ValueError: " + "x" * 400)}).line()
+    assert len(long) == 300 and long.endswith("...")
+    # No verdict's reason (a failure the ranks did not decide): the first line of its text.
+    assert failure_reason(None, "unexpected pass: x is listed as an expected failure\n\nmore") == (
         "unexpected pass: x is listed as an expected failure"
     )
-    assert reason("Failed: could not start a world of 2 (cpu): boom") == "could not start a world of 2 (cpu): boom"
+    assert failure_reason(None, "Failed: could not start a world of 2 (cpu): boom") == (
+        "could not start a world of 2 (cpu): boom"
+    )
