@@ -107,6 +107,10 @@ class RankLoss:
     """How long the rank ran the test until it was found lost (its death seen, or the parent gave
     up on it: hung, interrupted), as the parent measured it from sending the task; 0.0 when it
     never got the task."""
+    after_peer_failed: bool = False
+    """The parent stopped this rank because of another rank: it still ran a straggler grace after a
+    peer failed, or the traces showed it waited for a peer that will never come. Its loss is a
+    consequence, so the verdict can tell which rank failed first (`first_failed_rank`)."""
 
     status: ClassVar[Status] = "failed"
 

@@ -30,7 +30,7 @@ from harness.rank import fixtures
 from harness.report.junit import JUnitReport
 from harness.report.run_summary import RunSummary
 from harness.report.trace_tables import TraceFiles
-from harness.session.flow import HarnessSession, session_properties
+from harness.session.flow import HarnessSession, session_properties, verdict_reason
 from harness.session.pool_session import PoolSession
 
 _SESSION = pytest.StashKey["HarnessSession"]()
@@ -199,7 +199,7 @@ def pytest_configure(config: pytest.Config) -> None:
         JUnitReport(os.path.join(reports_dir, "junit"), session_properties(config), torchrun), _JUNIT_PLUGIN
     )
     config.pluginmanager.register(TraceFiles(os.path.join(reports_dir, "traces")), _TRACES_PLUGIN)
-    config.pluginmanager.register(RunSummary(config, reports_dir, session.summary), _SUMMARY_PLUGIN)
+    config.pluginmanager.register(RunSummary(config, reports_dir, session.summary, verdict_reason), _SUMMARY_PLUGIN)
 
 
 # -- the public API for other plugins (re-exported by `harness`) ---------------------------

@@ -1,6 +1,6 @@
 """No product module reads back text the project rendered: a test's outcome travels as data.
 
-A verdict decides why a test failed once (`harness.session.verdict.FailureReason`), the harness
+A verdict decides why a test failed once (`harness.report.results.FailureReason`), the harness
 hands its result, REPRO line, trace records and divergence to the report plugins as data
 (`harness.DistributedTestResult`), and every report renders from that. Parsing the rendered text
 instead (the verdict's per-rank account, a trace table, a `REPRO:` line) couples each reader to
@@ -34,17 +34,16 @@ APPLYING = ("compile", "search", "match", "fullmatch", "findall", "finditer", "s
 
 # (file, the name the pattern is bound to or the function the call is in) -> why it reads no text of ours.
 ALLOWED = {
-    ("harness/config/devices.py", "_lock_name"): "a GPU's name made safe for a lock file's name",
+    ("harness/process/gpu_locks.py", "_lock_name"): "a GPU's name made safe for a lock file's name",
     ("harness/report/junit.py", "_ILLEGAL_XML"): "XML escaping: characters XML 1.0 cannot carry",
     ("harness/report/trace_tables.py", "trace_file_name"): "a node id made safe for a file name",
-    ("harness/session/verdict.py", "_CONSEQUENCE"): (
-        "a rank's exception message from gloo, NCCL or torch: did a peer's failure break its collective "
-        "(it also matches two lost-rank causes the pool writes, which RankLoss should carry as data)"
+    ("harness/session/verdict.py", "_BROKEN_COLLECTIVE"): (
+        "a rank's exception message from gloo, NCCL or torch: did a peer's failure break its collective"
     ),
     ("harness/session/verdict.py", "_FRAME"): "Python's traceback text: the frames' files and lines",
     ("harness/tools/flight_recorder.py", "_RANK_SUFFIX"): "the rank suffix of Flight Recorder's dump file names",
-    ("conformance/protocol/__init__.py", "Refusal.__post_init__"): "an adapter-declared pattern, compiled to check it",
-    ("conformance/protocol/__init__.py", "Refusal.mismatch"): "an adapter-declared pattern on a backend's exception",
+    ("conformance/protocol/facts.py", "Refusal.__post_init__"): "an adapter-declared pattern, compiled to check it",
+    ("conformance/protocol/facts.py", "Refusal.mismatch"): "an adapter-declared pattern on a backend's exception",
     ("conformance/report/matrix.py", "anchor"): "an HTML id made of a backend and scenario name",
     ("conformance/suite/expectations.py", "_CLAUSE"): "a user's torch version condition in an expectations file",
     ("conformance/test_divergence.py", "_raise_unless_order_error"): "torch FSDP's execution-order error message",

@@ -73,14 +73,14 @@ class _RankProcess:
     def exit_code(self, timeout_s: float = 5.0) -> int | None:
         return self.worker.exit_code(timeout_s)
 
-    def lost(self, cause: str, stacks: str = "") -> RankLoss:
+    def lost(self, cause: str, stacks: str = "", after_peer_failed: bool = False) -> RankLoss:
         """A RankLoss with the exception the test raised on this rank before, if it noted one, and how
         long the rank had been running the test when it was found lost (dead, or about to be killed)."""
         raised = ""
         with contextlib.suppress(OSError), open(self.files.raised, encoding="utf-8", errors="replace") as handle:
             raised = handle.read()
         duration_s = 0.0 if self.dispatched_at is None else time.monotonic() - self.dispatched_at
-        return RankLoss(self.rank, cause, stacks, raised, duration_s)
+        return RankLoss(self.rank, cause, stacks, raised, duration_s, after_peer_failed)
 
     def collect(self) -> RankResult:
         """The rank's outcome if it sent one, else how it was lost (call once it answered or exited)."""
@@ -125,6 +125,13 @@ class _Progress:
         self.results[rank] = result
         if self.failed_at is None and (isinstance(result, RankLoss) or result.status == "failed"):
             self.failed_at = time.monotonic()
+
+    def unfinished_after_peer(self) -> bool:
+        """Whether the ranks still pending when the wait ended were stopped because of another rank
+        (a failed peer's straggler grace ran out, or `hopeless` judged their waits unending)."""
+        return self.gave_up is not None or (
+            self.failed_at is not None and self.failed_at + self.straggler_grace_s < self.deadline
+        )
 
     def unfinished_cause(self) -> str:
         """Why the ranks still pending when the wait ended are lost."""
@@ -279,8 +286,9 @@ class WorkerPool:
         if progress.pending:
             stacks = self._dump_stacks(list(progress.pending.values()))
             cause = progress.unfinished_cause()  # after the stacks: the time waited includes them
+            after_peer = progress.unfinished_after_peer()
             for proc in progress.pending.values():
-                progress.results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""))
+                progress.results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""), after_peer)
         return dict(sorted(progress.results.items()))
 
     def _dispatch(self, task: TestTask, deadline_s: float, straggler_grace_s: float) -> _Progress:

@@ -14,12 +14,51 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from harness.messages import RankLoss, RankResult, Status
-from harness.session.verdict import FailureReason
-from harness.text import first_line
+from harness.text import first_line, ranks_text
 from harness.trace.records import CollectiveRecord
 
 if TYPE_CHECKING:
     import pytest
+
+
+REASON_CHARS = 300
+"""The longest one-line reason (`FailureReason.line`): a FAILED line, a matrix entry."""
+
+
+@dataclass(frozen=True)
+class FailureReason:
+    """Why the ranks failed a test, as data: decided once, with the verdict (`decide`), and read by
+    every report that explains a failure in one line (pytest's FAILED line, the conformance matrix)."""
+
+    first_rank: int | None = None
+    """The rank whose failure is its own while every other failed rank's is a consequence (see
+    `first_failed_rank`); None when no one rank can be told apart."""
+    cause: str = ""
+    """The first failed rank's cause, with where it failed in the test's code: "AssertionError:
+    mine at t.py:3", "exited with code 3" (empty without a `first_rank`)."""
+    ranks_by_cause: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Without a `first_rank`: every failed rank's cause (the exception its traceback ended in, or
+    how it was lost), ranks with the same cause together, in the order of the verdict's account."""
+    divergence: str = ""
+    """"ranks issued divergent collectives: ..." when the trace diff failed the test, else empty."""
+    outcomes: str = ""
+    """Every rank's status ("distributed test failed: rank 0 skipped, rank 1 passed"): the reason
+    left when no rank failed and the traces agree (ranks that disagreed on a skip)."""
+
+    def line(self) -> str:
+        """The reason as one line of at most `REASON_CHARS` characters."""
+        if self.first_rank is not None:
+            text = f"rank {self.first_rank} failed first: {self.cause}"
+        elif self.ranks_by_cause:
+            text = "; ".join(f"{ranks_text(list(ranks))}: {cause}" for cause, ranks in self.ranks_by_cause)
+        else:
+            text = first_line(self.divergence or self.outcomes)
+        return fit_reason(text)
+
+
+def fit_reason(line: str) -> str:
+    """`line` cut to `REASON_CHARS` characters, its end marked."""
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ terminal summary writes one section:
 
 A failed distributed test's text starts with a per-rank account ("distributed test failed: rank 0
 failed, rank 1 passed"), which says nothing on its own; pytest's short summary shows only the
-first line. The verdict decided why, as data (`harness.session.verdict.FailureReason`: the rank
+first line. The verdict decided why, as data (`harness.report.results.FailureReason`: the rank
 that failed first and its exception, a lost rank's cause, the first divergent collective);
 `failure_reason` makes it one line, and that line becomes the report's crash message, which
 pytest's `FAILED <nodeid> - <reason>` line and its junitxml `message` show (pytest fits the line
@@ -32,15 +32,13 @@ import dataclasses
 import os
 import time
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
 
 from harness.config import world_sizes
-from harness.report.results import DistributedTestResult, skip_reason
-from harness.session.flow import verdict_reason
-from harness.session.verdict import FailureReason, fit_reason
+from harness.report.results import DistributedTestResult, FailureReason, fit_reason, skip_reason
 from harness.text import describe_exception, shown_path
 
 __all__ = ["RunSummary", "failure_reason", "incomplete_reason"]
@@ -81,10 +79,19 @@ def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | 
 class RunSummary:
     """Collects what the end-of-run section says; see the module's docstring."""
 
-    def __init__(self, config: pytest.Config, reports_dir: str, harness_summary: Any) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        reports_dir: str,
+        harness_summary: Any,
+        verdict_reason: Callable[[pytest.Item, pytest.TestReport], FailureReason | None],
+    ) -> None:
         self.config = config
         self.reports_dir = reports_dir
         self.harness_summary = harness_summary  # () -> "N distributed tests, ..." (the session's)
+        # (item, its failed call report) -> the ranks' FailureReason, when the report still shows
+        # their verdict: the session's (`HarnessSession` keeps the verdict on the item).
+        self.verdict_reason = verdict_reason
         self.started = time.time()
         self.devices: Counter[str] = Counter()
         self.world_sizes: set[int] = set()
@@ -110,7 +117,7 @@ class RunSummary:
         # The call phase: the ranks' verdict (or the text a plugin made of it); a fixture's
         # error in setup or teardown keeps pytest's own message, its exception.
         if report.failed and report.when == "call" and world_sizes.is_distributed(item):
-            give_reason(report, failure_reason(verdict_reason(item, report), report.longreprtext))
+            give_reason(report, failure_reason(self.verdict_reason(item, report), report.longreprtext))
         return report
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:

@@ -28,8 +28,8 @@ from harness.config.devices import DevicePlan, plan_world
 from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankOutcome, RankResult, Status, TestTask
 from harness.rank import fixtures
-from harness.report.results import DistributedTestResult, SuiteKey, rank_cases, skip_reason
-from harness.session.verdict import FailureReason, Verdict, decide, failure_text
+from harness.report.results import DistributedTestResult, FailureReason, SuiteKey, rank_cases, skip_reason
+from harness.session.verdict import Verdict, decide, failure_text
 from harness.text import describe_exception
 from harness.trace.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.trace.records import CollectiveRecord

@@ -8,47 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
+from harness.report.results import FailureReason
 from harness.text import first_line, ranks_text, shown_path
 from harness.trace.records import CollectiveRecord, last_unfinished
-
-REASON_CHARS = 300
-"""The longest one-line reason (`FailureReason.line`): a FAILED line, a matrix entry."""
-
-
-@dataclass(frozen=True)
-class FailureReason:
-    """Why the ranks failed a test, as data: decided once, with the verdict (`decide`), and read by
-    every report that explains a failure in one line (pytest's FAILED line, the conformance matrix)."""
-
-    first_rank: int | None = None
-    """The rank whose failure is its own while every other failed rank's is a consequence (see
-    `first_failed_rank`); None when no one rank can be told apart."""
-    cause: str = ""
-    """The first failed rank's cause, with where it failed in the test's code: "AssertionError:
-    mine at t.py:3", "exited with code 3" (empty without a `first_rank`)."""
-    ranks_by_cause: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """Without a `first_rank`: every failed rank's cause (the exception its traceback ended in, or
-    how it was lost), ranks with the same cause together, in the order of the verdict's account."""
-    divergence: str = ""
-    """"ranks issued divergent collectives: ..." when the trace diff failed the test, else empty."""
-    outcomes: str = ""
-    """Every rank's status ("distributed test failed: rank 0 skipped, rank 1 passed"): the reason
-    left when no rank failed and the traces agree (ranks that disagreed on a skip)."""
-
-    def line(self) -> str:
-        """The reason as one line of at most `REASON_CHARS` characters."""
-        if self.first_rank is not None:
-            text = f"rank {self.first_rank} failed first: {self.cause}"
-        elif self.ranks_by_cause:
-            text = "; ".join(f"{ranks_text(list(ranks))}: {cause}" for cause, ranks in self.ranks_by_cause)
-        else:
-            text = first_line(self.divergence or self.outcomes)
-        return fit_reason(text)
-
-
-def fit_reason(line: str) -> str:
-    """`line` cut to `REASON_CHARS` characters, its end marked."""
-    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -199,12 +161,19 @@ def _own_cause(rank: int, result: RankResult) -> str:
     return content[0].rstrip()
 
 
-# How a rank fails when a peer failed first: its collectives break or time out, or the harness
-# stops it. A failure that is none of these is the rank's own.
-_CONSEQUENCE = re.compile(
+# How a rank's own exception reads when a peer failed first: gloo, NCCL or torch report its
+# collective broken or timed out. (A rank the harness stopped because of a peer says so as data:
+# `RankLoss.after_peer_failed`.) A failure that is neither is the rank's own.
+_BROKEN_COLLECTIVE = re.compile(
     r"Connection (reset|closed) by peer|[Tt]imed out|[Tt]imeout|DistBackendError|Broken pipe|"
-    r"stopped by the harness|after another rank failed|NCCL (error|communicator was aborted)"
+    r"NCCL (error|communicator was aborted)"
 )
+
+
+def _is_consequence(result: RankResult) -> bool:
+    if isinstance(result, RankLoss) and result.after_peer_failed:
+        return True
+    return bool(_BROKEN_COLLECTIVE.search(result.summary))
 
 
 def first_failed_rank(results: dict[int, RankResult]) -> int | None:
@@ -213,7 +182,7 @@ def first_failed_rank(results: dict[int, RankResult]) -> int | None:
     failed = {rank: result for rank, result in results.items() if result.status == "failed"}
     if len(failed) < 2:
         return None
-    own = [rank for rank, result in failed.items() if not _CONSEQUENCE.search(result.summary)]
+    own = [rank for rank, result in failed.items() if not _is_consequence(result)]
     return own[0] if len(own) == 1 else None
 
 

@@ -9,8 +9,9 @@ import pytest
 from adapter_testing import run_inner_session
 
 from harness.messages import RankLoss, RankOutcome
+from harness.report.results import FailureReason
 from harness.report.run_summary import failure_reason
-from harness.session.verdict import FailureReason, decide
+from harness.session.verdict import decide
 
 TESTS = """
 import pytest

@@ -60,12 +60,17 @@ def test_the_rank_that_failed_first_is_singled_out_and_harness_frames_are_droppe
     results = {
         0: replace(outcome(0, "failed", summary="RuntimeError: Connection reset by peer"), traceback="..."),
         1: replace(outcome(1, "failed", summary="AssertionError: loss 3.0"), traceback=own),
-        2: RankLoss(2, "stopped by the harness 0.4 s into the test: waited alone in collective #3"),
+        2: RankLoss(
+            2, "stopped by the harness 0.4 s into the test: waited alone in collective #3", after_peer_failed=True
+        ),
     }
     text = decide(results).message
     assert "rank 1 failed first (AssertionError: loss 3.0 at /src/test_train.py:12); ranks 0, 2 failed after it" in text
     assert text.index("rank 1: failed ===") < text.index("rank 0: failed (after rank 1) ===")
     assert "worker.py" not in text and "runpy" not in text and "assert loss < 1" in text
+    # Whether the harness stopped a rank because of a peer is data, never read from its cause's text.
+    worded_alike = {**results, 2: RankLoss(2, "stopped by the harness 0.4 s into the test: waited alone")}
+    assert verdict.first_failed_rank(worded_alike) is None
     alike = {rank: outcome(rank, "failed", summary="AssertionError: same") for rank in (0, 1)}
     assert verdict.first_failed_rank(alike) is None  # each failed on its own
 
