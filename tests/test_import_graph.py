@@ -150,9 +150,8 @@ PACKAGE_RULES = (
     LayerRule(
         "parent-side-never-imports-the-rank-side",
         importers=_side_packages(PARENT),
-        # A torchrun process is itself a rank (lockstep runs the rank's runner in pytest); the
-        # zygote forks into ranks, so it imports what it becomes.
-        exempt=("harness.session.lockstep", "harness.process.zygote"),
+        # A torchrun process is itself a rank (lockstep runs the rank's runner in pytest).
+        exempt=("harness.session.lockstep",),
         forbidden=("harness.rank",),
         # The rank-fixture registry: the parent registers placeholders by name; it patches nothing.
         allowed=("harness.rank.fixtures",),
@@ -199,7 +198,7 @@ PACKAGE_RULES = (
         "processes-know-no-session",
         importers=("harness.process",),
         forbidden=("harness.plugin", "harness.session", "harness.report", "harness.tools"),
-        why="the pool, launcher, zygote and reaper manage processes for whichever session owns them",
+        why="the pool, launcher and reaper manage processes for whichever session owns them",
     ),
     LayerRule(
         "verdict-and-lockstep-never-import-the-pool",

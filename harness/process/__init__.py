@@ -1,10 +1,10 @@
 """Parent side: the operating-system processes of a run, and nothing about tests.
 
-The pytest process owns, per world size, a `pool.WorkerPool` of rank processes, which
-`launcher.WorkerLauncher` forks from the session's `zygote` (started cold, or as a fork of pytest
-by `zygote_fork`) and watches until they die. `rank_env` is the environment a rank starts with
-(torchrun's variables, a loopback network), `gpu_locks` hands out GPUs between concurrent
-sessions (filelock), `rank_files` where each rank's side files live (both
-sides agree on it), `procfs` finds and ends what a rank left behind (both sides use it), and
-`reaper` ends what a killed pytest left. Side rules: tests/test_import_graph.py (`HARNESS_SIDES`).
+The pytest process owns, per world size, a `pool.WorkerPool` of rank processes. The
+`launcher.WorkerLauncher` starts the session's zygote by name (`harness.rank.zygote`: rank code),
+cold or as a fork of pytest (`zygote_fork`), has it fork the ranks, and watches them until they
+die. `rank_env` is the environment a rank starts with (torchrun's variables, a loopback network),
+`gpu_locks` hands out GPUs between concurrent sessions (filelock), `rank_files` is where each
+rank's side files live and `procfs` finds and ends what a rank left behind (both also used by
+the ranks), and `reaper` ends what a killed pytest left. Side rules: tests/test_import_graph.py.
 """

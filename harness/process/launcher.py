@@ -144,7 +144,7 @@ class _ForkedZygote:
 
 
 class _ZygoteClient:
-    """The parent's side of `harness.process.zygote`: fork requests out, fork and exit reports in."""
+    """The parent's side of `harness.rank.zygote`: fork requests out, fork and exit reports in."""
 
     def __init__(self, directory: str, env: dict[str, str], preload: tuple[str, ...]) -> None:
         parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -169,7 +169,7 @@ class _ZygoteClient:
                     [
                         sys.executable,
                         "-m",
-                        "harness.process.zygote",
+                        "harness.rank.zygote",
                         str(zygote_end.fileno()),
                         str(os.getpid()),
                         preload_spec,
@@ -255,13 +255,13 @@ def _process_exists(pid: int) -> bool:
 class WorkerLauncher:
     """Starts rank worker processes for the pools of one session.
 
-    Workers are forked by the session's zygote (`harness.process.zygote`), which imported torch once: a
+    Workers are forked by the session's zygote (`harness.rank.zygote`), which imported torch once: a
     pool restart after a fault costs forks and a rendezvous, not N interpreter starts and torch
     imports. Where the zygote cannot fork (it has threads, or it died), workers are spawned with
     `python -m harness.rank.worker` instead, for the rest of the session.
 
     `preload`: the modules the zygote imports before its first fork (see [Note: zygote preload]
-    in `harness.process.zygote`).
+    in `harness.rank.zygote`).
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Start the session's zygote by forking pytest itself, when that gives what a cold start gives.
 
-A cold zygote (`python -m harness.process.zygote`) is a new interpreter that imports torch again: about
+A cold zygote (`python -m harness.rank.zygote`) is a new interpreter that imports torch again: about
 two seconds of CPU and of wall time before a session's first distributed test, although pytest
 has usually imported torch by then (test modules import it at collection). Forking pytest skips
 that, but only where the child can be turned into what the cold zygote is; see
@@ -28,9 +28,9 @@ from typing import NoReturn
 
 # [Note: a zygote forked from pytest]
 # The child of the fork is a copy of a pytest process in the middle of a test; before it serves
-# forks it must be what `python -m harness.process.zygote` started with the session's environment is:
+# forks it must be what `python -m harness.rank.zygote` started with the session's environment is:
 #   - process: its own session (as `start_new_session`), death signal and subreaper armed by
-#     `harness.process.zygote` itself; no interval timer survives a fork (pytest-timeout's SIGALRM).
+#     `harness.rank.zygote` itself; no interval timer survives a fork (pytest-timeout's SIGALRM).
 #   - fds: 0 on /dev/null, 1 and 2 on zygote.log, the socket to the parent; every other fd
 #     (pytest's capture files and their saved copies, the faulthandler file, the parent's pipes
 #     to other ranks) is closed. `sys.stdin/stdout/stderr` are new streams on fds 0-2, as an
@@ -212,8 +212,8 @@ def _become_zygote(sock_fd: int, parent_pid: int, preload_spec: str, env: dict[s
     sys.path_importer_cache.clear()
     print(f"zygote: forked from pytest (pid {parent_pid}) instead of started cold", file=sys.stderr, flush=True)
     sys.argv = ["-m", str(sock_fd), str(parent_pid), preload_spec]
-    # What `python -m harness.process.zygote` does: a new __main__ module runs it (and argv[0] is its file).
-    runpy.run_module("harness.process.zygote", run_name="__main__", alter_sys=True)  # exits
+    # What `python -m harness.rank.zygote` does: a new __main__ module runs it (and argv[0] is its file).
+    runpy.run_module("harness.rank.zygote", run_name="__main__", alter_sys=True)  # exits
     os._exit(70)
 
 

@@ -1,5 +1,6 @@
 """Rank side: the code that runs inside a rank process, and only there.
 
+`zygote` imports torch once per session and forks every rank (the launcher starts it by name);
 `worker` joins the world once (`world`: the rank's device and process group) and serves tasks;
 `runner` runs one test body (shared with torchrun lockstep mode); `isolation` puts back what a
 test changed; `fixtures` is the rank-fixture registry (the parent reads only its names). The

@@ -1,6 +1,6 @@
 """Rank worker: joins the world once, then runs the test bodies the parent sends until told to stop.
 
-Forked by the session's zygote (`harness.process.zygote`), or spawned by `harness.process.launcher` as
+Forked by the session's zygote (`harness.rank.zygote`), or spawned by `harness.process.launcher` as
 `python -m harness.rank.worker FD_IN FD_OUT PARENT_PID`, in its own session either way (so the pool can
 kill it with everything it started). It has imported torch before it is told which rank it is
 (`serve` waits for its `WorkerConfig`). Once configured, its stdout/stderr go to per-rank files the

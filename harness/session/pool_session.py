@@ -53,7 +53,7 @@ class PoolSession(HarnessSession):
         self.pool_starts = 0
         self.interrupted = False
         self._reaper: Reaper | None = None
-        # Imported once, by the zygote. See [Note: zygote preload] in harness.process.zygote.
+        # Imported once, by the zygote. See [Note: zygote preload] in harness.rank.zygote.
         provider_modules = tuple(spec.partition(":")[0] for spec in self.label_providers)
         preload = (*config.getini("rank_preload_modules"), *provider_modules, *rank_fixture_modules)
         self.launcher = WorkerLauncher(

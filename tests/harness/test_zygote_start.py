@@ -128,5 +128,5 @@ def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, t
     client = launcher._ZygoteClient(str(tmp_path), {}, ())
     client._sock.close()
     assert client.cold_reason.startswith("forking pytest failed") and "Cannot allocate memory" in client.cold_reason
-    assert started and started[0][1:3] == ["-m", "harness.process.zygote"]
+    assert started and started[0][1:3] == ["-m", "harness.rank.zygote"]
     assert (tmp_path / "zygote.log").read_text().startswith("zygote: started cold, as a new interpreter: forking")

@@ -360,7 +360,7 @@ def main() -> None:
     for module in sys.argv[4:]:
         importlib.import_module(module)
     # Sessions share this heap copy-on-write; frozen, their collections never traverse (and so
-    # never write to and copy) it. `harness.process.zygote` does the same for rank workers.
+    # never write to and copy) it. `harness.rank.zygote` does the same for rank workers.
     import gc
 
     gc.collect()

@@ -3,7 +3,7 @@ every rank worker on request, so a new rank costs a fork (tens of milliseconds) 
 interpreter start and a torch import (seconds, and CPU that a 2-core runner does not have when a
 red suite restarts its pool after every fault).
 
-Started by `harness.process.launcher.WorkerLauncher` as `python -m harness.process.zygote SOCKET_FD PARENT_PID PRELOAD`
+Started by `harness.process.launcher.WorkerLauncher` as `python -m harness.rank.zygote SOCKET_FD PARENT_PID PRELOAD`
 (or forked from pytest and made to run this module so, see `harness.process.zygote_fork`), where PRELOAD
 is JSON: the parent's `sys.path` and the modules the zygote imports once before its first fork
 (see [Note: zygote preload]). It talks to the parent over a Unix SOCK_SEQPACKET
