@@ -12,10 +12,12 @@ from harness import RankContext, rank_fixture, register_label_provider
 
 
 def _skip_adapter_call_sites(module: str) -> None:
-    """Call sites in the trace name the scenario's line, not the adapter's (the same on every rank)."""
+    """Call sites in the trace name the scenario's line, not the adapter's nor the protocol's (the
+    template methods and default hooks between a scenario and its backend, e.g. the default
+    `backward`): the same on every rank, and the line a user can act on."""
     from harness import skip_call_sites_in
 
-    skip_call_sites_in(module)
+    skip_call_sites_in("conformance.protocol", module)
     if module.startswith("conformance.adapters."):
         skip_call_sites_in("conformance.adapters")
 

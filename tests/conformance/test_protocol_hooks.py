@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -36,6 +37,7 @@ from conformance.protocol import (
     SpecCondition,
     StateDictKind,
 )
+from conformance.protocol import hooks as protocol_hooks
 from conformance.suite import backend_fixture
 from harness import RankContext
 from tests.conformance.old_adapters import OldStyleAdapter
@@ -195,6 +197,20 @@ def test_rank_fixture_registers_the_label_for_the_test_then_closes_and_unregiste
 ) -> None:
     calls = _run_fixture(monkeypatch, body_raises)
     assert calls == ["register -> unit.weight", "body", "close", "unregister"]
+
+
+def test_call_sites_skip_the_protocols_own_frames(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A collective issued by a protocol default (say `BackendHooks.backward`) is attributed to the
+    scenario's line that called it, never to the protocol's file."""
+    from harness.rank import call_sites
+
+    _run_fixture(monkeypatch, body_raises=False)  # (its adapter lives in this file, which it skips too)
+    namespace: dict[str, Any] = {"call_site": call_sites.call_site}
+    # A protocol default that issues a collective, and a scenario that calls it, each in its file.
+    exec(compile("def issue():\n    return call_site(1)\n", protocol_hooks.__file__, "exec"), namespace)
+    scenario = str(tmp_path / "test_scenario.py")
+    exec(compile("def step():\n    return issue()\n", scenario, "exec"), namespace)
+    assert namespace["step"]().endswith("test_scenario.py:2")
 
 
 # -- capabilities --------------------------------------------------------------------------
