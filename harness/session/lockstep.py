@@ -126,8 +126,11 @@ class LockstepSession(HarnessSession):
 
     def _watch(self, item: pytest.Function) -> LockstepWatch | None:
         """This test's watch for one-sided waits, None where pool mode has none either (a test
-        that diverges on purpose may wait on purpose) or the session has no store to share it."""
+        that diverges on purpose may wait on purpose), the session has no store to share it, or
+        the world is on CUDA (a stop shuts connections down, and NCCL's own must not be)."""
         if self.channel is None or item.get_closest_marker("expect_divergence") is not None:
+            return None
+        if self.device_plan.kind == "cuda":
             return None
         return LockstepWatch(
             self.channel,
