@@ -6,11 +6,16 @@ pytest collects the same tests, runs each distributed body itself, then all rank
 their outcomes and traces over a separate gloo group, so every rank reaches the same verdict:
 a failure on one rank fails that test everywhere instead of leaving the others hanging.
 Each rank writes its own `rank-<r>.xml`.
+
+A rank waiting in a collective its peers will never issue learns so while it waits, through
+the store, and ends that wait in seconds (`harness.session.lockstep_watch`), as a pool's parent
+stops such a rank; the world is then unusable, as after a collective timeout.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import shutil
 import tempfile
@@ -26,6 +31,7 @@ from harness.process.rank_env import loopback_interface
 from harness.rank.runner import TestRunner
 from harness.rank.world import join_world, rank_device
 from harness.session.flow import Execution, HarnessSession, WorldUnusable
+from harness.session.lockstep_watch import LockstepWatch, ProtectedSockets, open_channel
 from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
@@ -46,12 +52,20 @@ class LockstepSession(HarnessSession):
         if self.device_plan.kind is None:
             raise pytest.UsageError(f"--device cuda under torchrun: this node {self.device_plan.skip_reason}")
         device = rank_device(self.device_plan.kind, torchrun.local_rank)
+        # The connections a stopped wait may break are the test's: note the session's own.
+        self.protected = ProtectedSockets(_store_port())
+        self.protected.before_join()
         join_world(device, self.options.collective_timeout, init_method="env://")
+        self.protected.after_join()
         # Outcomes travel on their own gloo group: the default one may be wedged by the test. A
         # rank stuck in a collective reaches the exchange up to one collective timeout after its
         # peers (plus the straggler grace), so the exchange waits longer than that.
         exchange_s = 2 * self.options.collective_timeout + self.options.straggler_grace
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_s))
+        # A first exchange opens the control group's connections now, while they can be noted.
+        self.channel, self.no_watch_reason = open_channel(self.control, self.rank, exchange_s)
+        self.protected.ready()
+        self.tests_run = 0
         self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
         self.trace_path = os.path.join(self.trace_dir, "trace")
         self.runner = TestRunner(
@@ -72,7 +86,10 @@ class LockstepSession(HarnessSession):
         shutil.rmtree(self.trace_dir, ignore_errors=True)
 
     def summary(self) -> str:
-        return f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
+        text = f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
+        if self.no_watch_reason:
+            text += f" (one-sided waits ended only at the collective timeout: {self.no_watch_reason})"
+        return text
 
     def collected(self, nodeids: list[str]) -> None:
         """Ranks that collected different tests would pair the wrong bodies: refuse to start."""
@@ -92,8 +109,43 @@ class LockstepSession(HarnessSession):
                 f"the torchrun world is unusable since {self.unusable_since}; relaunch to run the remaining tests"
             )
         started = time.monotonic()
-        outcome = self.runner.run(task)
+        self.tests_run += 1  # the same count on every rank: all run the same selection
+        watch = self._watch(item)
+        if watch is not None:
+            watch.start()
+        ran = self.runner.run(task)
+        outcome: RankResult = ran if watch is None else watch.finish(ran)
+        if watch is not None and watch.failure:  # the store failed it: later waits end at the timeout
+            self.channel, self.no_watch_reason = None, watch.failure
         records = read_trace_or_empty(self.trace_path)
+        try:
+            return self._exchange(item, outcome, records, started)
+        finally:
+            if watch is not None:
+                watch.forget()
+
+    def _watch(self, item: pytest.Function) -> LockstepWatch | None:
+        """This test's watch for one-sided waits, None where pool mode has none either (a test
+        that diverges on purpose may wait on purpose), the session has no store to share it, or
+        the world is on CUDA (a stop shuts connections down, and NCCL's own must not be)."""
+        if self.channel is None or item.get_closest_marker("expect_divergence") is not None:
+            return None
+        if self.device_plan.kind == "cuda":
+            return None
+        return LockstepWatch(
+            self.channel,
+            self.tests_run,
+            self.rank,
+            self.world_size,
+            self.trace_path,
+            self.trace_dir,
+            self.protected,
+            body_caller=inspect.getfile(TestRunner),
+        )
+
+    def _exchange(
+        self, item: pytest.Function, outcome: RankResult, records: list[CollectiveRecord], started: float
+    ) -> Execution:
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, (outcome, records), group=self.control)
@@ -115,3 +167,9 @@ class LockstepSession(HarnessSession):
         if replace and self.unusable_since is None:
             self.unusable_since = f"{item.nodeid} ({'; '.join(replace)})"
         return Execution(results, {}, traces)
+
+
+def _store_port() -> int | None:
+    """The port of the store behind MASTER_ADDR:MASTER_PORT (env:// rendezvous), None if unset."""
+    text = os.environ.get("MASTER_PORT", "")
+    return int(text) if text.strip().isdigit() else None

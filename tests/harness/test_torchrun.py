@@ -1,7 +1,8 @@
 """torchrun mode: two torchrun agents on this machine act as two nodes (c10d rendezvous on loopback).
 
 Every rank runs the same selection in lockstep; a failure on one rank fails that test on both
-"nodes" without a hang, and each rank writes its own rank-<r>.xml with every test pytest reported,
+"nodes" without a hang, a rank waiting alone in a collective is stopped in seconds (not at the
+collective timeout), and each rank writes its own rank-<r>.xml with every test pytest reported,
 including those failed because an earlier test left the world unusable. Conformance scenarios run
 (not skip) at a world size none of them lists (3). First, in process: the one reader of
 torchrun's environment (harness.config.torchrun).
@@ -89,7 +90,7 @@ def test_e_plain():
 @pytest.mark.world_size(2)
 def test_f_leaves_a_collective_unfinished(rank):
     if rank == 0:
-        dist.all_reduce(torch.ones(2))  # rank 1 never joins: rank 0 times out
+        dist.all_reduce(torch.ones(2))  # rank 1 never joins: rank 0 waits alone
 
 @pytest.mark.world_size(2)
 def test_g_after(rank):
@@ -99,6 +100,12 @@ def test_g_after(rank):
 def test_h_after(rank):
     dist.barrier()
 """
+
+COLLECTIVE_TIMEOUT_S = 30  # far longer than the lockstep watch takes to stop a one-sided wait
+WAITED_ALONE = (
+    "rank 0 stopped by the harness {} s into the test: waited alone in collective #1 on group [0, 1] "
+    "(all_reduce 2 float32 op=SUM at test_nodes.py:"
+)
 
 UNUSABLE = (
     "the torchrun world is unusable since test_nodes.py::test_f_leaves_a_collective_unfinished "
@@ -134,7 +141,7 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
             "--max-restarts=0",
             "-m",
             "pytest",
-            *inner.command("-q", "--collective-timeout=3", "--straggler-grace=2")[3:],
+            *inner.command("-q", f"--collective-timeout={COLLECTIVE_TIMEOUT_S}", "--straggler-grace=2")[3:],
         ]
         agents.append(
             subprocess.Popen(
@@ -173,8 +180,16 @@ def test_two_torchrun_nodes_run_in_lockstep(inner: InnerSession) -> None:
         )
         for name in ("test_g_after", "test_h_after"):
             assert cases[name].message.startswith(UNUSABLE), cases[name]
-    # One collective timeout (3 s) for the wedged test, the rest fail at once: ~20 s on a quiet
-    # machine, most of it two interpreters importing torch; the bound leaves room for a loaded one.
+    # Rank 0 waited alone: its own watch saw rank 1 finish without issuing the all-reduce and ended
+    # the wait (~1 s: half a second stuck, then a poll); its file tells how, with its stack.
+    one_sided = read_cases(inner.junit(0))["test_f_leaves_a_collective_unfinished"]
+    assert one_sided.time_s < 10, one_sided
+    seconds = one_sided.message.partition("stopped by the harness ")[2].partition(" ")[0]
+    assert one_sided.message.startswith(WAITED_ALONE.format(seconds)), one_sided.message
+    assert "--- rank 0 Python stacks ---" in one_sided.text, one_sided.text
+    assert "in test_f_leaves_a_collective_unfinished" in one_sided.text, one_sided.text
+    # No collective timeout: ~20 s on a quiet machine, most of it two interpreters importing
+    # torch; the bound leaves room for a loaded one, not for a 30 s timeout.
     assert elapsed < 120, elapsed
 
 
