@@ -175,7 +175,7 @@ def test_the_zygote_refuses_to_fork_with_threads_or_cuda(monkeypatch: pytest.Mon
     zygote refuses (the launcher then spawns workers and the summary says why)."""
     import torch
 
-    from harness.process import zygote
+    from harness.rank import zygote
 
     monkeypatch.setattr(zygote, "_threads", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
