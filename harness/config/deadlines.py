@@ -69,9 +69,8 @@ def deadline_of(item: pytest.Item, test_timeout_s: float) -> Deadline:
 
 @dataclass(frozen=True)
 class _SessionLimit:
-    """pytest-timeout's limit for the whole session, where it came from, and what carries it."""
+    """Where pytest-timeout's limit for the whole session came from, and what carries it."""
 
-    seconds: float
     source: str
     repro_args: list[str]
 
@@ -86,15 +85,15 @@ def _session_limit(config: pytest.Config) -> _SessionLimit | None:
     try:
         if option is not None:
             value = float(option)
-            return _SessionLimit(value, f"--timeout {value:g}", repro.option_args("--timeout", value))
+            return _SessionLimit(f"--timeout {value:g}", repro.option_args("--timeout", value))
         if variable is not None:
             value = float(variable)
             # A REPRO line carries no environment: it says the limit as the option with the same effect.
-            return _SessionLimit(value, f"PYTEST_TIMEOUT={value:g}", repro.option_args("--timeout", value))
+            return _SessionLimit(f"PYTEST_TIMEOUT={value:g}", repro.option_args("--timeout", value))
         if ini:
             value = float(ini)
             # The ini file (or the invocation's `-o`, which a REPRO line repeats) sets it again.
-            return _SessionLimit(value, f"ini timeout = {value:g}", [])
+            return _SessionLimit(f"ini timeout = {value:g}", [])
     except ValueError:
         return None  # not a number: pytest-timeout refuses it at configure time, naming where it came from
     return None
