@@ -4,7 +4,7 @@ Reports: a distributed test's result reaches `pytest_harness_test_result` once, 
 case, when pytest's reports of all its phases are final, whoever decided it: the ranks, the trace
 diff, the parent before or instead of any rank (a skip for missing GPUs, a world that could not
 start, an argument that cannot be pickled, lockstep's "world is unusable", a fixture error), an
-interrupt (pytest-timeout, Ctrl-C, SIGTERM: published as failed, then the interrupt goes on), and
+interrupt (Ctrl-C, SIGTERM, pytest-timeout under torchrun: published as failed, then the interrupt goes on), and
 what other plugins made of the outcome (xfail markers, the conformance expectations). A test that
 never started is not published (pytest does not report it either). A new report format is a
 plugin implementing this hook and `pytest_harness_write_reports`; the built-in ones are built that

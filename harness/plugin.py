@@ -2,7 +2,8 @@
 
 Selection, parametrization and reporting stay in the parent, so `-k`, `-x`, `--lf`,
 pytest-timeout and `--junitxml` keep working; only the body of a test marked
-`@pytest.mark.world_size(N)` is shipped to the N ranks of a warm pool.
+`@pytest.mark.world_size(N)` is shipped to the N ranks of a warm pool (pytest-timeout's limit for
+such a test becomes its ranks' deadline: `harness.config.deadlines`).
 
 Every distributed test pytest reports is published to the report hooks once its report is final
 (`pytest_runtest_protocol` below), whatever decided it. SIGTERM ends the session like Ctrl-C
@@ -22,6 +23,7 @@ import pytest
 
 from harness import hookspecs
 from harness.config import devices, preflight, repro, world_sizes
+from harness.config.deadlines import PYTEST_TIMEOUT_PLUGIN, PytestTimeoutBridge
 from harness.config.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
 from harness.config.signals import SignalGuard
 from harness.config.torchrun import torchrun_world
@@ -40,6 +42,7 @@ _PLAN = pytest.StashKey[DevicePlan]()  # per item: the device decision, made onc
 _JUNIT_PLUGIN = "harness-junit"
 _TRACES_PLUGIN = "harness-traces"
 _SUMMARY_PLUGIN = "harness-run-summary"
+_PYTEST_TIMEOUT_BRIDGE = "harness-pytest-timeout"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -78,7 +81,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=120.0,
         metavar="SECONDS",
-        help="parent deadline per distributed test; hung ranks are stack-dumped and killed (default: %(default)s s)",
+        help="parent deadline per distributed test, from the task's dispatch; hung ranks are stack-dumped and "
+        "killed; pytest-timeout's limit for a test (--timeout, ini timeout, PYTEST_TIMEOUT, "
+        "@pytest.mark.timeout) replaces it (default: %(default)s s)",
     )
     group.addoption(
         "--straggler-grace",
@@ -189,6 +194,10 @@ def pytest_configure(config: pytest.Config) -> None:
         session = LockstepSession(config, modules, reports_dir, torchrun)
     else:
         session = PoolSession(config, modules, reports_dir)
+        if config.pluginmanager.has_plugin(PYTEST_TIMEOUT_PLUGIN):
+            # Its limit for a distributed test becomes the ranks' deadline; its timer stays off
+            # while the pool runs the test (under torchrun the body runs here: left as it is).
+            config.pluginmanager.register(PytestTimeoutBridge(config), _PYTEST_TIMEOUT_BRIDGE)
     config.stash[_SESSION] = session
     atexit.register(session.kill_all)
     guard = SignalGuard()
@@ -378,5 +387,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             config.pluginmanager.unregister(traces)
         if config.pluginmanager.get_plugin(_SUMMARY_PLUGIN) is not None:
             config.pluginmanager.unregister(name=_SUMMARY_PLUGIN)
+        if config.pluginmanager.get_plugin(_PYTEST_TIMEOUT_BRIDGE) is not None:
+            config.pluginmanager.unregister(name=_PYTEST_TIMEOUT_BRIDGE)
         if guard is not None:
             guard.uninstall()

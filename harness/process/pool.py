@@ -104,12 +104,16 @@ class _Progress:
     deadline_s: float
     straggler_grace_s: float
     started: float
+    """When the task was dispatched to every rank: the pool is up by then, so its start (or a
+    restart) is never charged to the test's deadline."""
     results: dict[int, RankResult]
     pending: dict[int, _RankProcess]
     failed_at: float | None = None
     """When the first rank failed or was lost: the others get `straggler_grace_s` from then."""
     gave_up: str | None = None
     """Why `hopeless` judged the pending ranks unable to finish, if it did."""
+    deadline_source: str = ""
+    """Who set the deadline, when not the session's `--test-timeout` (said with a hang)."""
 
     @property
     def deadline(self) -> float:
@@ -143,7 +147,8 @@ class _Progress:
                 f"hung: still running {waited:.1f} s into the test, "
                 f"{self.straggler_grace_s:g} s after another rank failed"
             )
-        return f"hung: no result within the {self.deadline_s:g} s test deadline"
+        source = f" ({self.deadline_source})" if self.deadline_source else ""
+        return f"hung: no result within the {self.deadline_s:g} s test deadline{source}"
 
 
 class WorkerPool:
@@ -169,7 +174,7 @@ class WorkerPool:
         self._agent_store: AgentStore | None = None
         self._gpus: GpuReservation | None = None
         self.interrupted_results: dict[int, RankResult] | None = None
-        """Set when `run` was interrupted (Ctrl-C, pytest-timeout): what each rank had done by then."""
+        """Set when `run` was interrupted (Ctrl-C, SIGTERM): what each rank had done by then."""
 
     @property
     def agent_store_failure(self) -> str | None:
@@ -260,8 +265,12 @@ class WorkerPool:
         deadline_s: float,
         straggler_grace_s: float,
         hopeless: Callable[[set[int], set[int]], str | None] | None = None,
+        deadline_source: str = "",
     ) -> dict[int, RankResult]:
         """Run `task` on every rank; ranks that neither answer nor die in time are reported hung.
+
+        `deadline_s` counts from the task's dispatch; `deadline_source` says who set it when not
+        `--test-timeout` (e.g. "pytest-timeout --timeout 3"), in the hung ranks' cause.
 
         `hopeless(finished ranks, waiting ranks)`, asked every 0.25 s while ranks are pending, may
         end the wait early with the reason the waiting ranks can never finish (`harness.trace.one_sided`).
@@ -271,13 +280,13 @@ class WorkerPool:
         timeout would only delay the report.
 
         If the wait is interrupted (KeyboardInterrupt or SessionTerminated for Ctrl-C and SIGTERM,
-        pytest-timeout's exception), the exception propagates after `interrupted_results` is set:
+        or whatever another signal handler raises), the exception propagates after `interrupted_results` is set:
         the ranks that answered, and the others as lost, with their Python stacks (when a CI job
         is cancelled because it hung, those stacks are the evidence; a signal gets a shorter wait
         for them, so the session still stops in about a second).
         """
         self.interrupted_results = None
-        progress = self._dispatch(task, deadline_s, straggler_grace_s)
+        progress = self._dispatch(task, deadline_s, straggler_grace_s, deadline_source)
         try:
             self._wait(progress, hopeless)
         except BaseException as error:
@@ -291,7 +300,7 @@ class WorkerPool:
                 progress.results[proc.rank] = proc.lost(cause, stacks.get(proc.rank, ""), after_peer)
         return dict(sorted(progress.results.items()))
 
-    def _dispatch(self, task: TestTask, deadline_s: float, straggler_grace_s: float) -> _Progress:
+    def _dispatch(self, task: TestTask, deadline_s: float, straggler_grace_s: float, deadline_source: str) -> _Progress:
         """Send `task` to every rank; a rank whose pipe is already closed is lost at once."""
         results: dict[int, RankResult] = {}
         pending: dict[int, _RankProcess] = {}
@@ -306,7 +315,9 @@ class WorkerPool:
                 results[proc.rank] = proc.lost(describe_exit(proc.exit_code()))
         started = time.monotonic()
         failed_at = started if results else None  # a rank lost at dispatch starts the straggler grace
-        return _Progress(deadline_s, straggler_grace_s, started, results, pending, failed_at)
+        return _Progress(
+            deadline_s, straggler_grace_s, started, results, pending, failed_at, deadline_source=deadline_source
+        )
 
     @staticmethod
     def _wait(progress: _Progress, hopeless: Callable[[set[int], set[int]], str | None] | None) -> None:

@@ -8,7 +8,7 @@ Every verdict leaves through `HarnessSession.publish`, which hands it to the rep
 report of it is final (`finish_test`). So the reports hold what pytest says, whoever decided it:
 the ranks' results (`propose`d by `run_item`, with every rank's case), the parent before or
 instead of the ranks (an argument that cannot be pickled, a world that cannot start or is
-unusable, a fixture error, a skip marker), an interrupt (Ctrl-C, SIGTERM, pytest-timeout), and
+unusable, a fixture error, a skip marker), an interrupt (Ctrl-C, SIGTERM, pytest-timeout under torchrun), and
 what other plugins made of the outcome (xfail markers, the conformance expectations).
 """
 
@@ -159,7 +159,7 @@ class HarnessSession:
                 text = f"could not start a world of {world_size} ({plan.kind}): {text}"
             self.propose(item, Proposal(suite, Verdict("failed", text)))
             pytest.fail(text, pytrace=False)
-        except BaseException as error:  # interrupted in the parent: Ctrl-C, SIGTERM, pytest-timeout
+        except BaseException as error:  # interrupted in the parent: Ctrl-C, SIGTERM, pytest-timeout under torchrun
             self._propose_interrupted(item, suite, error, time.monotonic() - started)
             raise
         divergence = first_divergence(execution.traces, list(execution.results))

@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 
+from harness.config.deadlines import deadline_of
 from harness.config.devices import visible_gpu_count
 from harness.messages import RankResult, TestTask
 from harness.process.launcher import WorkerLauncher
@@ -144,9 +145,11 @@ class PoolSession(HarnessSession):
             # time out): only the collective timeout ends its waits.
             watch = OneSidedWatch({rank: pool.rank_files(rank).trace for rank in range(world_size)})
             hopeless = None if item.get_closest_marker("expect_divergence") else watch.check
-            results = pool.run(task, self.options.test_timeout, self.options.straggler_grace, hopeless)
+            # --test-timeout, or pytest-timeout's limit for this test (whose own timer is held off).
+            deadline = deadline_of(item, self.options.test_timeout)
+            results = pool.run(task, deadline.seconds, self.options.straggler_grace, hopeless, deadline.source)
         except BaseException as error:
-            # Interrupted (Ctrl-C, SIGTERM, pytest-timeout): no rank may outlive the test.
+            # Interrupted (Ctrl-C, SIGTERM): no rank may outlive the test.
             self._interrupted_results = pool.interrupted_results
             if isinstance(error, KeyboardInterrupt):
                 self.interrupted = True
