@@ -10,6 +10,7 @@ parent-side, is spelled with `Status`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -88,6 +89,14 @@ class RankOutcome:
     replace_reason: str = ""
     """Why this rank must not run another test (it could not put its state back, e.g. the test
     destroyed the default process group); empty when it may."""
+    failed_at: float | None = None
+    """When the test raised on this rank (`time.time()` as the exception was caught), on the
+    session's reference clock (see `clock_error_s`); None when it did not fail, or when its time
+    cannot be compared with its peers' (torchrun ranks whose clock offsets were not measured)."""
+    clock_error_s: float = 0.0
+    """How far `failed_at` may be from the reference clock: 0 where all ranks share one clock
+    (a pool: one host), the uncertainty of the measured offset under torchrun. The verdict trusts
+    only time differences larger than it (`harness.session.verdict.first_failure`)."""
 
 
 @dataclass
@@ -111,6 +120,12 @@ class RankLoss:
     """The parent stopped this rank because of another rank: it still ran a straggler grace after a
     peer failed, or the traces showed it waited for a peer that will never come. Its loss is a
     consequence, so the verdict can tell which rank failed first (`first_failed_rank`)."""
+    failed_at: float | None = field(default_factory=time.time)
+    """When whoever made this loss noticed it (`time.time()`, by default when it was made), on the
+    session's reference clock: the rank was lost by then at the latest (a rank stopped because of a
+    peer was lost exactly then). None when the time cannot be compared with the ranks' clocks."""
+    clock_error_s: float = 0.0
+    """How far `failed_at` may be from the reference clock (see `RankOutcome.clock_error_s`)."""
 
     status: ClassVar[Status] = "failed"
 

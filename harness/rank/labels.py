@@ -92,9 +92,10 @@ def current_label() -> str:
         label = provider()
         if label is not None:
             return label
-    # A running forward names its own collectives (FSDP's pre-forward gathers included); outside
-    # one (FSDP's backward), the unit FSDP is working on.
-    return module_label(_stack.modules) or torch_fsdp_labels.current_label() or ""
+    # An FSDP2 unit's all-gather or reduce-scatter is named by its parameters, in forward too
+    # (torch_fsdp_labels.gathering_unit). Else a running forward names its own collectives (FSDP1's
+    # pre-forward gathers included); outside one (FSDP1's backward), the unit FSDP is working on.
+    return torch_fsdp_labels.gathering_unit() or module_label(_stack.modules) or torch_fsdp_labels.current_label() or ""
 
 
 def begin_test() -> None:

@@ -121,6 +121,7 @@ class TestRunner:
                 summary=summary,
                 traceback=format_failure(error),
                 replace_reason=summary,
+                failed_at=time.time(),
             )
 
     def _run(self, task: TestTask, started: float) -> RankOutcome:
@@ -134,7 +135,7 @@ class TestRunner:
             # In its own frame: by the time isolation runs, nothing of the test (its arguments,
             # fixture values, the body's function) is referenced from here, so what it built is
             # garbage that isolation can collect, not state that lives into the next test.
-            status, summary, failure = self._execute(task)
+            status, summary, failure, failed_at = self._execute(task)
         finally:
             tracing.end_test()
             injected = faults.active_faults()
@@ -149,10 +150,13 @@ class TestRunner:
             sync_state=sync_state,
             injected_faults=injected,
             replace_reason=replace_reason,
+            failed_at=failed_at,
         )
 
-    def _execute(self, task: TestTask) -> tuple[Status, str, str]:
-        """Resolve the rank fixtures, run the body, tear the fixtures down: (status, summary, traceback)."""
+    def _execute(self, task: TestTask) -> tuple[Status, str, str, float | None]:
+        """Resolve the rank fixtures, run the body, tear the fixtures down: (status, summary,
+        traceback, when it failed: the wall-clock time the body or a fixture raised, None unless failed)."""
+        raised_at: float | None = None
         try:
             with ExitStack() as teardown:
                 for module in self.rank_fixture_modules:
@@ -171,17 +175,20 @@ class TestRunner:
                     kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
                     test(**kwargs)
                 except BaseException as error:
+                    raised_at = time.time()  # the moment it failed, before any teardown takes time
                     # Noted before the fixtures' teardown runs: a teardown that aborts the process
                     # (gloo's SIGABRT on a mismatched collective) must not take the cause with it.
                     self._note_raised(error)
                     raise
         except pytest.skip.Exception as skip:
-            return "skipped", str(skip.msg), ""
+            return "skipped", str(skip.msg), "", None
         except pytest.xfail.Exception as xfail:
-            return "xfailed", str(xfail.msg), ""
+            return "xfailed", str(xfail.msg), "", None
         except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the test, not the rank
-            return "failed", describe_exception(error), format_failure(error)
-        return "passed", "", ""
+            # A fixture's teardown that raised after the body passed failed the test now.
+            failed_at = raised_at if raised_at is not None else time.time()
+            return "failed", describe_exception(error), format_failure(error), failed_at
+        return "passed", "", "", None
 
     def _note_raised(self, error: BaseException) -> None:
         if self.raised_path is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):

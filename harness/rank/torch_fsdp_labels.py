@@ -12,6 +12,11 @@ FSDP ourselves would cost every rank about a second): FSDP2's `FSDPParamGroup.un
 `post_backward` and FSDP1's `FlatParamHandle.unshard` and `_runtime_utils._reduce_grad*`. The
 wrapper publishes the unit's name in a context variable for the duration of the call. Internals
 that moved in another torch are skipped: the collectives keep their module labels.
+
+FSDP2 units are named by their parameters inside a module forward too (`gathering_unit`): a unit's
+forward all-gather is issued from a pre-forward hook, where the running module is the unit's
+own path ("0" in a Sequential), or another unit's when FSDP2 prefetches, so a module label would
+say less, or the wrong unit. FSDP1's forward gathers keep their module labels.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from typing import Any
 
 from harness.rank import tensor_names
 
-__all__ = ["current_label", "maybe_install", "reset"]
+__all__ = ["current_label", "gathering_unit", "maybe_install", "reset"]
 
 _FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _FSDP1_HANDLE = "torch.distributed.fsdp._flat_param"
 _FSDP1_RUNTIME = "torch.distributed.fsdp._runtime_utils"
 
 _label: contextvars.ContextVar[str | None] = contextvars.ContextVar("torch_fsdp_label", default=None)
+# Set with `_label` by the FSDP2 wrappers only: their unit's parameters name its collectives even
+# inside a module forward (see `gathering_unit`).
+_fsdp2_label: contextvars.ContextVar[str | None] = contextvars.ContextVar("torch_fsdp2_label", default=None)
 _done: set[str] = set()
 _module_paths: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
@@ -39,6 +47,16 @@ _module_paths: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 def current_label() -> str | None:
     """The unit whose collective is being issued, or None outside a wrapped FSDP call."""
     return _label.get()
+
+
+def gathering_unit() -> str | None:
+    """The FSDP2 unit whose all-gather or reduce-scatter is being issued, None outside one.
+
+    It names the collective even inside a module forward: a unit's forward all-gather runs in a
+    pre-forward hook, under the running module's path ("0" for a Sequential's first child, or
+    the previous unit's path when FSDP2 prefetches the next unit from its forward), so only the
+    parameters say which unit it gathers, as they do in backward."""
+    return _fsdp2_label.get()
 
 
 def reset() -> None:
@@ -56,8 +74,8 @@ def maybe_install() -> None:
     if _FSDP2 not in _done and _FSDP2 in modules:
         group_class = getattr(modules[_FSDP2], "FSDPParamGroup", None)
         if group_class is not None:
-            _wrap(group_class, "unshard", _fsdp2_unit)
-            _wrap(group_class, "post_backward", _fsdp2_unit)
+            _wrap(group_class, "unshard", _fsdp2_unit, _fsdp2_label)
+            _wrap(group_class, "post_backward", _fsdp2_unit, _fsdp2_label)
         _done.add(_FSDP2)
     if _FSDP1_HANDLE not in _done and _FSDP1_HANDLE in modules:
         handle_class = getattr(modules[_FSDP1_HANDLE], "FlatParamHandle", None)
@@ -71,7 +89,10 @@ def maybe_install() -> None:
         _done.add(_FSDP1_RUNTIME)
 
 
-def _wrap(owner: Any, name: str, unit_of: Callable[..., str | None]) -> None:
+def _wrap(
+    owner: Any, name: str, unit_of: Callable[..., str | None], also: contextvars.ContextVar[str | None] | None = None
+) -> None:
+    """Publish `unit_of(*args)` in `_label` (and `also`, when given) for the duration of `owner.name`."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "__harness_labelled__", False):
         return
@@ -83,9 +104,12 @@ def _wrap(owner: Any, name: str, unit_of: Callable[..., str | None]) -> None:
         except Exception:  # noqa: BLE001 - a label is never worth failing the call it names
             unit = None
         token = _label.set(unit)
+        also_token = None if also is None else also.set(unit)
         try:
             return original(*args, **kwargs)
         finally:
+            if also_token is not None:
+                also.reset(also_token)  # type: ignore[union-attr]
             _label.reset(token)
 
     labelled.__harness_labelled__ = True  # type: ignore[attr-defined]

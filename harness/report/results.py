@@ -44,10 +44,19 @@ class FailureReason:
     outcomes: str = ""
     """Every rank's status ("distributed test failed: rank 0 skipped, rank 1 passed"): the reason
     left when no rank failed and the traces agree (ranks that disagreed on a skip)."""
+    first_by: str = ""
+    """How the `first_rank` was told: "time" (it failed `first_ahead_s` before `next_rank`, on
+    clocks that allow the comparison), "message" (every other failed rank's failure is a
+    consequence: a broken or timed-out collective, a stop by the harness); empty without one."""
+    first_ahead_s: float = 0.0
+    next_rank: int | None = None
 
     def line(self) -> str:
         """The reason as one line of at most `REASON_CHARS` characters."""
-        if self.first_rank is not None:
+        if self.first_rank is not None and self.first_by == "time":
+            ahead = f"{self.first_ahead_s:.3g} s before rank {self.next_rank}"
+            text = f"rank {self.first_rank} failed first (by time: {ahead}): {self.cause}"
+        elif self.first_rank is not None:
             text = f"rank {self.first_rank} failed first: {self.cause}"
         elif self.ranks_by_cause:
             text = "; ".join(f"{ranks_text(list(ranks))}: {cause}" for cause, ranks in self.ranks_by_cause)

@@ -31,6 +31,7 @@ from harness.process.rank_env import loopback_interface
 from harness.rank.runner import TestRunner
 from harness.rank.world import join_world, rank_device
 from harness.session.flow import Execution, HarnessSession, WorldUnusable
+from harness.session.lockstep_clock import measure_offset
 from harness.session.lockstep_watch import LockstepWatch, ProtectedSockets, open_channel
 from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_or_empty
 
@@ -64,6 +65,8 @@ class LockstepSession(HarnessSession):
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_s))
         # A first exchange opens the control group's connections now, while they can be noted.
         self.channel, self.no_watch_reason = open_channel(self.control, self.rank, exchange_s)
+        # Failure times compare across hosts only on one clock: rank 0's, offset measured now.
+        self.clock = measure_offset(self.control, self.rank, self.world_size)
         self.protected.ready()
         self.tests_run = 0
         self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
@@ -89,6 +92,8 @@ class LockstepSession(HarnessSession):
         text = f"{self.dispatched} distributed tests in lockstep as rank {self.rank} of {self.world_size}"
         if self.no_watch_reason:
             text += f" (one-sided waits ended only at the collective timeout: {self.no_watch_reason})"
+        if self.clock.offset_s is None:
+            text += f" (the first failed rank told by message only: {self.clock.why_unknown})"
         return text
 
     def collected(self, nodeids: list[str]) -> None:
@@ -147,6 +152,7 @@ class LockstepSession(HarnessSession):
         self, item: pytest.Function, outcome: RankResult, records: list[CollectiveRecord], started: float
     ) -> Execution:
         gathered: list[tuple[RankResult, list[CollectiveRecord]] | None] = [None] * self.world_size
+        outcome = self.clock.on_reference_clock(outcome)
         try:
             dist.all_gather_object(gathered, (outcome, records), group=self.control)
         except RuntimeError as error:
@@ -154,7 +160,10 @@ class LockstepSession(HarnessSession):
             lost = f"did not reach the end of the test within --collective-timeout ({error})"
             # What this process knows of a peer's duration: the test ran here until the exchange gave up.
             elapsed = time.monotonic() - started
-            results: dict[int, RankResult] = {r: RankLoss(r, lost, duration_s=elapsed) for r in range(self.world_size)}
+            # Noticed here, now: on this rank's clock, shifted onto rank 0's as this rank's own time is.
+            results: dict[int, RankResult] = {
+                r: self.clock.on_reference_clock(RankLoss(r, lost, duration_s=elapsed)) for r in range(self.world_size)
+            }
             results[self.rank] = outcome
             return Execution(results, {}, {self.rank: records})
         results = {rank: entry[0] for rank, entry in enumerate(gathered) if entry is not None}

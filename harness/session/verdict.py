@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
 from harness.report.results import FailureReason
@@ -61,10 +63,18 @@ def failure_reason(results: dict[int, RankResult], divergence: str = "") -> Fail
     told apart (`first_failed_rank`), else every failed rank's cause, and the divergence heading;
     what `failure_text` says at length."""
     outcomes = _outcomes_line(results)
-    first = first_failed_rank(results)
+    first = first_failure(results)
     if first is not None:
-        cause = _first_cause(results[first]).removeprefix(f"rank {first} ")
-        return FailureReason(first, cause, divergence=divergence, outcomes=outcomes)
+        cause = _first_cause(results[first.rank]).removeprefix(f"rank {first.rank} ")
+        return FailureReason(
+            first.rank,
+            cause,
+            divergence=divergence,
+            outcomes=outcomes,
+            first_by=first.by,
+            first_ahead_s=first.ahead_s,
+            next_rank=first.next_rank,
+        )
     by_cause: dict[str, list[int]] = {}
     for rank in results:  # the order of the account's sections (`failure_text`)
         if results[rank].status == "failed":
@@ -107,12 +117,13 @@ def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | Non
     last lines of its `stderr` (by rank), often the only trace of why it died."""
     stderr = stderr or {}
     lines = [_outcomes_line(results)]
-    first = first_failed_rank(results)
-    if first is not None:
-        followers = [rank for rank, result in results.items() if result.status == "failed" and rank != first]
+    found = first_failure(results)
+    first = None if found is None else found.rank
+    if found is not None:
+        followers = [rank for rank, result in results.items() if result.status == "failed" and rank != found.rank]
         lines.append(
-            f"rank {first} failed first ({_first_cause(results[first])}); "
-            f"{ranks_text(followers)} failed after it, in collectives it left unmatched"
+            f"rank {found.rank} failed first ({_first_cause(results[found.rank])}); "
+            f"{ranks_text(followers)} failed after it{_how_told(found, results)}"
         )
     order = sorted(results, key=lambda rank: rank != first)
     for rank in order:
@@ -129,6 +140,17 @@ def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | Non
         else:
             lines.append(f"{result.status} on this rank only: {result.summary}")
     return "\n".join(lines)
+
+
+def _how_told(first: FirstFailure, results: dict[int, RankResult]) -> str:
+    """How the verdict told the first failed rank, as the end of its line."""
+    if first.by == "message":
+        return ", in collectives it left unmatched (by message: their failures are consequences)"
+    consequences = all(
+        _is_consequence(result) for rank, result in results.items() if result.status == "failed" and rank != first.rank
+    )
+    unmatched = ", in collectives it left unmatched" if consequences else ""
+    return f"{unmatched} (by time: {first.ahead_s:.3g} s before rank {first.next_rank})"
 
 
 def _outcomes_line(results: dict[int, RankResult]) -> str:
@@ -176,14 +198,72 @@ def _is_consequence(result: RankResult) -> bool:
     return bool(_BROKEN_COLLECTIVE.search(result.summary))
 
 
-def first_failed_rank(results: dict[int, RankResult]) -> int | None:
-    """The one rank whose failure is its own while every other failed rank's is a consequence
-    (a broken or timed-out collective, a stop by the harness); None when there is no such one."""
+@dataclass(frozen=True)
+class FirstFailure:
+    """The rank that failed first, and how that was told."""
+
+    rank: int
+    by: Literal["time", "message"]
+    """"time": it failed before every other failed rank, by more than the clocks' uncertainty;
+    "message": the times could not tell, but every other failed rank's failure is a consequence."""
+    ahead_s: float = 0.0
+    """By time: how long before the next failed rank (`next_rank`) it failed; 0.0 by message."""
+    next_rank: int | None = None
+
+
+def first_failure(results: dict[int, RankResult]) -> FirstFailure | None:
+    """The rank that failed first, when one can be told apart; None when fewer than two failed.
+
+    By time where the ranks' failure times can be compared (`RankOutcome.failed_at`, on the
+    session's reference clock: a pool's ranks share one; torchrun ranks only with a measured
+    offset): the earliest failure whose rank failed on its own (not a broken or timed-out
+    collective, not a stop by the harness), ahead of every other failed rank by more than the
+    clocks' uncertainty. A lost rank is known to have failed by when it was noticed, not since
+    when, so it cannot be shown to have failed after another. The consequence rule is the
+    check: a consequence never fails first, and one that came before the earliest own failure
+    means the times do not tell the story.
+
+    By message otherwise: the one rank whose failure is its own while every other failed rank's
+    is a consequence.
+    """
     failed = {rank: result for rank, result in results.items() if result.status == "failed"}
     if len(failed) < 2:
         return None
     own = [rank for rank, result in failed.items() if not _is_consequence(result)]
-    return own[0] if len(own) == 1 else None
+    timed = _first_by_time(failed, own)
+    if timed is not None:
+        return timed
+    return FirstFailure(own[0], "message") if len(own) == 1 else None
+
+
+def _failure_window(result: RankResult) -> tuple[float, float] | None:
+    """When a failed rank failed, at the earliest and the latest, on the reference clock; None when unknown."""
+    if result.failed_at is None:
+        return None
+    error = result.clock_error_s
+    if isinstance(result, RankLoss) and not result.after_peer_failed:
+        return (-math.inf, result.failed_at + error)  # died or hung some time before it was noticed
+    return (result.failed_at - error, result.failed_at + error)
+
+
+def _first_by_time(failed: dict[int, RankResult], own: list[int]) -> FirstFailure | None:
+    windows = {rank: _failure_window(result) for rank, result in failed.items()}
+    if not own or any(window is None for window in windows.values()):
+        return None
+    known = {rank: window for rank, window in windows.items() if window is not None}
+    first = min(own, key=lambda rank: known[rank][1])
+    others = [rank for rank in failed if rank != first]
+    if not all(known[first][1] < known[rank][0] for rank in others):
+        return None  # too close to tell, or a failure that cannot be shown to have come after it
+    next_rank = min(others, key=lambda rank: failed[rank].failed_at or 0.0)
+    ahead_s = (failed[next_rank].failed_at or 0.0) - (failed[first].failed_at or 0.0)
+    return FirstFailure(first, "time", ahead_s, next_rank)
+
+
+def first_failed_rank(results: dict[int, RankResult]) -> int | None:
+    """The rank that failed first (`first_failure`), None when no one rank can be told apart."""
+    first = first_failure(results)
+    return None if first is None else first.rank
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')

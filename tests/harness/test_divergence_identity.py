@@ -158,7 +158,8 @@ EXPECTED = {
     "swapped_named_tensors": r"collective #1 .*: rank 0 all_reduce .* of metrics/loss_sum vs "
     r"rank 1 all_reduce .* of metrics/correct",
     "fsdp2_units_called_one_by_one": rf"collective #1 on group \[0, 1\] at {SITE}: "
-    r"rank 0 all_gather_into_tensor \[a\] 36 float32 vs rank 1 all_gather_into_tensor \[b\] 36 float32",
+    r"rank 0 all_gather_into_tensor \[a.weight, a.bias\] 36 float32 "
+    r"vs rank 1 all_gather_into_tensor \[b.weight, b.bias\] 36 float32",
     "different_reductions": r"collective #1 .*: rank 0 all_reduce 4 float32 op=SUM "
     r"vs rank 1 all_reduce 4 float32 op=MAX",
 }

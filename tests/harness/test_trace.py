@@ -282,18 +282,71 @@ def _fsdp2_step(rank: int, world_size: int, out_dir: str) -> None:
     model(torch.randn(2, 4)).sum().backward()
 
 
-def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_module_labels(tmp_path):
+def test_fsdp2_all_gathers_and_reduce_scatters_are_traced_with_their_units_parameters(tmp_path):
     cannot_run = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
     if cannot_run is not None:  # the declared platform, proven in tests/conformance/test_platforms.py
         pytest.skip(reason=f"fully_shard on this torch: {cannot_run}")
     traces = spawn_ranks(_fsdp2_step, tmp_path)
     ops = [(r.op, r.label) for r in traces[0]]
-    assert ops[:2] == [("all_gather_into_tensor", "layer1"), ("all_gather_into_tensor", "layer2")]
-    # Backward reduce-scatters run outside any forward: named by unit (harness.rank.torch_fsdp_labels).
+    # Forward all-gathers too, not by the module running (harness.rank.torch_fsdp_labels.gathering_unit).
+    assert ops[:2] == [
+        ("all_gather_into_tensor", "layer1.weight, layer1.bias"),
+        ("all_gather_into_tensor", "layer2.0.weight, layer2.0.bias, layer2.2.weight, layer2.2.bias"),
+    ]
+    # Backward reduce-scatters run outside any forward: named by unit as well.
     assert [label for op, label in ops if op == "reduce_scatter_tensor"] == [
         "layer2.0.weight, layer2.0.bias, layer2.2.weight, layer2.2.bias",
         "layer1.weight, layer1.bias",
     ]
+    assert first_divergence(traces, [0, 1]) is None
+
+
+class UnitStack(torch.nn.Sequential):
+    """A root whose children are FSDP2 units called by index ("0", "1"), plus parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(TinyNet(), TinyNet())
+        self.head = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self[1](self[0](x).repeat(1, 2)))
+
+
+def _fsdp2_training_steps(rank: int, world_size: int, out_dir: str, reshard: bool, prefetch: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = UnitStack()
+    for net in (model[0], model[1]):
+        fully_shard(net.layer1, reshard_after_forward=reshard)
+        fully_shard(net.layer2, reshard_after_forward=reshard)
+        fully_shard(net, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    if prefetch:  # all-gathers issued from another unit's forward and backward hooks
+        model[0].set_modules_to_forward_prefetch([model[1]])
+        model[1].set_modules_to_backward_prefetch([model[0]])
+        model[0].layer1.set_modules_to_forward_prefetch([model[0].layer2])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "explicit-prefetch"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-unsharded"])
+def test_every_fsdp2_unit_all_gather_is_labelled_with_its_parameter_names(tmp_path, reshard, prefetch):
+    """Forward, backward, prefetched, root and nested units: an all-gather names the parameters it
+    gathers, never the module that happened to run when it was issued (a Sequential's "0")."""
+    cannot_run = gate.unsupported(TorchFSDP2Adapter, "cpu", torch.__version__)
+    if cannot_run is not None:
+        pytest.skip(reason=f"fully_shard on this torch: {cannot_run}")
+    traces = spawn_ranks(_fsdp2_training_steps, tmp_path, reshard, prefetch, timeout_s=30.0)
+    parameters = {name for name, _ in UnitStack().named_parameters()}
+    gathers = [record for record in traces[0] if record.op.startswith("all_gather")]
+    assert len(gathers) >= 10, [(record.op, record.label) for record in traces[0]]
+    unnamed = [(record.index, record.label) for record in gathers if not set(record.label.split(", ")) <= parameters]
+    assert unnamed == [], f"all-gathers not labelled with parameter names: {unnamed}"
     assert first_divergence(traces, [0, 1]) is None
 
 

@@ -1,12 +1,16 @@
-"""harness.session.verdict on fabricated results: the outcome of N ranks and the warm pool's reuse rule."""
+"""harness.session.verdict on fabricated results: the outcome of N ranks and the warm pool's reuse rule;
+and one real pool session, where the first failed rank is told by time."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from test_divergence import rec
 
+from conftest import InnerSession
 from harness.messages import RankLoss, RankOutcome
 from harness.report.results import rank_cases
 from harness.session import verdict
@@ -75,6 +79,80 @@ def test_the_rank_that_failed_first_is_singled_out_and_harness_frames_are_droppe
     assert verdict.first_failed_rank(alike) is None  # each failed on its own
 
 
+def failed_at(rank: int, summary: str, at: float, clock_error_s: float = 0.0) -> RankOutcome:
+    return replace(outcome(rank, "failed", summary=summary), failed_at=at, clock_error_s=clock_error_s)
+
+
+def test_with_comparable_clocks_the_earliest_own_failure_is_first_by_time() -> None:
+    """A pool's ranks share a clock: two ranks failing on their own, the earlier is first (the
+    message rule alone finds none), and the verdict and its reason say it was told by time."""
+    results = {0: failed_at(0, "ValueError: later", 100.9), 1: failed_at(1, "AssertionError: mine", 100.1)}
+    assert verdict.first_failure(results) == verdict.FirstFailure(1, "time", pytest.approx(0.8), 0)
+    decided = decide(results)
+    assert "rank 1 failed first (AssertionError: mine); rank 0 failed after it (by time: 0.8 s before rank 0)" in (
+        decided.message
+    )
+    assert decided.message.index("rank 1: failed ===") < decided.message.index("rank 0: failed (after rank 1) ===")
+    assert decided.reason is not None
+    assert (decided.reason.first_rank, decided.reason.first_by, decided.reason.next_rank) == (1, "time", 0)
+    assert decided.reason.line() == "rank 1 failed first (by time: 0.8 s before rank 0): AssertionError: mine"
+    # Consequences after it: still by time, and they failed in the collectives it left unmatched.
+    broken = {**results, 0: failed_at(0, "RuntimeError: Connection closed by peer", 100.3)}
+    assert "rank 0 failed after it, in collectives it left unmatched (by time: 0.2 s before rank 0)" in (
+        decide(broken).message
+    )
+
+
+def test_times_closer_than_the_clocks_uncertainty_tell_nothing() -> None:
+    """Torchrun ranks' times carry their clock offset's uncertainty: a gap within it is no order."""
+    close = {
+        0: failed_at(0, "ValueError: later", 100.9, clock_error_s=0.5),
+        1: failed_at(1, "AssertionError: mine", 100.1, clock_error_s=0.5),
+    }
+    assert verdict.first_failure(close) is None
+    assert decide(close).reason.first_rank is None  # type: ignore[union-attr]
+    apart = {rank: replace(result, clock_error_s=0.3) for rank, result in close.items()}
+    assert verdict.first_failed_rank(apart) == 1
+    # Equal times, or a rank without a time (offset not measured): no order by time.
+    assert verdict.first_failure({**close, 0: failed_at(0, "ValueError: later", 100.1)}) is None
+    assert verdict.first_failure({**close, 0: replace(close[0], failed_at=None)}) is None
+
+
+def test_without_comparable_times_the_first_rank_is_told_by_message() -> None:
+    """The consequence rule, as before: one own failure, the others broken collectives."""
+    results = {
+        0: outcome(0, "failed", summary="RuntimeError: Connection reset by peer"),
+        1: outcome(1, "failed", summary="AssertionError: mine"),
+    }
+    assert verdict.first_failure(results) == verdict.FirstFailure(1, "message")
+    decided = decide(results)
+    assert (
+        "rank 1 failed first (AssertionError: mine); rank 0 failed after it, in collectives it left unmatched "
+        "(by message: their failures are consequences)"
+    ) in decided.message
+    assert decided.reason is not None and decided.reason.first_by == "message"
+    assert decided.reason.line() == "rank 1 failed first: AssertionError: mine"
+    # Times that contradict the consequence rule (a consequence before the own failure) are not
+    # trusted: told by message.
+    contradicted = {
+        0: failed_at(0, "RuntimeError: Connection reset by peer", 100.0),
+        1: failed_at(1, "AssertionError: mine", 100.5),
+    }
+    assert verdict.first_failure(contradicted) == verdict.FirstFailure(1, "message")
+
+
+def test_a_lost_rank_is_known_to_have_failed_by_when_it_was_noticed_only() -> None:
+    """A rank that died was lost some time before the parent noticed: it may be first by time,
+    never shown to come after another; a rank the harness stopped was lost when it was stopped."""
+    died = RankLoss(1, "exited with code 3", failed_at=100.2)
+    raised = failed_at(0, "ValueError: mine too", 100.5)
+    assert verdict.first_failure({0: raised, 1: died}) == verdict.FirstFailure(1, "time", pytest.approx(0.3), 0)
+    earlier = failed_at(0, "ValueError: mine too", 100.0)
+    assert verdict.first_failure({0: earlier, 1: died}) is None  # rank 1 may have died before 100.0
+    stopped = RankLoss(1, "stopped by the harness", failed_at=100.8, after_peer_failed=True)
+    assert verdict.first_failure({0: earlier, 1: stopped}) == verdict.FirstFailure(0, "time", pytest.approx(0.8), 1)
+
+
 def test_last_unfinished_names_where_each_rank_stopped_and_ignores_skipped_calls() -> None:
     traces = {
         0: [record(0, 0, completed=False), record(0, 1, completed=False), record(0, 2)],
@@ -124,3 +202,33 @@ def test_a_lost_rank_s_account_in_the_verdict_ends_with_its_last_stderr_lines() 
         "rank 1 exited with code 3\n--- rank 1 stderr (last lines) ---\n"
         + "\n".join(f"line {n}" for n in range(15, 40))
     )
+
+
+BOTH_FAIL = """
+import time
+import pytest, torch.distributed as dist
+
+@pytest.mark.world_size(2)
+def test_both_fail_on_their_own(rank):
+    dist.barrier()
+    if rank == 1:
+        raise AssertionError("rank 1 is wrong")
+    time.sleep(0.5)
+    raise ValueError("rank 0 is wrong too")
+"""
+
+
+def test_in_a_pool_the_rank_that_raised_first_is_first_by_time(inner: InnerSession) -> None:
+    """Two ranks failing on their own, neither error a consequence: the message rule finds no first
+    rank; the pool's ranks share a clock, so the one that raised first is singled out, by time."""
+    inner.write("test_both.py", BOTH_FAIL)
+    result = inner.run("-q")
+    assert "1 failed" in result.stdout, result.stdout
+    first = (
+        r"rank 1 failed first \(AssertionError: rank 1 is wrong at test_both.py:9\); "
+        r"rank 0 failed after it \(by time: ([0-9.]+) s before rank 0\)"
+    )
+    found = re.search(first, result.stdout)
+    assert found is not None, result.stdout
+    assert 0.4 < float(found.group(1)) < 5.0  # rank 0 slept 0.5 s after rank 1 raised
+    assert "FAILED test_both.py::test_both_fail_on_their_own - rank 1 failed first (by" in result.stdout
