@@ -63,7 +63,7 @@ def measure_offset(group: dist.ProcessGroup, rank: int, world_size: int, rounds:
                     ping = torch.zeros(1, dtype=torch.float64)
                     dist.recv(ping, src=peer, group=group)
                     dist.send(torch.tensor([time.time()], dtype=torch.float64), dst=peer, group=group)
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:  # ValueError: a group torch does not know
             return ClockOffset(None, why_unknown=f"rank 0 could not answer the clock exchange ({error})")
         return ClockOffset(0.0)
     best: tuple[float, float] | None = None  # (round trip, offset)
@@ -77,7 +77,7 @@ def measure_offset(group: dist.ProcessGroup, rank: int, world_size: int, rounds:
             trip = received_at - sent_at
             if best is None or trip < best[0]:
                 best = (trip, reading.item() - (sent_at + received_at) / 2)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:  # ValueError: a group torch does not know
         return ClockOffset(None, why_unknown=f"the clock exchange with rank 0 failed ({error})")
     assert best is not None, "at least one round of the clock exchange"
     trip, offset = best

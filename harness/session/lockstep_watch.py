@@ -142,7 +142,10 @@ def open_channel(control: dist.ProcessGroup, rank: int, timeout_s: float) -> tup
     rank 0 draws and sends over `control`; (None, why) when there is no such store."""
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     session_key = [os.urandom(8).hex() if rank == 0 else ""]
-    dist.broadcast_object_list(session_key, src=0, group=control)
+    try:
+        dist.broadcast_object_list(session_key, src=0, group=control)
+    except (RuntimeError, ValueError) as error:  # ValueError: a control group torch does not know
+        return None, f"the session key could not be shared over the control group ({error})"
     if not address or not port:
         return None, "MASTER_ADDR or MASTER_PORT is not set"
     try:
