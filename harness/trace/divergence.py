@@ -316,8 +316,9 @@ def _first_difference(
     for position in range(longest):
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
         stopped = len(present) < len(sequences)
-        if not stopped and not _records_differ(present.values(), key):
-            exchange = exchange_mismatch(present) if key is _collective_key else None
+        # The same collective with sizes that do not pair up: said as the pair, not as a shape list.
+        if not stopped and key is _collective_key and not _records_differ(present.values(), _sizeless_key):
+            exchange = exchange_mismatch(present)
             if exchange is not None:
                 return Divergence(where.format(position + 1), position + 1, present, {}, {}, exchange, names=names)
         if stopped or _records_differ(present.values(), key):
@@ -353,6 +354,10 @@ def _skipped_before(
 
 def _collective_key(record: CollectiveRecord) -> tuple:
     return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes, record.args)
+
+
+def _sizeless_key(record: CollectiveRecord) -> tuple:
+    return (record.op, record.label, record.dtypes, record.args)
 
 
 def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:

@@ -103,17 +103,20 @@ class OneSidedWatch:
             if any(self._position(member, peer) != position for member, peer in calls.items()):
                 continue
             keys = {_agreement_key(peer) for peer in calls.values()}
-            exchange = exchange_mismatch(calls) if len(keys) == 1 else None
+            # The same collective with sizes that do not pair up: said as the pair.
+            alike = len({_agreement_key(peer, sizes=False) for peer in calls.values()}) == 1
+            exchange = exchange_mismatch(calls) if alike else None
             if len(keys) < 2 and exchange is None:
                 continue
-            if not self._settled("mismatch", (record.group_key, position, tuple(sorted(keys)), exchange)):
+            if not self._settled("mismatch", (record.group_key, position, frozenset(keys), exchange)):
                 return None
-            group = names.name(record)
+            where = f"collective #{position + 1} on group {names.name(record)}"
             if exchange is not None:
-                mismatch = f"{exchange.describe()} (at {record.site})" if record.site else exchange.describe()
+                where += f" at {record.site}" if record.site else ""
+                mismatch = exchange.describe()
             else:
                 mismatch = " vs ".join(f"rank {member} {_short(peer)}" for member, peer in calls.items())
-            return f"waited in collective #{position + 1} on group {group}, which can never match: {mismatch}"
+            return f"waited in {where}, which can never match: {mismatch}"
         self._first_seen.pop("mismatch", None)
         return None
 
@@ -196,9 +199,9 @@ class OneSidedWatch:
                     self._traces[rank].add(line)
 
 
-def _agreement_key(record: CollectiveRecord) -> tuple:
+def _agreement_key(record: CollectiveRecord, sizes: bool = True) -> tuple:
     """What must agree for a collective to complete correctly (identity is not: a swap still completes)."""
-    return (record.op, record.dtypes, None if record.uneven else record.shapes, record.args)
+    return (record.op, record.dtypes, None if record.uneven or not sizes else record.shapes, record.args)
 
 
 def _short(record: CollectiveRecord) -> str:
