@@ -447,10 +447,7 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
                 key = (process_group.member, process_group.name, group)
             seq = test.seq_by_key.get(key, 0)
             test.seq_by_key[key] = seq + 1
-    sends = receives = None
-    if spec.exchange is not None and process_group.member:
-        sends, receives = _exchange_sizes(spec.exchange, params, group, rank, root)
-    return CollectiveRecord(
+    record = CollectiveRecord(
         rank=rank,
         index=index,
         seq=seq,
@@ -469,10 +466,13 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
         asymmetric=call_sites.in_asymmetric_region(),
         group_name=process_group.name,
         group_number=process_group.number,
-        member=process_group.member,
-        sends=sends,
-        receives=receives,
     )
+    # Set only where they differ from the defaults: this runs before every collective.
+    if not process_group.member:
+        record.member = False
+    elif spec.exchange is not None:
+        record.sends, record.receives = _exchange_sizes(spec.exchange, params, group, rank, root)
+    return record
 
 
 def _flatten_tensors(*values: Any) -> list[torch.Tensor]:

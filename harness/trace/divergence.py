@@ -295,7 +295,7 @@ def _p2p_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[i
     streams: dict[tuple[int, int], dict[int, list[CollectiveRecord]]] = {}
     for rank, records in recorded.items():
         for record in records:
-            if record.is_p2p and record.peer is not None:
+            if record.is_p2p and record.member and record.peer is not None:
                 source, target = (rank, record.peer) if record.is_send else (record.peer, rank)
                 if source != target and source in members and target in members:
                     streams.setdefault((source, target), {source: [], target: []})[rank].append(record)

@@ -147,10 +147,10 @@ class CollectiveRecord:
             parts.append(',"async":true')
         if self.asymmetric:
             parts.append(',"asymmetric":true')
-        if self.group_name:
+        if self.group_number is not None:  # the tracer knows both, or neither
+            parts.append(f',"group_name":{text(self.group_name)},"group_number":{self.group_number:d}')
+        elif self.group_name:
             parts.append(f',"group_name":{text(self.group_name)}')
-        if self.group_number is not None:
-            parts.append(f',"group_number":{self.group_number:d}')
         if not self.member:
             parts.append(',"non_member":true')
         if self.sends is not None:
