@@ -5,16 +5,16 @@ members are two streams): the k-th collective each member issued on that group m
 label, dtypes, (unless the op allows uneven sizes) shapes and the arguments that must agree (root
 rank, reduction), and every member must have issued it. Where the members exchange pieces of their
 own (all_to_all, scatter, gather, list collectives), what each sends must be what its peer expects
-(`harness.trace.exchange`). Outside
-regions marked `harness.asymmetric()` they must also agree on the tensors' names and the call site
-(`harness.rank.tensor_names`, `harness.rank.call_sites`): the same-shaped collective issued on another tensor
-or from another line is a mispairing torch cannot see. Point-to-point ops are matched per direction
-instead: the k-th send from a to b against the k-th receive on b from a (element count and dtype).
-Calls a fault skipped were never issued: they are left out of the comparison and named in the report.
-A rank that stopped on one group while it waits in another group's collective for a member that
-waits on it is named as a deadlock (`harness.trace.deadlock`); a rank that called a collective on a
-group it is not a member of where it should have issued one is named with that call. Groups are
-named by their members, and by identity where several groups share members (`harness.trace.groups`).
+(`harness.trace.exchange`). Outside regions marked `harness.asymmetric()` they must also agree on
+the tensors' names and the call site (`harness.rank.tensor_names`, `harness.rank.call_sites`): the
+same-shaped collective issued on another tensor or from another line is a mispairing torch cannot
+see. Point-to-point ops are matched per direction instead: the k-th send from a to b against the
+k-th receive on b from a (element count and dtype). Calls a fault skipped were never issued: they
+are left out of the comparison and named in the report. A rank that stopped on one group while it
+waits in another group's collective for a member that waits on it is named as a deadlock
+(`harness.trace.deadlock`); a rank that called a collective on a group it is not a member of where
+it should have issued one is named with that call. Groups are named by their members, and by
+identity where several groups share members (`harness.trace.groups`).
 Collectives are numbered from 1 in reports (record fields `index`/`seq` are 0-based).
 Of all disagreements, the one reached first is reported: the one no other precedes, where A precedes B
 when a rank involved in both reached A earlier in its own trace (a rank-local order is all there
