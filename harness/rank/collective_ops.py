@@ -22,6 +22,8 @@ class OpSpec:
         from or gathers to (broadcast src, reduce dst, ...); every member must name the same one.
     reduce_op: the parameter holding the reduction, which every member must agree on;
         `default_reduce_op` is what an omitted one means.
+    exchange: how to read what each member sends to and expects from each other member, for
+        collectives whose members exchange pieces of their own (`Exchange`); None for the others.
     """
 
     op: str
@@ -35,6 +37,7 @@ class OpSpec:
     root: tuple[str, str] | None = None
     reduce_op: str | None = None
     default_reduce_op: str = "SUM"
+    exchange: str | None = None
 
     @property
     def same_tensor(self) -> bool:
@@ -43,6 +46,24 @@ class OpSpec:
         scatters and all-to-all, whose inputs are each rank's own piece: in a sharding engine,
         which parameter a rank's piece belongs to depends on the rank."""
         return self.op in SAME_TENSOR_OPS
+
+
+class Exchange:
+    """How an exchanging collective's arguments say what each member sends and expects (the tracer
+    turns them into `CollectiveRecord.sends` / `receives`, elements per member)."""
+
+    SPLITS = "splits"
+    """all_to_all_single: input and output split sizes (rows; even when omitted)."""
+    LISTS = "lists"
+    """all_to_all: one input and one output tensor per member."""
+    GATHER_LIST = "gather_list"
+    """all_gather with a list: the same input to everyone, one output tensor per member."""
+    REDUCE_SCATTER_LIST = "reduce_scatter_list"
+    """reduce_scatter with a list: one input tensor per member, the same output from everyone."""
+    GATHER = "gather"
+    """gather: the input to the root only; the root's list holds one tensor per member."""
+    SCATTER = "scatter"
+    """scatter: the root's list holds one tensor per member; everyone's output from the root."""
 
 
 _GATHER_INTO_TENSOR = OpSpec("all_gather_into_tensor", ("input_tensor",), ("output_tensor",))
@@ -58,18 +79,26 @@ C10D_SPECS: dict[str, OpSpec] = {
     "all_reduce_coalesced": OpSpec("all_reduce_coalesced", ("tensors",), ("tensors",), reduce_op="op"),
     "broadcast": OpSpec("broadcast", ("tensor",), ("tensor",), root=_FROM_SRC),
     "reduce": OpSpec("reduce", ("tensor",), ("tensor",), root=_TO_DST, reduce_op="op"),
-    "all_gather": OpSpec("all_gather", ("tensor",), ("tensor_list",)),
+    "all_gather": OpSpec("all_gather", ("tensor",), ("tensor_list",), exchange=Exchange.GATHER_LIST),
     "all_gather_single": _GATHER_INTO_TENSOR,
     "all_gather_into_tensor": _GATHER_INTO_TENSOR,
     "_all_gather_base": _GATHER_INTO_TENSOR,
     "all_gather_coalesced": OpSpec("all_gather_coalesced", ("input_tensor_list",), ("output_tensor_lists",)),
-    "reduce_scatter": OpSpec("reduce_scatter", ("input_list",), ("output",), reduce_op="op"),
+    "reduce_scatter": OpSpec(
+        "reduce_scatter", ("input_list",), ("output",), reduce_op="op", exchange=Exchange.REDUCE_SCATTER_LIST
+    ),
     "reduce_scatter_single": _REDUCE_SCATTER_TENSOR,
     "reduce_scatter_tensor": _REDUCE_SCATTER_TENSOR,
     "_reduce_scatter_base": _REDUCE_SCATTER_TENSOR,
-    "all_to_all": OpSpec("all_to_all", ("input_tensor_list",), ("output_tensor_list",), always_uneven=True),
+    "all_to_all": OpSpec(
+        "all_to_all", ("input_tensor_list",), ("output_tensor_list",), always_uneven=True, exchange=Exchange.LISTS
+    ),
     "all_to_all_single": OpSpec(
-        "all_to_all_single", ("input",), ("output",), uneven_when=("output_split_sizes", "input_split_sizes")
+        "all_to_all_single",
+        ("input",),
+        ("output",),
+        uneven_when=("output_split_sizes", "input_split_sizes"),
+        exchange=Exchange.SPLITS,
     ),
     "barrier": OpSpec("barrier"),
     "monitored_barrier": OpSpec("monitored_barrier"),
@@ -83,8 +112,8 @@ C10D_SPECS: dict[str, OpSpec] = {
     "scatter_object_list": OpSpec("scatter_object_list", root=_FROM_SRC),
     "send_object_list": OpSpec("send_object_list", peer=("dst", "group_dst")),
     "recv_object_list": OpSpec("recv_object_list", peer=("src", "group_src")),
-    "scatter": OpSpec("scatter", ("tensor",), ("tensor",), root=_FROM_SRC),
-    "gather": OpSpec("gather", ("tensor",), ("gather_list",), root=_TO_DST),
+    "scatter": OpSpec("scatter", ("tensor",), ("tensor",), root=_FROM_SRC, exchange=Exchange.SCATTER),
+    "gather": OpSpec("gather", ("tensor",), ("gather_list",), root=_TO_DST, exchange=Exchange.GATHER),
 }
 
 # torch.distributed._broadcast_coalesced is a C++ builtin without an inspectable signature.
@@ -94,7 +123,11 @@ BROADCAST_COALESCED_PARAMS = ("process_group", "tensors", "buffer_size", "src")
 _FUNCOL_GATHER = OpSpec("funcol.all_gather", ("self",), functional=True)
 _FUNCOL_REDUCE_SCATTER = OpSpec("funcol.reduce_scatter", ("self",), functional=True, reduce_op="reduceOp")
 _FUNCOL_ALL_TO_ALL = OpSpec(
-    "funcol.all_to_all_single", ("self",), functional=True, uneven_when=("output_split_sizes", "input_split_sizes")
+    "funcol.all_to_all_single",
+    ("self",),
+    functional=True,
+    uneven_when=("output_split_sizes", "input_split_sizes"),
+    exchange=Exchange.SPLITS,
 )
 _FUNCOL_GATHER_COALESCED = OpSpec("funcol.all_gather_coalesced", ("self",), functional=True)
 _FUNCOL_RS_COALESCED = OpSpec("funcol.reduce_scatter_coalesced", ("inputs",), functional=True, reduce_op="reduceOp")
@@ -106,7 +139,7 @@ FUNCOL_SPECS: dict[str, OpSpec] = {
     "all_gather_tensor": _FUNCOL_GATHER,
     "all_gather_tensor_autograd": _FUNCOL_GATHER,
     "all_gather_tensor_inplace": OpSpec("funcol.all_gather", ("input_tensor",), ("output_tensor",)),
-    "all_gather_inplace": OpSpec("funcol.all_gather", ("tensor",), ("tensor_list",)),
+    "all_gather_inplace": OpSpec("funcol.all_gather", ("tensor",), ("tensor_list",), exchange=Exchange.GATHER_LIST),
     "reduce_scatter_single": _FUNCOL_REDUCE_SCATTER,
     "reduce_scatter_single_autograd": _FUNCOL_REDUCE_SCATTER,
     "reduce_scatter_tensor": _FUNCOL_REDUCE_SCATTER,
@@ -122,7 +155,11 @@ FUNCOL_SPECS: dict[str, OpSpec] = {
     "all_to_all_single": _FUNCOL_ALL_TO_ALL,
     "all_to_all_single_autograd": _FUNCOL_ALL_TO_ALL,
     "all_to_all_inplace": OpSpec(
-        "funcol.all_to_all_single", ("input",), ("output",), uneven_when=("output_split_sizes", "input_split_sizes")
+        "funcol.all_to_all_single",
+        ("input",),
+        ("output",),
+        uneven_when=("output_split_sizes", "input_split_sizes"),
+        exchange=Exchange.SPLITS,
     ),
     "broadcast": OpSpec("funcol.broadcast", ("self",), functional=True, root=("src", "")),
     "permute_tensor": OpSpec("funcol.permute_tensor", ("self",), functional=True),

@@ -32,9 +32,19 @@ original function, so Dynamo still sees the functions it knows.
 
 Besides op, group, shapes and dtypes, a record carries what makes a collective's identity
 (`harness.trace.divergence` compares it): the label, the names of the tensors for ops whose members pass
-the same logical tensor (`harness.rank.tensor_names`), the user's call site (`harness.rank.call_sites`), and
-the root rank and reduction every member must agree on. Building a record never raises into the
+the same logical tensor (`harness.rank.tensor_names`), the user's call site (`harness.rank.call_sites`),
+the root rank and reduction every member must agree on, and for collectives whose members exchange
+pieces of their own (all_to_all, scatter, gather, list collectives) what this rank sends to and
+expects from each member (`harness.trace.exchange`). Building a record never raises into the
 caller: a failure becomes a `{"note": ...}` line in the trace and the call runs as if untraced.
+
+The group of a record is a process group, not a set of ranks: torch's name for it, which every
+member sees alike (torch numbers a world's groups in the order `new_group` is called, and every rank
+must call it, member or not), and its number among the groups this test created. A call on a group
+this rank is not a member of is recorded too (torch returns at once on such a rank): `new_group` is
+wrapped to return, on a non-member, `NonMemberGroup`, which equals torch's `NON_GROUP_MEMBER` the way
+torch compares it (`==`) and carries the group's members and name, so that such a call says which
+group it named.
 
 The wrapper is also the one interception point for fault injection: `set_interceptor` installs a
 callback that sees each record first and may issue the call its own way (`harness.rank.faults`).
@@ -45,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import os
 import sys
 import threading
@@ -63,6 +74,7 @@ from harness.rank.collective_ops import (
     C10D_SPECS,
     FUNCOL_SPECS,
     KNOWN_OPS,
+    Exchange,
     OpSpec,
 )
 from harness.rank.labels import register_label_provider
@@ -73,6 +85,7 @@ __all__ = [
     "CollectiveCall",
     "CollectiveRecord",
     "Interceptor",
+    "NonMemberGroup",
     "Runner",
     "begin_test",
     "end_test",
@@ -145,13 +158,51 @@ class _TestState:
         self.seq_by_key: dict[tuple, int] = {}
         self.rank: int | None = None
         self.notes: set[str] = set()
+        # torch's count of the groups created in this world so far: the groups this test creates
+        # get the names from here on, in creation order.
+        self.groups_before: int | None = getattr(c10d._world, "group_count", None)
+
+
+class NonMemberGroup(int):
+    """What the traced `new_group` returns on a rank that is not a member of the new group, in place
+    of torch's `GroupMember.NON_GROUP_MEMBER` (-100): equal to it, as torch compares (`==`), and
+    carrying the group's members and torch's name for it, so that a collective called on it is
+    recorded with the group it named."""
+
+    members: tuple[int, ...]
+    name: str
+
+    def __new__(cls, value: int, members: tuple[int, ...], name: str) -> NonMemberGroup:
+        marker = super().__new__(cls, value)
+        marker.members, marker.name = members, name
+        return marker
+
+    def __reduce__(self) -> tuple:
+        return (NonMemberGroup, (int(self), self.members, self.name))
+
+    def __copy__(self) -> NonMemberGroup:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> NonMemberGroup:
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A call's process group as a record names it (see `CollectiveRecord`)."""
+
+    ranks: tuple[int, ...]
+    name: str = ""
+    number: int | None = None
+    member: bool = True
 
 
 _thread = _ThreadState()
 _lock = threading.Lock()  # index and seq numbering: collectives may be issued from several threads
 _test: _TestState | None = None
 _interceptor: Interceptor | None = None
-_group_ranks_cache: dict[Any, tuple[int, ...]] = {}
+_groups: dict[Any, _Group] = {}
+"""Group arguments seen in this test (ProcessGroup, None, a funcol group name) -> their group."""
 _dtype_names: dict[torch.dtype, str] = {}
 _installed = False
 _is_compiling = torch.compiler.is_compiling
@@ -185,6 +236,9 @@ def install() -> None:
     add(dist, "_broadcast_coalesced", BROADCAST_COALESCED, {p: i for i, p in enumerate(BROADCAST_COALESCED_PARAMS)})
     for name, spec in FUNCOL_SPECS.items():
         add(funcol, name, spec)
+    new_group = getattr(c10d, "new_group", None)
+    if new_group is not None:
+        replacements[id(new_group)] = _Replacement(new_group, _naming_non_members(new_group), {"new_group"})
     _rebind_everywhere(replacements)
     labels.track_module_forwards()
     _installed = True
@@ -220,7 +274,7 @@ def end_test() -> None:
     if test is not None:
         os.close(test.fd)
     # A later test may create a group whose Python object reuses a destroyed one's id.
-    _group_ranks_cache.clear()
+    _groups.clear()
     labels.reset()
 
 
@@ -290,6 +344,30 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
     return traced
 
 
+def _naming_non_members(new_group: Callable) -> Callable:
+    """`new_group` returning a `NonMemberGroup` where torch returns NON_GROUP_MEMBER (see the module docstring)."""
+    positions = _param_positions(new_group)
+
+    @functools.wraps(new_group)
+    def naming_new_group(*args: Any, **kwargs: Any) -> Any:
+        count_before = getattr(c10d._world, "group_count", None)
+        group = new_group(*args, **kwargs)
+        if type(group) is not int or group != c10d.GroupMember.NON_GROUP_MEMBER:
+            return group
+        try:
+            ranks = _Params(args, kwargs, positions).get("ranks")
+            members = tuple(sorted(int(rank) for rank in ranks)) if ranks is not None else ()
+            # torch named the group from its count of groups, which this call advanced by one;
+            # a group named by a hash of its ranks (use_local_synchronization) did not advance it.
+            counted = isinstance(count_before, int) and getattr(c10d._world, "group_count", None) == count_before + 1
+            return NonMemberGroup(group, members, str(count_before) if counted else "")
+        except Exception:  # noqa: BLE001 - naming the group is a nicety; torch's answer stands
+            return group
+
+    naming_new_group.__trace_original__ = new_group  # type: ignore[attr-defined]
+    return naming_new_group
+
+
 # ------------------------------------------------------------------------------------ recording
 
 
@@ -335,11 +413,12 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
 
         if funcol._are_we_tracing():
             return None
-        group = _funcol_group_ranks(params.get(spec.group))
+        process_group = _funcol_group(params.get(spec.group))
     else:
-        group = _c10d_group_ranks(params.get(spec.group))
-    if group is None:
+        process_group = _c10d_group(params.get(spec.group))
+    if process_group is None:
         return None
+    group = process_group.ranks
     tensors = _flatten_tensors(*(params.get(name) for name in spec.inputs))
     shapes = tuple(tuple(t.shape) for t in tensors)
     dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
@@ -349,7 +428,8 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
     label = labels.current_label()
     names = tensor_names.names_of(tensors) if spec.same_tensor else ()
     site = call_sites.call_site(3)  # above _build_record and the wrapper
-    agreed = _agreed_args(spec, params, group)
+    root = _rank_argument(spec.root, params, group) if spec.root is not None else None
+    agreed = _agreed_args(spec, params, root)
     with _lock:
         test = _test
         if test is None:  # only an interceptor is listening (faults under torchrun): no numbering
@@ -364,10 +444,10 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
                 # Both ends of a pair count the same stream: sends a->b on a, receives from a on b.
                 key: tuple = ("p2p", rank, peer) if spec.op in P2P_SEND_OPS else ("p2p", peer, rank)
             else:
-                key = group
+                key = (process_group.member, process_group.name, group)
             seq = test.seq_by_key.get(key, 0)
             test.seq_by_key[key] = seq + 1
-    return CollectiveRecord(
+    record = CollectiveRecord(
         rank=rank,
         index=index,
         seq=seq,
@@ -384,7 +464,18 @@ def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
         args=agreed,
         async_op=bool(params.get("async_op")),
         asymmetric=call_sites.in_asymmetric_region(),
+        group_name=process_group.name,
+        group_number=process_group.number,
     )
+    # Set only where they differ from the defaults: this runs before every collective.
+    if not process_group.member:
+        record.member = False
+    elif spec.exchange is not None:
+        # Sizes that cannot be read (arguments torch itself will reject) are left unknown, and
+        # not compared: the record stands without them.
+        with contextlib.suppress(Exception):
+            record.sends, record.receives = _exchange_sizes(spec.exchange, params, group, rank, root)
+    return record
 
 
 def _flatten_tensors(*values: Any) -> list[torch.Tensor]:
@@ -406,35 +497,56 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _c10d_group_ranks(group: Any) -> tuple[int, ...] | None:
-    if group is c10d.GroupMember.NON_GROUP_MEMBER:
+def _c10d_group(group: Any) -> _Group:
+    found = _groups.get(group)  # never an int key: every NonMemberGroup equals -100
+    if found is not None:
+        return found
+    if isinstance(group, int) and group == c10d.GroupMember.NON_GROUP_MEMBER:
+        if isinstance(group, NonMemberGroup):
+            return _Group(group.members, group.name, _group_number(group.name), member=False)
+        return _Group((), member=False)  # made by torch's new_group before the trace was installed
+    found = _groups[group] = _process_group(c10d._get_default_group() if group is None else group)
+    return found
+
+
+def _process_group(process_group: dist.ProcessGroup) -> _Group:
+    ranks = tuple(dist.get_process_group_ranks(process_group))
+    name = getattr(process_group, "group_name", None)  # a ProcessGroup property on recent torch
+    if not isinstance(name, str):
+        name = getattr(c10d._world, "pg_names", {}).get(process_group, "")
+    number = 0 if process_group is c10d._get_default_group() else _group_number(name)
+    return _Group(ranks, name, number)
+
+
+def _group_number(name: str) -> int | None:
+    """k for the k-th group this test created (torch names groups by its count of them), None for
+    one created before the test began or named otherwise (a hash of its ranks)."""
+    test = _test
+    if test is None or test.groups_before is None or not name.isdigit():
         return None
-    ranks = _group_ranks_cache.get(group)
-    if ranks is None:
-        process_group = c10d._get_default_group() if group is None else group
-        ranks = _group_ranks_cache[group] = tuple(dist.get_process_group_ranks(process_group))
-    return ranks
+    created = int(name) - test.groups_before
+    return created + 1 if created >= 0 else None
 
 
-def _funcol_group_ranks(group: Any) -> tuple[int, ...] | None:
-    """Global ranks of a functional-collective group argument, without creating any group."""
+def _funcol_group(group: Any) -> _Group | None:
+    """The group of a functional-collective group argument, without creating any group."""
     if isinstance(group, tuple) and len(group) == 2 and not isinstance(group[0], int):  # (DeviceMesh, dim)
         mesh, dim = group
-        return _c10d_group_ranks(mesh.get_group(dim))
-    if isinstance(group, (list, tuple)):
+        return _c10d_group(mesh.get_group(dim))
+    if isinstance(group, (list, tuple)):  # ranks only: torch finds the group by them, unnamed here
         if group and isinstance(group[0], (list, tuple)):  # MPMD: the row holding this rank
             me = dist.get_rank()
-            return next((tuple(row) for row in group if me in row), None)
-        return tuple(group)
+            row = next((tuple(row) for row in group if me in row), None)
+            return None if row is None else _Group(row)
+        return _Group(tuple(group))
     if isinstance(group, str):
-        ranks = _group_ranks_cache.get(group)
-        if ranks is None:
-            process_group = torch._C._distributed_c10d._resolve_process_group(group)
-            ranks = _group_ranks_cache[group] = tuple(dist.get_process_group_ranks(process_group))
-        return ranks
+        found = _groups.get(group)
+        if found is None:
+            found = _groups[group] = _process_group(torch._C._distributed_c10d._resolve_process_group(group))
+        return found
     if group is None or isinstance(group, dist.ProcessGroup):
-        return _c10d_group_ranks(group)
-    return _c10d_group_ranks(group.get_group())  # 1-D DeviceMesh
+        return _c10d_group(group)
+    return _c10d_group(group.get_group())  # 1-D DeviceMesh
 
 
 def _rank_argument(names: tuple[str, str], params: _Params, group: tuple[int, ...]) -> int | None:
@@ -443,18 +555,71 @@ def _rank_argument(names: tuple[str, str], params: _Params, group: tuple[int, ..
     value = params.get(global_name)
     if value is None and group_name:
         group_value = params.get(group_name)
-        value = group[group_value] if group_value is not None else None
+        value = group[group_value] if group_value is not None and 0 <= group_value < len(group) else None
     return value
 
 
-def _agreed_args(spec: OpSpec, params: _Params, group: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+def _agreed_args(spec: OpSpec, params: _Params, root: int | None) -> tuple[tuple[str, str], ...]:
     """The non-tensor arguments every member must pass alike: the root rank and the reduction."""
     agreed: list[tuple[str, str]] = []
     if spec.root is not None:
-        agreed.append(("root", str(_rank_argument(spec.root, params, group))))
+        agreed.append(("root", str(root)))
     if spec.reduce_op is not None:
         agreed.append(("op", _reduce_op_name(params.get(spec.reduce_op), spec.default_reduce_op)))
     return tuple(agreed)
+
+
+def _exchange_sizes(
+    kind: str, params: _Params, group: tuple[int, ...], rank: int, root: int | None
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """Elements this rank sends to and expects from each member, in the group's order (`Exchange`)."""
+    size = len(group)
+    if kind == Exchange.SPLITS:
+        functional = params.get("self")
+        source = functional if functional is not None else params.get("input")
+        target = source if functional is not None else params.get("output")
+        if not isinstance(source, torch.Tensor) or not isinstance(target, torch.Tensor):
+            return None, None
+        sends = _split_elements(source, params.get("input_split_sizes"), size)
+        return sends, _split_elements(target, params.get("output_split_sizes"), size)
+    if kind == Exchange.LISTS:
+        return _numels(params.get("input_tensor_list")), _numels(params.get("output_tensor_list"))
+    if kind == Exchange.GATHER_LIST:
+        return _same_to_all(params.get("tensor"), size), _numels(params.get("tensor_list"))
+    if kind == Exchange.REDUCE_SCATTER_LIST:
+        return _numels(params.get("input_list")), _same_to_all(params.get("output"), size)
+    if root is None:
+        root = 0  # torch's default root when neither src/dst nor its group rank is given: global rank 0
+    nothing = (0,) * size
+    if kind == Exchange.GATHER:
+        tensor = params.get("tensor")
+        sends = tuple(tensor.numel() if member == root else 0 for member in group) if tensor is not None else None
+        return sends, (_numels(params.get("gather_list")) if rank == root else nothing)
+    if kind == Exchange.SCATTER:
+        tensor = params.get("tensor")
+        receives = tuple(tensor.numel() if member == root else 0 for member in group) if tensor is not None else None
+        return (_numels(params.get("scatter_list")) if rank == root else nothing), receives
+    return None, None
+
+
+def _split_elements(tensor: torch.Tensor, splits: Any, size: int) -> tuple[int, ...]:
+    """Elements per member of an all_to_all_single side: its split sizes (rows; an even split when
+    None or empty, as torch reads them) times the elements of a row."""
+    row = math.prod(tensor.shape[1:])
+    if not splits:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        return (rows // size * row,) * size
+    return tuple(int(split) * row for split in splits)
+
+
+def _numels(tensors: Any) -> tuple[int, ...] | None:
+    if not isinstance(tensors, (list, tuple)):
+        return None
+    return tuple(t.numel() if isinstance(t, torch.Tensor) else 0 for t in tensors)
+
+
+def _same_to_all(tensor: Any, size: int) -> tuple[int, ...] | None:
+    return (tensor.numel(),) * size if isinstance(tensor, torch.Tensor) else None
 
 
 def _reduce_op_name(value: Any, default: str) -> str:

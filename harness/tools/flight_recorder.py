@@ -6,12 +6,13 @@
 Flight Recorder (`TORCH_FR_BUFFER_SIZE=<entries>`, NCCL and gloo) keeps each rank's last collectives
 and writes them on a watchdog timeout (`TORCH_FR_DUMP_TEMP_FILE`, default `/tmp/nccl_trace_rank_<r>`)
 or when asked (`torch._C._distributed_c10d._dump_fr_trace()`), pickled or as JSON. Each entry
-becomes a `CollectiveRecord`: op (from `profiling_name`), group (the process group's ranks), its
-sequence number on that group, input shapes and dtypes, the call site (the innermost stack frame
-outside torch and the harness) and whether it completed. The first divergence and the collectives
-each rank was stuck in are then printed as for a test. Tensor names, labels and the arguments that
-must agree are not in the dumps, so they are not compared. Point-to-point entries are listed in the
-table but not matched (the dumps do not say the peer).
+becomes a `CollectiveRecord`: op (from `profiling_name`), group (the process group's ranks, and
+torch's name for it where the dump has the group's configuration), its sequence number on that
+group, input shapes and dtypes, the call site (the innermost stack frame outside torch and the
+harness) and whether it completed. The first divergence and the collectives each rank was stuck in
+are then printed as for a test. Tensor names, labels, the arguments that must agree and what
+exchanging collectives send each member are not in the dumps, so they are not compared.
+Point-to-point entries are listed in the table but not matched (the dumps do not say the peer).
 
 The rank of a dump is the number its file name ends in (torch names them so).
 """
@@ -86,6 +87,9 @@ def read_dumps(paths: list[str | Path]) -> dict[int, list[CollectiveRecord]]:
 def _record(rank: int, index: int, entry: dict[str, Any], groups: dict[str, tuple[int, ...]]) -> CollectiveRecord:
     process_group = entry.get("process_group") or ("", "")
     group = groups.get(str(process_group[0])) or groups.get(str(process_group[1])) or groups.get("") or ()
+    # The dump names an entry's group as torch does (what the harness's own traces record); where
+    # it does not, the members alone tell groups apart.
+    group_name = str(process_group[0]) if str(process_group[0]) in groups else ""
     name = str(entry.get("profiling_name", "")).rpartition(":")[2] or "unknown"
     is_p2p = bool(entry.get("is_p2p"))
     seq = int(entry.get("p2p_seq_id" if is_p2p else "collective_seq_id") or 0) - 1
@@ -104,6 +108,7 @@ def _record(rank: int, index: int, entry: dict[str, Any], groups: dict[str, tupl
         numel=numel,
         label="",
         site=_site(entry.get("frames", [])),
+        group_name=group_name,
     )
     record.completed = completed
     return record

@@ -3,5 +3,8 @@
 `records` is a record and the per-rank trace file that carries records from a rank to the
 parent; `divergence` diffs the ranks' traces and names the first collective they disagree on;
 `one_sided` notices, while a test runs, a rank waiting in a collective its peers will never
-issue. Nothing here patches torch.distributed (that is `harness.rank.tracing`).
+issue. Both read three smaller judgements: `exchange` (whether what the members of an all_to_all,
+scatter, gather or list collective send pairs up with what they expect), `deadlock` (a wait cycle
+across process groups) and `groups` (how messages name a process group). Nothing here patches
+torch.distributed (that is `harness.rank.tracing`).
 """

@@ -1,13 +1,20 @@
 """Diff per-rank collective traces and name the first collective where ranks disagree.
 
-Collectives are compared per group (same global ranks): the k-th collective each member issued on
-that group must agree on op, label, dtypes, (unless the op allows uneven sizes) shapes and the
-arguments that must agree (root rank, reduction), and every member must have issued it. Outside
-regions marked `harness.asymmetric()` they must also agree on the tensors' names and the call site
-(`harness.rank.tensor_names`, `harness.rank.call_sites`): the same-shaped collective issued on another tensor
-or from another line is a mispairing torch cannot see. Point-to-point ops are matched per direction
-instead: the k-th send from a to b against the k-th receive on b from a (element count and dtype).
-Calls a fault skipped were never issued: they are left out of the comparison and named in the report.
+Collectives are compared per process group (`CollectiveRecord.group_key`: two groups with the same
+members are two streams): the k-th collective each member issued on that group must agree on op,
+label, dtypes, (unless the op allows uneven sizes) shapes and the arguments that must agree (root
+rank, reduction), and every member must have issued it. Where the members exchange pieces of their
+own (all_to_all, scatter, gather, list collectives), what each sends must be what its peer expects
+(`harness.trace.exchange`). Outside regions marked `harness.asymmetric()` they must also agree on
+the tensors' names and the call site (`harness.rank.tensor_names`, `harness.rank.call_sites`): the
+same-shaped collective issued on another tensor or from another line is a mispairing torch cannot
+see. Point-to-point ops are matched per direction instead: the k-th send from a to b against the
+k-th receive on b from a (element count and dtype). Calls a fault skipped were never issued: they
+are left out of the comparison and named in the report. A rank that stopped on one group while it
+waits in another group's collective for a member that waits on it is named as a deadlock
+(`harness.trace.deadlock`); a rank that called a collective on a group it is not a member of where
+it should have issued one is named with that call. Groups are named by their members, and by
+identity where several groups share members (`harness.trace.groups`).
 Collectives are numbered from 1 in reports (record fields `index`/`seq` are 0-based).
 Of all disagreements, the one reached first is reported: the one no other precedes, where A precedes B
 when a rank involved in both reached A earlier in its own trace (a rank-local order is all there
@@ -17,9 +24,12 @@ is; later disagreements are usually consequences of the first).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from harness.text import group_text, ranks_text
+from harness.trace.deadlock import Deadlock, find_deadlock
+from harness.trace.exchange import ExchangeMismatch, exchange_mismatch
+from harness.trace.groups import GroupNames, group_identity
 from harness.trace.records import CollectiveRecord, last_unfinished
 
 __all__ = [
@@ -42,6 +52,10 @@ class Divergence:
     issued: rank -> what it issued at that point; ranks absent from `issued` stopped before it.
     last: for ranks that stopped, their last call on that group/stream (None: never issued one).
     skipped: rank -> a call a fault made it skip just before this point.
+    exchange: the members' calls are alike but what they send does not pair up with what they expect.
+    non_member: rank that stopped -> the collective it called instead on a group it is not a member of.
+    deadlock: the wait cycle the stopped ranks are part of (each waits in another group's collective).
+    names: how the groups of these traces are named.
     """
 
     where: str
@@ -49,6 +63,10 @@ class Divergence:
     issued: dict[int, CollectiveRecord]
     last: dict[int, CollectiveRecord | None]
     skipped: dict[int, CollectiveRecord]
+    exchange: ExchangeMismatch | None = None
+    non_member: dict[int, CollectiveRecord] = field(default_factory=dict)
+    deadlock: Deadlock | None = None
+    names: GroupNames = field(default_factory=lambda: GroupNames(()))
 
     @property
     def reached_at(self) -> dict[int, int]:
@@ -70,6 +88,8 @@ class Divergence:
         return any(mine[rank] < theirs[rank] for rank in mine.keys() & theirs.keys())
 
     def describe(self) -> str:
+        if self.deadlock is not None:
+            return self.deadlock.describe(self.names)
         records = self.issued.values()
         # Shapes are noise unless they are the only difference (e.g. [36] vs [6, 6]).
         show_shapes = len({_describe(r, False) for r in records}) == 1 and len({r.shapes for r in records}) > 1
@@ -78,7 +98,8 @@ class Divergence:
         if self.last:
             by_text: dict[str, list[int]] = {}
             for rank, last in sorted(self.last.items()):
-                by_text.setdefault(self._describe_stop(last, self.skipped.get(rank)), []).append(rank)
+                stop = self._describe_stop(last, self.skipped.get(rank), self.non_member.get(rank))
+                by_text.setdefault(stop, []).append(rank)
             stopped = "; ".join(f"{ranks_text(ranks)} {text}" for text, ranks in by_text.items())
             issued = ", ".join(
                 f"{ranks_text([rank])} issued {self._describe_issued(rank, show_shapes, show_args)}"
@@ -90,6 +111,8 @@ class Divergence:
         where = self.where
         if len(sites) == 1 and "" not in sites:
             where += f" at {sites.pop()}"
+        if self.exchange is not None:
+            return f"{where}: {self.exchange.describe()}"
         classes: dict[str, list[int]] = {}
         for rank in sorted(self.issued):
             text = self._describe_issued(rank, show_shapes, show_args, where == self.where)
@@ -103,15 +126,18 @@ class Divergence:
             text += f", having skipped {skipped.op} (injected fault: {skipped.fault})"
         return text
 
-    def _describe_stop(self, last: CollectiveRecord | None, skipped: CollectiveRecord | None) -> str:
+    def _describe_stop(
+        self, last: CollectiveRecord | None, skipped: CollectiveRecord | None, non_member: CollectiveRecord | None
+    ) -> str:
         if skipped is not None:
             return f"did not issue it, {skipped.op} skipped (injected fault: {skipped.fault})"
+        instead = f"called {self.names.non_member_call(non_member)}" if non_member is not None else ""
         if last is None:
-            return "issued none"
+            return instead or "issued none"
         text = f"stopped early after #{self.number - 1} {_describe(last, False)}"
         if not last.completed:
             text += ", which never returned"
-        return text
+        return f"{text}, then {instead}" if instead else text
 
 
 def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> Divergence | None:
@@ -121,12 +147,22 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     """
     members = set(world_ranks)
     recorded = {rank: traces.get(rank, []) for rank in world_ranks}
-    candidates = [*_group_divergences(recorded, members), *_p2p_divergences(recorded, members)]
-    return min(
+    names = GroupNames.of(recorded)
+    candidates = [*_group_divergences(recorded, members, names), *_p2p_divergences(recorded, members)]
+    first = min(
         candidates,
         default=None,
         key=lambda d: (sum(other.precedes(d) for other in candidates), min(d.reached_at.values()), d.where),
     )
+    if first is None or not first.last:
+        return first
+    # Ranks that stopped on this group may be waiting in another group's collective for a rank
+    # that waits on them: then that cycle, not the missing call, is the story.
+    stuck = {rank: record for rank, record in last_unfinished(recorded).items() if record.on_group}
+    deadlock = find_deadlock(recorded, stuck)
+    if deadlock is not None and set(deadlock.ranks) & set(first.last):
+        return replace(first, deadlock=deadlock)
+    return first
 
 
 def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> str:
@@ -148,8 +184,9 @@ def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | N
     """Where each rank was stuck: its last collective that never returned (a hang or crash
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
     every recorded collective returned."""
+    names = GroupNames.of(traces)
     stuck = [
-        f"rank {rank} in collective #{record.seq + 1} on group {group_text(record.group)}: {_describe(record, False)}"
+        f"rank {rank} in collective #{record.seq + 1} on group {names.name(record)}: {_describe(record, False)}"
         for rank, record in sorted(last_unfinished(traces).items())
     ]
     return "; ".join(stuck) or None
@@ -164,10 +201,16 @@ class TraceColumn:
 
 
 def _where(record: CollectiveRecord) -> str:
-    """The group of a collective ("[0, 1]"), the peer of a point-to-point op ("->1" sent to it, "<-1" received)."""
+    """The group of a collective ("[0, 1]"; "#2 [0, 1]" for the second group the test created; "not
+    in [0, 1]" for a call on a group this rank is not a member of), the peer of a point-to-point op
+    ("->1" sent to it, "<-1" received)."""
     if record.is_send:
         return f"->{record.peer}"
-    return f"<-{record.peer}" if record.is_p2p else group_text(record.group)
+    if record.is_p2p:
+        return f"<-{record.peer}"
+    identity = group_identity(record) if record.group_number else ""
+    text = f"{identity} {group_text(record.group)}" if identity else group_text(record.group)
+    return text if record.member else f"not in {text}"
 
 
 def _status(record: CollectiveRecord) -> str:
@@ -176,7 +219,16 @@ def _status(record: CollectiveRecord) -> str:
 
 
 def _args(record: CollectiveRecord) -> str:
-    return " ".join([*(f"{name}={value}" for name, value in record.args), *(["async"] * record.async_op)]) or "-"
+    words = [f"{name}={value}" for name, value in record.args]
+    if record.sends is not None:
+        words.append(f"sends={_sizes(record.sends)}")
+    if record.receives is not None:
+        words.append(f"expects={_sizes(record.receives)}")
+    return " ".join([*words, *(["async"] * record.async_op)]) or "-"
+
+
+def _sizes(values: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"
 
 
 TRACE_COLUMNS = (
@@ -216,26 +268,34 @@ def format_trace_table(traces: dict[int, list[CollectiveRecord]]) -> str:
     return "\n\n".join(sections) + "\n"
 
 
-def _group_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
-    per_group: dict[tuple[int, ...], dict[int, list[CollectiveRecord]]] = {}
+def _group_divergences(
+    recorded: dict[int, list[CollectiveRecord]], members: set[int], names: GroupNames
+) -> Iterable[Divergence]:
+    per_group: dict[tuple[str, tuple[int, ...]], dict[int, list[CollectiveRecord]]] = {}
     for rank, records in recorded.items():
         for record in records:
-            if not record.is_p2p:
-                per_group.setdefault(record.group, {}).setdefault(rank, []).append(record)
-    for group, by_rank in per_group.items():
-        ranks = [rank for rank in group if rank in members]
+            if record.on_group:
+                per_group.setdefault(record.group_key, {}).setdefault(rank, []).append(record)
+    for by_rank in per_group.values():
+        sample = next(record for records in by_rank.values() for record in records)
+        ranks = [rank for rank in sample.group if rank in members]
         sequences = {rank: by_rank.get(rank, []) for rank in ranks}
-        where = f"collective #{{}} on group {group_text(group)}"
-        divergence = _first_difference(sequences, where, _collective_key)
+        where = f"collective #{{}} on group {names.name(sample)}"
+        divergence = _first_difference(sequences, where, _collective_key, names)
         if divergence is not None:
-            yield divergence
+            non_member = {
+                rank: found
+                for rank, last in divergence.last.items()
+                if (found := _non_member_call_after(recorded.get(rank, []), last)) is not None
+            }
+            yield replace(divergence, non_member=non_member) if non_member else divergence
 
 
 def _p2p_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[int]) -> Iterable[Divergence]:
     streams: dict[tuple[int, int], dict[int, list[CollectiveRecord]]] = {}
     for rank, records in recorded.items():
         for record in records:
-            if record.is_p2p and record.peer is not None:
+            if record.is_p2p and record.member and record.peer is not None:
                 source, target = (rank, record.peer) if record.is_send else (record.peer, rank)
                 if source != target and source in members and target in members:
                     streams.setdefault((source, target), {source: [], target: []})[rank].append(record)
@@ -246,13 +306,21 @@ def _p2p_divergences(recorded: dict[int, list[CollectiveRecord]], members: set[i
             yield divergence
 
 
-def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, key) -> Divergence | None:
+def _first_difference(
+    recorded: dict[int, list[CollectiveRecord]], where: str, key, names: GroupNames | None = None
+) -> Divergence | None:
     """First position where the ranks' issued calls disagree; `recorded` includes skipped calls."""
+    names = names or GroupNames(())
     sequences = {rank: [r for r in records if not r.skipped] for rank, records in recorded.items()}
     longest = max((len(records) for records in sequences.values()), default=0)
     for position in range(longest):
         present = {rank: records[position] for rank, records in sequences.items() if position < len(records)}
         stopped = len(present) < len(sequences)
+        # The same collective with sizes that do not pair up: said as the pair, not as a shape list.
+        if not stopped and key is _collective_key and not _records_differ(present.values(), _sizeless_key):
+            exchange = exchange_mismatch(present)
+            if exchange is not None:
+                return Divergence(where.format(position + 1), position + 1, present, {}, {}, exchange, names=names)
         if stopped or _records_differ(present.values(), key):
             last = {
                 rank: (records[-1] if records else None)
@@ -264,8 +332,15 @@ def _first_difference(recorded: dict[int, list[CollectiveRecord]], where: str, k
                 for rank, records in sequences.items()
                 if (found := _skipped_before(recorded[rank], records, position)) is not None
             }
-            return Divergence(where.format(position + 1), position + 1, present, last, skipped)
+            return Divergence(where.format(position + 1), position + 1, present, last, skipped, names=names)
     return None
+
+
+def _non_member_call_after(records: list[CollectiveRecord], last: CollectiveRecord | None) -> CollectiveRecord | None:
+    """The first call a rank made on a group it is not a member of after `last` (its last call on
+    the group it stopped on): likely the one it meant to make there."""
+    after = -1 if last is None else last.index
+    return next((record for record in records if not record.member and record.index > after), None)
 
 
 def _skipped_before(
@@ -279,6 +354,10 @@ def _skipped_before(
 
 def _collective_key(record: CollectiveRecord) -> tuple:
     return (record.op, record.label, record.dtypes, None if record.uneven else record.shapes, record.args)
+
+
+def _sizeless_key(record: CollectiveRecord) -> tuple:
+    return (record.op, record.label, record.dtypes, record.args)
 
 
 def _records_differ(records: Iterable[CollectiveRecord], key) -> bool:

@@ -32,6 +32,10 @@ def _ints(values: tuple[int, ...]) -> str:
     return "[" + ",".join(map(str, values)) + "]"
 
 
+def _optional_ints(values: list[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(value) for value in values)
+
+
 P2P_SEND_OPS = frozenset({"send", "isend", "send_object_list"})
 P2P_RECV_OPS = frozenset({"recv", "irecv", "recv_object_list"})
 
@@ -41,12 +45,25 @@ class CollectiveRecord:
     """One collective as issued by one rank.
 
     index: position in this rank's trace of the current test (0-based).
-    seq: position among this rank's collectives on the same group (same global ranks), 0-based;
+    seq: position among this rank's collectives on the same process group (`group_key`), 0-based;
          for point-to-point ops, position among this rank's ops in the same direction between the pair.
     group: global ranks of the process group.  peer: the other side of a send/recv (global rank).
+    group_name: torch's name of the process group, the same on every member and different for two
+         groups with the same members: torch numbers the groups of a world in the order they are
+         created, which every rank sees alike ("" where unknown: files written before it was
+         recorded, Flight Recorder dumps without it; then the members alone tell groups apart).
+    group_number: 0 for the default group, k for the k-th group created during this test, None for
+         a group created before the test began (or unknown); how reports name a group (`harness.trace.groups`).
+    member: false for a call on a group this rank is not a member of (torch returns at once on
+         such a rank without doing anything); `group` is then the members of the group it named.
     shapes/dtypes/numel: the tensors every member must agree on (the op's inputs; see
          `harness.rank.collective_ops`).
     uneven: the op legitimately lets shapes differ across ranks (all_to_all with splits).
+    sends/receives: for collectives whose members exchange pieces of their own (all_to_all and
+         all_to_all_single, scatter, gather, all_gather and reduce_scatter with lists), the elements
+         this rank sends to / expects from each member, in the group's order (the split sizes times
+         the row size; a list's tensor sizes); None for other ops. What must agree across ranks is
+         their pairing: rank i's sends to j equal rank j's receives from i (`harness.trace.exchange`).
     fault: description of a fault injected on this call; skipped: the call was never issued.
     tensors: the name of each input tensor ("" for an unnamed one; empty when none is named), see
          `harness.rank.tensor_names`.  site: the user's `file:line` that issued it (`harness.rank.call_sites`).
@@ -75,7 +92,23 @@ class CollectiveRecord:
     args: tuple[tuple[str, str], ...] = ()
     async_op: bool = False
     asymmetric: bool = False
+    group_name: str = ""
+    group_number: int | None = None
+    member: bool = True
+    sends: tuple[int, ...] | None = None
+    receives: tuple[int, ...] | None = None
     completed: bool = False
+
+    @property
+    def group_key(self) -> tuple[str, tuple[int, ...]]:
+        """The process group this call was issued on: torch's name of it and its members (two
+        groups with the same members are different streams of collectives)."""
+        return (self.group_name, self.group)
+
+    @property
+    def on_group(self) -> bool:
+        """A collective of its group's stream: not point-to-point, and issued by a member."""
+        return self.member and not self.is_p2p
 
     @property
     def is_p2p(self) -> bool:
@@ -114,6 +147,16 @@ class CollectiveRecord:
             parts.append(',"async":true')
         if self.asymmetric:
             parts.append(',"asymmetric":true')
+        if self.group_number is not None:  # the tracer knows both, or neither
+            parts.append(f',"group_name":{text(self.group_name)},"group_number":{self.group_number:d}')
+        elif self.group_name:
+            parts.append(f',"group_name":{text(self.group_name)}')
+        if not self.member:
+            parts.append(',"non_member":true')
+        if self.sends is not None:
+            parts.append(f',"sends":{_ints(self.sends)}')
+        if self.receives is not None:
+            parts.append(f',"receives":{_ints(self.receives)}')
         parts.append("}")
         return "".join(parts)
 
@@ -138,6 +181,11 @@ class CollectiveRecord:
             args=tuple((str(name), str(value)) for name, value in data.get("args", ())),
             async_op=data.get("async", False),
             asymmetric=data.get("asymmetric", False),
+            group_name=str(data.get("group_name", "")),
+            group_number=data.get("group_number"),
+            member=not data.get("non_member", False),
+            sends=_optional_ints(data.get("sends")),
+            receives=_optional_ints(data.get("receives")),
         )
 
 
