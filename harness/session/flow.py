@@ -29,7 +29,7 @@ from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankOutcome, RankResult, Status, TestTask
 from harness.rank import fixtures
 from harness.report.results import DistributedTestResult, FailureReason, SuiteKey, rank_cases, skip_reason
-from harness.session.verdict import Verdict, decide, failure_text
+from harness.session.verdict import Verdict, decide, failure_text, first_failure
 from harness.text import describe_exception
 from harness.trace.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.trace.records import CollectiveRecord
@@ -250,7 +250,7 @@ class HarnessSession:
             return
         # Each rank's own case (those that had answered keep their outcome); every rank's file
         # still gets the verdict, the parent's reason, when the test is published.
-        verdict = Verdict("failed", f"{reason}\n\n{failure_text(results)}")
+        verdict = Verdict("failed", f"{reason}\n\n{failure_text(results, first_failure(results))}")
         self.propose(item, Proposal(suite, verdict, Execution(results, {}, {})))
 
     def _task(self, item: pytest.Function, params: dict[str, Any]) -> TestTask:

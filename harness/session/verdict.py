@@ -41,29 +41,31 @@ def decide(
     and so are the collectives ranks were stuck in (`unfinished`).
     """
     distinct = {result.status for result in results.values()}
-    if unfinished and "failed" in distinct:
-        results_text = f"{failure_text(results, stderr)}\n\nunfinished collectives: {unfinished}"
-    else:
-        results_text = failure_text(results, stderr)
+
+    def account(first: FirstFailure | None) -> str:  # built only for a test that fails: not for every pass
+        text = failure_text(results, first, stderr)
+        return f"{text}\n\nunfinished collectives: {unfinished}" if unfinished and "failed" in distinct else text
+
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
         if distinct == {"passed"}:
             return Verdict("failed", heading, heading, FailureReason(divergence=heading))
-        return Verdict("failed", f"{results_text}\n\n{heading}", heading, failure_reason(results, heading))
+        first = first_failure(results)
+        return Verdict("failed", f"{account(first)}\n\n{heading}", heading, failure_reason(results, first, heading))
     if distinct == {"passed"}:
         return Verdict("passed", "")
     if distinct in ({"skipped"}, {"xfailed"}):
         reasons = sorted({result.summary for result in results.values()})
         return Verdict(distinct.pop(), "; ".join(reasons))  # type: ignore[arg-type]
-    return Verdict("failed", results_text, reason=failure_reason(results))
-
-
-def failure_reason(results: dict[int, RankResult], divergence: str = "") -> FailureReason:
-    """Why these results fail a test: the rank that failed first and its cause when one can be
-    told apart (`first_failed_rank`), else every failed rank's cause, and the divergence heading;
-    what `failure_text` says at length."""
-    outcomes = _outcomes_line(results)
     first = first_failure(results)
+    return Verdict("failed", account(first), reason=failure_reason(results, first))
+
+
+def failure_reason(results: dict[int, RankResult], first: FirstFailure | None, divergence: str = "") -> FailureReason:
+    """Why these results fail a test: the rank that failed first (`first_failure`) and its cause
+    when one can be told apart, else every failed rank's cause, and the divergence heading; what
+    `failure_text` says at length."""
+    outcomes = _outcomes_line(results)
     if first is not None:
         cause = _first_cause(results[first.rank]).removeprefix(f"rank {first.rank} ")
         return FailureReason(
@@ -110,14 +112,15 @@ LOST_STDERR_LINES = 25
 """How much of a lost rank's stderr the verdict shows (its per-rank file has all of it)."""
 
 
-def failure_text(results: dict[int, RankResult], stderr: Mapping[int, str] | None = None) -> str:
-    """The per-rank account of a failed test: the rank that failed first, when one can be told
-    apart, comes first and the others are marked as failing after it; stacks leave out the
+def failure_text(
+    results: dict[int, RankResult], found: FirstFailure | None, stderr: Mapping[int, str] | None = None
+) -> str:
+    """The per-rank account of a failed test: the rank that failed first (`found`: `first_failure`),
+    when one can be told apart, comes first and the others are marked as failing after it; stacks leave out the
     harness's own frames (the JUnit files keep them whole). A lost rank's account ends with the
     last lines of its `stderr` (by rank), often the only trace of why it died."""
     stderr = stderr or {}
     lines = [_outcomes_line(results)]
-    found = first_failure(results)
     first = None if found is None else found.rank
     if found is not None:
         followers = [rank for rank, result in results.items() if result.status == "failed" and rank != found.rank]
