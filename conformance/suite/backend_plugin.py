@@ -345,10 +345,11 @@ def pytest_runtest_makereport(
     if selection is None:
         return report
     scenario = expectations.scenario_id(item.nodeid, selection)
+    context = run_context(item)
     entry = None
     if report.when == "call":
         entries = item.config.stash[_STATE].expected.get(selection)
-        matching = entries.matching(scenario, run_context(item)) if entries else []
+        matching = entries.matching(scenario, context) if entries else []
         if len(matching) > 1:
             judgement = expectations.ambiguous(matching)
         else:
@@ -363,11 +364,10 @@ def pytest_runtest_makereport(
                 report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
         item.stash[_JUDGED] = Judged(entry, judgement.message if judgement is not None else None)
     # A distributed test's entry comes with the harness's result (pytest_harness_test_result).
-    if run_context(item).world_size is None and (report.when == "call" or report.failed or report.skipped):
+    if context.world_size is None and (report.when == "call" or report.failed or report.skipped):
         _record(item, selection, report, entry)
     if report.skipped and not getattr(report, "wasxfail", None):
         item.config.stash[_SKIPS].setdefault(selection, []).append(skip_reason_of(report))
-        context = run_context(item)
         # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
         # the entry: only skips of a test that had its devices make an entry stale.
         if context.device is not None or context.world_size is None:
@@ -379,8 +379,7 @@ def pytest_harness_test_result(item: pytest.Item, result: harness.DistributedTes
     """A distributed scenario's matrix entry: the harness's result (pytest's final verdict, why the
     ranks failed it, its REPRO line and traces) and what the expectations made of its call phase."""
     selection = _backend_name(item)
-    matrix = item.config.stash.get(_MATRIX, None)
-    if selection is None or matrix is None:
+    if selection is None or _MATRIX not in item.config.stash:
         return
     judged = item.stash.get(_JUDGED, Judged(None, None))
     outcome = classify_status(result.outcome, result.message if result.outcome == "skipped" else "")
@@ -392,17 +391,13 @@ def pytest_harness_test_result(item: pytest.Item, result: harness.DistributedTes
     elif outcome == "fail":
         reason = harness.failure_reason(result.reason, result.message)
     failed = outcome == "fail"
-    context = run_context(item)
-    matrix.record(
-        _scenario(item),
+    _enter(
+        item,
         selection,
-        item.nodeid,
         outcome,
         result.message,
-        reason=reason,
-        link=judged.entry.link if judged.entry else None,
-        device=context.device,
-        world_size=context.world_size,
+        reason,
+        judged.entry,
         repro=result.repro if failed else "",
         trace=TraceView(result.nodeid, result.traces, result.divergence, result.diverged_at)
         if failed and result.traces
@@ -425,6 +420,19 @@ def _record(
         if outcome == "fail"
         else ""
     )
+    _enter(item, selection, outcome, text, reason, entry)
+
+
+def _enter(
+    item: pytest.Item,
+    selection: str,
+    outcome: str,
+    text: str,
+    reason: str,
+    entry: expectations.ExpectedFailure | None,
+    **failure: Any,
+) -> None:
+    """Record one test in its matrix cell, with where it ran (`failure`: its REPRO line and trace view)."""
     context = run_context(item)
     item.config.stash[_MATRIX].record(
         _scenario(item),
@@ -436,6 +444,7 @@ def _record(
         link=entry.link if entry else None,
         device=context.device,
         world_size=context.world_size,
+        **failure,
     )
 
 
