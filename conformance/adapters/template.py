@@ -11,7 +11,9 @@ spelled out and a note on when to replace it. The protocol itself is the package
 ``conformance.protocol``: the defaults copied here are its ``hooks`` module's (``BackendHooks``),
 the declared facts its ``facts`` module's (``BackendFacts``), the capabilities and spec conditions
 its ``capabilities`` and ``vocabulary`` modules', and the template methods that check a call
-before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` module. A backend that owns its training loop (it builds
+before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` module.
+
+A backend that owns its training loop (it builds
 the optimizer itself and runs its own backward and step, as DeepSpeed does) overrides
 ``make_optimizer`` / ``backward`` / ``step`` / ``zero_grad``; see
 ``conformance/adapters/deepspeed.py`` for a complete one. The contract each method must honour
