@@ -13,11 +13,10 @@ the declared facts its ``facts`` module's (``BackendFacts``), the capabilities a
 its ``capabilities`` and ``vocabulary`` modules', and the template methods that check a call
 before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` module.
 
-A backend that owns its training loop (it builds
-the optimizer itself and runs its own backward and step, as DeepSpeed does) overrides
-``make_optimizer`` / ``backward`` / ``step`` / ``zero_grad``; see
-``conformance/adapters/deepspeed.py`` for a complete one. The contract each method must honour
-is in docs/writing-an-adapter.md.
+A backend that owns its training loop (it builds the optimizer itself and runs its own backward
+and step, as DeepSpeed does) overrides ``make_optimizer`` / ``backward`` / ``step`` /
+``zero_grad``; see ``conformance/adapters/deepspeed.py`` for a complete one. The contract each
+method must honour is in docs/writing-an-adapter.md.
 """
 
 from __future__ import annotations
