@@ -55,7 +55,11 @@ def _clean(fqn: str) -> str:
 class ReferenceAdapter(BackendAdapter):
     PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
     name = "reference"
-    CAPABILITIES = frozenset(Capability)
+    CAPABILITIES = frozenset(Capability) - {
+        Capability.SHARD_GRAD_AND_OPTIM_STATE,
+        Capability.REDUCE_DTYPE,
+        Capability.NO_SYNC,
+    }
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
     NON_TP_2D_STATE_DICT_MESH = "dp"  # engine/state_dict.py; proven in test_declared_facts.py

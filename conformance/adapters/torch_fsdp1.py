@@ -105,7 +105,13 @@ class TorchFSDP1Adapter(TorchAdapter):
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
-    CAPABILITIES = frozenset(Capability) - {Capability.COMPOSABLE, Capability.SHARD_OPTIM_STATE}
+    CAPABILITIES = frozenset(Capability) - {
+        Capability.COMPOSABLE,
+        Capability.SHARD_OPTIM_STATE,
+        Capability.SHARD_GRAD_AND_OPTIM_STATE,
+        Capability.REDUCE_DTYPE,
+        Capability.NO_SYNC,
+    }
     WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
     # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDP1 is what the seeds
     # test; it refuses the unshard misuses exactly as they require (it has no check of the TP mesh

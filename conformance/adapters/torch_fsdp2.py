@@ -79,6 +79,9 @@ class TorchFSDP2Adapter(TorchAdapter):
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
+        Capability.SHARD_GRAD_AND_OPTIM_STATE,
+        Capability.REDUCE_DTYPE,
+        Capability.NO_SYNC,
         Capability.WRAPPER,
         Capability.FLAT_PARAMETERS,
         Capability.EXEC_ORDER_CHECK,

@@ -24,6 +24,9 @@ each is defined in the module of its concern:
   implementation (``TEMPLATE_METHODS``), and the adoption of older adapters' public methods.
 - ``helpers``: functions adapters use (:func:`submodule`, :func:`innermost_first`,
   ``strip_path_components``).
+- ``storage``: strategies defined by storage: what a rank holds of parameters, gradients and
+  optimizer state at each phase (:data:`STORAGE_CLAIMS`, :class:`Phase`, :class:`Stored`,
+  :class:`Holding`), and the bounds a shard group's storage must meet.
 - ``versions``: ``PROTOCOL_VERSION``, what each version added, an older adapter's shortfall.
 
 Writing an adapter: see ``docs/writing-an-adapter.md``.
@@ -55,6 +58,16 @@ from conformance.protocol.facts import (
 )
 from conformance.protocol.helpers import innermost_first, strip_path_components, submodule
 from conformance.protocol.hooks import BackendHooks
+from conformance.protocol.storage import (
+    STORAGE_CLAIMS,
+    Holding,
+    Phase,
+    StorageClaim,
+    Stored,
+    shard_group_size,
+    share_bounds,
+    storage_claim,
+)
 from conformance.protocol.versions import PROTOCOL_VERSION
 from conformance.protocol.vocabulary import (
     ApiForm,
@@ -73,6 +86,7 @@ from conformance.protocol.vocabulary import (
 __all__ = [
     "PROTOCOL_VERSION",
     "SEED_REFUSALS",
+    "STORAGE_CLAIMS",
     "TEMPLATE_METHODS",
     "ApiForm",
     "BackendAdapter",
@@ -81,9 +95,11 @@ __all__ = [
     "BackendFacts",
     "BackendHooks",
     "Capability",
+    "Holding",
     "Misuse",
     "MixedPrecisionUnshard",
     "OptimizerFactory",
+    "Phase",
     "Refusal",
     "Requirement",
     "ShardEvent",
@@ -92,6 +108,8 @@ __all__ = [
     "ShardingStrategy",
     "SpecCondition",
     "StateDictKind",
+    "StorageClaim",
+    "Stored",
     "declared_fqn",
     "declared_refusal",
     "expected_local_numel",
@@ -102,6 +120,9 @@ __all__ = [
     "refused",
     "require",
     "require_all",
+    "shard_group_size",
+    "share_bounds",
+    "storage_claim",
     "strip_path_components",
     "submodule",
     "unshard_capabilities",

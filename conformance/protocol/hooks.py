@@ -1,7 +1,8 @@
 """Optional hooks: what an adapter may override, each with a plain-torch default.
 
 The training loop a scenario drives (``make_optimizer``, ``zero_grad``, ``backward``, ``step``),
-the per-rank storage of a parameter (``local_shard`` and its setters and gradient twins), the
+the per-rank storage of a parameter (``local_shard`` and its setters, gradient twins and
+optimizer state), the gradient-accumulation switch (``no_gradient_sync``), the
 label of the collective being issued (``collective_label``) and the end of a test (``close``).
 A backend that owns its training loop or keeps its shards outside ``param`` (DeepSpeed)
 overrides them; every other backend inherits the defaults. Protocol versions list which version
@@ -9,6 +10,8 @@ added each (:mod:`conformance.protocol.versions`).
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn as nn
@@ -107,6 +110,34 @@ class BackendHooks:
         if grad is None:
             raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
         _copy_into(_local_tensor(grad), value, f"{fqn} gradient")
+
+    def local_optim_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, fqn: str
+    ) -> dict[str, torch.Tensor]:
+        """Detached copies of the optimizer-state tensors this rank stores for parameter ``fqn``
+        (e.g. Adam's ``exp_avg`` and ``exp_avg_sq``), by state name; empty where this rank
+        stores none for it (the parameter's state lives on another rank, or the optimizer has
+        not stepped). Scalars kept per parameter (Adam's ``step``) are left out: they say
+        nothing of how the state is split. ``optimizer`` is what :meth:`make_optimizer`
+        returned. Default: ``optimizer.state[param]``, DTensors as their local shard.
+
+        Override where the state is kept elsewhere than under the parameter object (DeepSpeed's
+        flat fp32 partitions, an optimizer wrapping a per-rank inner optimizer)."""
+        state = optimizer.state.get(self.named_parameter(model, fqn), {})
+        return {
+            name: _local_tensor(value).detach().clone()
+            for name, value in state.items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        }
+
+    # -- gradient accumulation (optional capability NO_SYNC) ---------------------------------
+    def no_gradient_sync(self, model: nn.Module) -> AbstractContextManager[None]:
+        """Context in which :meth:`backward` accumulates this rank's local gradients without
+        reducing them across ranks; the first :meth:`backward` after the context reduces the
+        sum of everything accumulated, so a step then sees the same gradients as without the
+        switch (torch FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
+        Only called where ``Capability.NO_SYNC`` is declared."""
+        raise AssertionError(f"{type(self).__name__} declares NO_SYNC but lacks no_gradient_sync")
 
     # -- collective labels and lifetime ------------------------------------------------------
     def collective_label(self) -> str | None:

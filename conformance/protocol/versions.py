@@ -17,7 +17,7 @@ from conformance.protocol.vocabulary import Capability
 # The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
 # an older one keeps running, with one warning naming what it does not declare of what came
 # later and how many scenarios that costs (:func:`shortfall`).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,12 @@ ADDED: dict[int, Additions] = {
     4: Additions(
         capabilities=frozenset({Capability.INTROSPECT_STORAGE}),
         facts=("SHARD_LAYOUT", "UNSHARDED_NAME_PREFIX", "NON_TP_2D_STATE_DICT_MESH"),
+    ),
+    # Sharding by storage (issue 32): ZeRO-2, what a rank stores of gradients and optimizer
+    # state, mixed-precision training, gradient accumulation.
+    5: Additions(
+        capabilities=frozenset({Capability.SHARD_GRAD_AND_OPTIM_STATE, Capability.REDUCE_DTYPE, Capability.NO_SYNC}),
+        hooks=("local_optim_state",),
     ),
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.protocol.versions.ADDED must describe every protocol version"

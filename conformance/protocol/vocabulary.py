@@ -27,6 +27,9 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a shard group, replicate across groups
     # Params and grads replicated (grads all-reduced), only optimizer state sharded (ZeRO-1).
     SHARD_OPTIM_STATE = "SHARD_OPTIM_STATE"
+    # Params replicated; grads reduced to the rank that owns them and optimizer state sharded
+    # (ZeRO-2). Not FSDP's SHARD_GRAD_OP, which also shards parameters at rest.
+    SHARD_GRAD_AND_OPTIM_STATE = "SHARD_GRAD_AND_OPTIM_STATE"
 
 
 class ApiForm(enum.Enum):
@@ -79,6 +82,15 @@ class Capability(enum.Enum):
     UNMANAGED_ROOT = "shard_root=False (a plain, unmanaged root over sharded units)"
     MIXED_STRATEGIES = "per-unit strategy overrides (several strategies in one model)"
     SHARD_OPTIM_STATE = "strategy SHARD_OPTIM_STATE"
+    SHARD_GRAD_AND_OPTIM_STATE = "strategy SHARD_GRAD_AND_OPTIM_STATE"
+    # Mixed-precision gradient reduction in float32 (ShardingSpec.reduce_dtype=torch.float32)
+    # while computing in param_dtype (protocol 5). Without it, a mixed-precision backend reduces
+    # in param_dtype, the libraries' default.
+    REDUCE_DTYPE = "mixed precision reduce_dtype=float32 (gradients reduced in full precision)"
+    # The backend's switch that lets backward accumulate local gradients without reducing them
+    # (torch FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False), DeepSpeed's accumulation
+    # boundary): BackendAdapter.no_gradient_sync (protocol 5).
+    NO_SYNC = "gradient accumulation without gradient sync (no_gradient_sync)"
     # The backend's own sharded checkpoint (save / load of model and optimizer through its
     # format, opaque to the suite): checked by round trip, for backends whose sharded state is
     # neither DTensor nor ShardedTensor (see BackendAdapter.save_checkpoint).
@@ -136,6 +148,9 @@ class ShardingSpec:
     shard_root: bool = True
     mesh: DeviceMesh | None = None
     param_dtype: torch.dtype | None = None
+    # The dtype gradients are reduced in under mixed precision: None reduces in param_dtype (the
+    # libraries' default); torch.float32 reduces in full precision (Capability.REDUCE_DTYPE).
+    reduce_dtype: torch.dtype | None = None
     offload_params: bool = False
     ignored_modules: tuple[str, ...] = ()
     use_orig_params: bool = True
@@ -156,6 +171,11 @@ class ShardingSpec:
             raise ValueError(
                 f"ShardingSpec.strategy_overrides names {sorted(stray)}, which are not units: "
                 "override the root ('') or FQNs listed in manual_units"
+            )
+        if self.reduce_dtype is not None and self.param_dtype is None:
+            raise ValueError(
+                "ShardingSpec.reduce_dtype is the gradient reduction dtype of mixed precision: "
+                "give param_dtype too, or leave reduce_dtype None"
             )
         for strategy in self.strategies():
             if strategy is ShardingStrategy.HYBRID_SHARD and (self.mesh is None or self.mesh.ndim != 2):
@@ -192,6 +212,8 @@ class ShardingSpec:
             needed.add(Capability.AUTO_WRAP)
         if self.param_dtype is not None:
             needed.add(Capability.MIXED_PRECISION)
+        if self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype:
+            needed.add(Capability.REDUCE_DTYPE)
         if self.offload_params:
             needed.add(Capability.CPU_OFFLOAD)
         if self.ignored_modules:
