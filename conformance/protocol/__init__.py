@@ -67,6 +67,7 @@ from conformance.protocol.storage import (
     shard_group_size,
     share_bounds,
     storage_claim,
+    stored_elements,
 )
 from conformance.protocol.versions import PROTOCOL_VERSION
 from conformance.protocol.vocabulary import (
@@ -123,6 +124,7 @@ __all__ = [
     "shard_group_size",
     "share_bounds",
     "storage_claim",
+    "stored_elements",
     "strip_path_components",
     "submodule",
     "unshard_capabilities",

@@ -25,9 +25,13 @@ dimension and replicates across its replicate dimension (:func:`shard_group_size
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
+import torch.nn as nn
+
+from conformance.protocol.hooks import BackendHooks
 from conformance.protocol.vocabulary import ShardingSpec, ShardingStrategy
 
 
@@ -147,3 +151,31 @@ def share_bounds(numel: int, holding: Holding, world_size: int, group_size: int)
         return world_size * numel, world_size * numel
     copies = world_size // group_size
     return copies * numel, copies * (numel + group_size - 1)
+
+
+def stored_elements(
+    backend: BackendHooks,
+    model: nn.Module,
+    stored: Stored,
+    fqns: Iterable[str],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, int]:
+    """How many elements this rank stores of ``stored`` for each parameter in ``fqns``, read
+    through the adapter's hooks (``local_shard``, ``local_grad_shard``, ``local_optim_state``):
+    key ``fqn`` for parameters and gradients (a parameter without a stored gradient is left
+    out), ``"fqn[state name]"`` for each optimizer-state tensor (``optimizer`` required). Reads
+    only: no collective, so a rank may call it alone (a forward hook, the vacuity check)."""
+    counts: dict[str, int] = {}
+    for fqn in fqns:
+        if stored is Stored.PARAMETERS:
+            counts[fqn] = backend.local_shard(model, fqn).numel()
+        elif stored is Stored.GRADIENTS:
+            grad = backend.local_grad_shard(model, fqn)
+            if grad is not None:
+                counts[fqn] = grad.numel()
+        else:
+            if optimizer is None:
+                raise ValueError("stored_elements(OPTIMIZER_STATE) reads an optimizer's state: pass optimizer=")
+            for name, value in backend.local_optim_state(model, optimizer, fqn).items():
+                counts[f"{fqn}[{name}]"] = value.numel()
+    return counts

@@ -1,0 +1,276 @@
+"""Storage scenarios: every rank stores what its strategy claims, at every phase of a step.
+
+A strategy is a claim about memory (``conformance.protocol.storage.STORAGE_CLAIMS``): FULL_SHARD
+keeps each rank's share of parameters, gradients and optimizer state; ZeRO-1 keeps parameters
+and gradients whole and only the optimizer state sharded; NO_SHARD keeps everything whole. A
+backend whose training is right but which replicates what it claims to shard (plain DDP with an
+unsharded optimizer, declaring ZeRO-1) passes every oracle comparison; it fails here, with the
+numbers.
+
+For every strategy the backend declares, with a unit-less plan (the root is the only unit, as
+ZeRO has it) and with auto-wrapped units where the backend has them, two Adam steps run through
+the adapter and the claim is checked
+
+- in forward (inside each leaf module's forward, a read-only hook): parameters are whole. For
+  a strategy that keeps parameters whole, every rank's ``local_shard`` holds all of each; for
+  one that shards them, the running unit's unsharded storage holds at least its parameters'
+  elements (``unsharded_storage_numel``, where the backend declares ``INTROSPECT_STORAGE``);
+- between forward and backward, after backward and at rest after the step: parameters
+  (``local_shard``), gradients (``local_grad_shard``, after backward and after the step) and
+  optimizer state (``local_optim_state``, once the optimizer has stepped).
+
+Per parameter (per state tensor), what the ranks of one shard group store together must be a
+share, between ``numel`` and ``numel + group size - 1`` elements (``share_bounds``), or, for a
+whole claim, all of it on every rank. Between forward and backward the claim is for units below
+the root: a root unit may keep what it gathered for backward. Flat parameters
+(``use_orig_params=False``) are left to the layout checks of ``test_unshard_params``, which
+know each flat buffer's exact size; here every name is an original parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fixtures
+from conformance.protocol import (
+    BackendAdapter,
+    Capability,
+    Holding,
+    Phase,
+    ShardingSpec,
+    ShardingStrategy,
+    Stored,
+    declared_fqn,
+    shard_group_size,
+    share_bounds,
+    storage_claim,
+    stored_elements,
+)
+from conformance.scenario_specs import spec_with_mesh
+from harness import WorldShape, current_seed
+
+STEPS = 2
+LOCAL_BATCH = 2
+# Adam: per-parameter state tensors (exp_avg, exp_avg_sq) for the optimizer-state claim.
+OPTIMIZER = functools.partial(torch.optim.Adam, lr=1e-3)
+DIM = 16  # small: the claim is about counts, not arithmetic
+
+
+def _world_sizes(world: WorldShape, params: Mapping[str, object]) -> str | None:
+    """World size 2 for every strategy but HYBRID_SHARD, which needs two shard groups of two."""
+    strategy = params.get("strategy")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        return fixtures.hybrid_shard_exclusion(world.size, world.local_size)
+    if world.size != 2:
+        return "the claims of a world-sharded strategy show at world size 2"
+    return None
+
+
+def _spec(backend: BackendAdapter, plan: str, strategy: ShardingStrategy, world_size: int, device: torch.device):
+    return spec_with_mesh(
+        backend,
+        world_size,
+        device,
+        strategy=strategy,
+        auto_wrap_classes=(fixtures.Unit,) if plan == "units" else (),
+    )
+
+
+def _unit_of(module_fqn: str, plan: str) -> str:
+    """The unit whose forward runs a module: its ``Unit`` ancestor with units, else the root."""
+    if plan == "units":
+        for unit in fixtures.CompositeModel.UNIT_FQNS:
+            if module_fqn == unit or module_fqn.startswith(unit + "."):
+                return unit
+    return ""
+
+
+class StorageProbe:
+    """Reads what this rank stores and checks it against the strategy's claim over all ranks."""
+
+    def __init__(
+        self,
+        backend: BackendAdapter,
+        sharded: nn.Module,
+        spec: ShardingSpec,
+        numels: dict[str, int],
+        *,
+        rank: int,
+        world_size: int,
+        where: str,
+    ) -> None:
+        self.backend = backend
+        self.sharded = sharded
+        self.claim = storage_claim(spec.strategy)
+        self.group_size = shard_group_size(spec, world_size)
+        self.numels = numels
+        self.rank = rank
+        self.world_size = world_size
+        self.where = where
+        self.problems: list[str] = []
+
+    def check(
+        self,
+        stored: Stored,
+        phase: Phase,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        exempt: frozenset[str] = frozenset(),
+    ) -> None:
+        """Collective: every rank calls it at the same point with the same arguments."""
+        holding = self.claim.holding(stored, phase)
+        if holding is None:
+            return
+        fqns = [fqn for fqn in self.numels if fqn not in exempt]
+        local = stored_elements(self.backend, self.sharded, stored, fqns, optimizer)
+        per_rank: list[dict[str, int]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(per_rank, local)
+        keys = sorted({key for counts in per_rank for key in counts})
+        if stored is Stored.GRADIENTS and phase is Phase.AT_REST:
+            pass  # a step may drop the gradients it used (DeepSpeed's does): only stored ones are claimed
+        elif stored is not Stored.OPTIMIZER_STATE:
+            missing = [fqn for fqn in fqns if fqn not in keys]
+            if missing:
+                self.problems.append(
+                    f"{self.where}, {phase.value}: no rank stores {stored.value} of {missing} "
+                    f"({self.claim_text(stored, holding)})"
+                )
+        elif not keys:
+            self.problems.append(
+                f"{self.where}, {phase.value}: no rank stores any optimizer state after an Adam step "
+                "(local_optim_state returned nothing on every rank)"
+            )
+        for key in keys:
+            numel = self.numels[key.split("[", 1)[0]]
+            counts = [counts.get(key, 0) for counts in per_rank]
+            low, high = share_bounds(numel, holding, self.world_size, self.group_size)
+            whole_everywhere = holding is Holding.WHOLE and any(count != numel for count in counts)
+            if not low <= sum(counts) <= high or whole_everywhere:
+                self.problems.append(
+                    f"{self.where}, {phase.value}: {stored.value} of {key!r} ({numel} elements): the ranks "
+                    f"store {counts} (together {sum(counts)}); {self.claim_text(stored, holding)}, "
+                    f"so together between {low} and {high}"
+                    + (", each rank all of it" if holding is Holding.WHOLE else "")
+                )
+
+    def claim_text(self, stored: Stored, holding: Holding) -> str:
+        strategy = self.where.split(" ", 1)[0]
+        group = "" if self.group_size == self.world_size else f" within shard groups of {self.group_size}"
+        return f"{strategy} claims {stored.value} {holding.value}{group}"
+
+
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=_world_sizes)
+@pytest.mark.parametrize("plan", ["whole_model", "units"])
+@pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
+def test_storage_claim(
+    backend: BackendAdapter,
+    strategy: ShardingStrategy,
+    plan: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Parameters, gradients and optimizer state are stored as the strategy claims, at every
+    phase of two Adam steps, in every form (see the module docstring)."""
+    spec = _spec(backend, plan, strategy, world_size, device)
+    claim = storage_claim(strategy)
+    forward_check = backend.supports(Capability.INTROSPECT_STORAGE)
+    seed = current_seed()
+    problems: list[str] = []
+    for form in backend.forms():
+        model = fixtures.build(fixtures.CompositeModel, seed, device, dim=DIM)
+        numels = {name: param.numel() for name, param in model.named_parameters()}
+        unit_numels: dict[str, int] = {}
+        for name, numel in numels.items():
+            unit = _unit_of(name.rsplit(".", 1)[0], plan)
+            unit_numels[unit] = unit_numels.get(unit, 0) + numel
+        sharded = backend.shard(model, spec, form)
+        names = {declared_fqn(backend, name) for name, _ in sharded.named_parameters()}
+        assert set(numels) <= names, (
+            f"{form.value} form: the sharded model lacks parameters {sorted(set(numels) - names)}; "
+            f"it has {sorted(names)}"
+        )
+        where = f"{strategy.name} ({plan}, {form.value} form)"
+        probe = StorageProbe(backend, sharded, spec, numels, rank=rank, world_size=world_size, where=where)
+        in_forward: list[str] = []
+        hooks = [
+            module.register_forward_pre_hook(
+                functools.partial(
+                    _check_in_forward,
+                    backend,
+                    sharded,
+                    # A shard group of one rank (HYBRID_SHARD on a (2, 1) mesh) shards nothing.
+                    claim.parameters[Phase.AT_REST] is Holding.WHOLE or probe.group_size == 1,
+                    declared_fqn(backend, name),
+                    _unit_of(declared_fqn(backend, name), plan),
+                    unit_numels,
+                    forward_check,
+                    in_forward,
+                    where,
+                )
+            )
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)
+        ]
+        units_below_root = frozenset(name for name in numels if _unit_of(name.rsplit(".", 1)[0], plan))
+        root_params = frozenset(numels) - units_below_root
+        optimizer = backend.make_optimizer(sharded, OPTIMIZER)
+        probe.check(Stored.PARAMETERS, Phase.AT_REST)
+        for step in range(STEPS):
+            inputs = fixtures.local_batch(
+                model, seed=seed, iteration=step, rank=rank, batch_size=LOCAL_BATCH, device=device
+            )
+            backend.zero_grad(sharded, optimizer)
+            loss = model.loss(sharded(*inputs))
+            probe.check(Stored.PARAMETERS, Phase.BETWEEN_FORWARD_AND_BACKWARD, exempt=root_params)
+            backend.backward(sharded, loss)
+            probe.check(Stored.PARAMETERS, Phase.AFTER_BACKWARD)
+            probe.check(Stored.GRADIENTS, Phase.AFTER_BACKWARD)
+            backend.step(sharded, optimizer)
+            for stored in Stored:
+                probe.check(stored, Phase.AT_REST, optimizer=optimizer)
+        for hook in hooks:
+            hook.remove()
+        problems += probe.problems + in_forward
+    assert not problems, f"rank {rank}: storage differs from what the strategy claims:\n" + "\n".join(problems)
+
+
+def _check_in_forward(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    parameters_whole_at_rest: bool,
+    module_fqn: str,
+    unit: str,
+    unit_numels: dict[str, int],
+    unit_storage_known: bool,
+    problems: list[str],
+    where: str,
+    module: nn.Module,
+    args: object,
+) -> None:
+    """Inside a leaf module's forward, this rank holds its parameters whole (every strategy's
+    claim for :attr:`Phase.FORWARD`; reads only, no collective)."""
+    if parameters_whole_at_rest:
+        fqns = [f"{module_fqn}.{name}" for name, _ in module.named_parameters()]
+        counts = stored_elements(backend, sharded, Stored.PARAMETERS, fqns)
+        for fqn, count in counts.items():
+            expected = dict(module.named_parameters())[fqn.rsplit(".", 1)[1]].numel()
+            if count != expected:
+                problems.append(
+                    f"{where}, {Phase.FORWARD.value}: this rank stores {count} of the {expected} elements of "
+                    f"{fqn!r}; the strategy keeps parameters whole"
+                )
+    elif unit_storage_known:
+        allocated = backend.unsharded_storage_numel(sharded, unit)
+        if allocated < unit_numels[unit]:
+            problems.append(
+                f"{where}, {Phase.FORWARD.value} of {module_fqn!r}: unit {unit or '(root)'!r} has {allocated} "
+                f"elements of unsharded storage allocated, fewer than its {unit_numels[unit]} parameter "
+                "elements: it computes with parameters it has not gathered"
+            )
