@@ -113,6 +113,7 @@ class StorageProbe:
         self.rank = rank
         self.world_size = world_size
         self.where = where
+        self.step = 0
         self.problems: list[str] = []
 
     def check(
@@ -138,12 +139,12 @@ class StorageProbe:
             missing = [fqn for fqn in fqns if fqn not in keys]
             if missing:
                 self.problems.append(
-                    f"{self.where}, {phase.value}: no rank stores {stored.value} of {missing} "
+                    f"{self.where}, step {self.step}, {phase.value}: no rank stores {stored.value} of {missing} "
                     f"({self.claim_text(stored, holding)})"
                 )
         elif not keys:
             self.problems.append(
-                f"{self.where}, {phase.value}: no rank stores any optimizer state after an Adam step "
+                f"{self.where}, step {self.step}, {phase.value}: no rank stores any optimizer state after an Adam step "
                 "(local_optim_state returned nothing on every rank)"
             )
         for key in keys:
@@ -153,7 +154,7 @@ class StorageProbe:
             whole_everywhere = holding is Holding.WHOLE and any(count != numel for count in counts)
             if not low <= sum(counts) <= high or whole_everywhere:
                 self.problems.append(
-                    f"{self.where}, {phase.value}: {stored.value} of {key!r} ({numel} elements): the ranks "
+                    f"{self.where}, step {self.step}, {phase.value}: {stored.value} of {key!r} ({numel} elements): the ranks "
                     f"store {counts} (together {sum(counts)}); {self.claim_text(stored, holding)}, "
                     f"so together between {low} and {high}"
                     + (", each rank all of it" if holding is Holding.WHOLE else "")
@@ -223,6 +224,7 @@ def test_storage_claim(
         optimizer = backend.make_optimizer(sharded, OPTIMIZER)
         probe.check(Stored.PARAMETERS, Phase.AT_REST)
         for step in range(STEPS):
+            probe.step = step
             inputs = fixtures.local_batch(
                 model, seed=seed, iteration=step, rank=rank, batch_size=LOCAL_BATCH, device=device
             )

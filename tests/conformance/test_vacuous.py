@@ -5,6 +5,8 @@ are tested in tests/harness/test_options.py."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,7 +15,7 @@ from adapter_testing import run_inner_session
 from conformance.adapters.template import TemplateAdapter
 from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
 from conformance.suite.gate import SessionDevices, refusal
-from conformance.suite.vacuity import ShardWatch
+from conformance.suite.vacuity import ExercisedNothing, ShardWatch, StorageClaimNotMet
 from tests.conformance.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
 
 CPU = SessionDevices(kinds=("cpu",), reachable=True)
@@ -94,19 +96,95 @@ class RefusesToShard(ShardsNothingAdapter):
 
 def test_a_no_op_backend_at_two_ranks_is_vacuous_with_the_fix() -> None:
     watch = watched(ShardsNothingAdapter)
-    shard_linear(watch)
+    shard_linear(watch, ShardingStrategy.NO_SHARD)
     issue_collective()  # a collective of the scenario's own, outside the backend's calls
     finding = watch.finding(body_passed=True)
     assert finding is not None
     assert "the shards-nothing backend showed no sign of sharding at world size 2" in str(finding)
-    assert "FULL_SHARD (wrapper form) kept every parameter at full size" in str(finding)
+    assert "NO_SHARD (wrapper form) kept every parameter at full size" in str(finding)
     assert "leaves those capabilities out of capabilities()" in str(finding)
 
 
-@pytest.mark.parametrize("adapter_cls", [HalvesStorage, ReportsUnits, BroadcastsOnShard])
-def test_each_sign_of_sharding_is_enough(adapter_cls: type[ShardsNothingAdapter]) -> None:
+def test_a_backend_that_keeps_what_its_strategy_shards_whole_is_red_even_with_collectives() -> None:
+    """The storage claim replaced "a collective was issued" as evidence: DDP (whole parameters,
+    an all-reduce in every backward) declaring FULL_SHARD fails, with the numbers."""
+    watch = watched(BroadcastsOnShard)
+    shard_linear(watch, ShardingStrategy.FULL_SHARD)
+    finding = watch.finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
+    assert "the shards-nothing backend does not store what its strategy claims at world size 2" in str(finding)
+    assert "FULL_SHARD (wrapper form) claims parameters sharded; this rank stores all 10 parameter elements" in str(
+        finding
+    )
+    assert "Fix the adapter" in str(finding)
+
+
+class WholeOptimizerState(BroadcastsOnShard):
+    """DDP with an unsharded optimizer: every rank holds all of the optimizer state."""
+
+    CAPABILITIES = BroadcastsOnShard.CAPABILITIES | {
+        Capability.SHARD_OPTIM_STATE,
+        Capability.SHARD_GRAD_AND_OPTIM_STATE,
+    }
+
+
+class HalfOptimizerState(WholeOptimizerState):
+    """Reports half of each parameter's optimizer state (as a partitioning optimizer stores)."""
+
+    def local_optim_state(self, model, optimizer, fqn):
+        return {
+            name: value[: (value.numel() + 1) // 2]
+            for name, value in super().local_optim_state(model, optimizer, fqn).items()
+        }
+
+
+def stepped(watch: ShardWatch, strategy: ShardingStrategy) -> None:
+    model = shard_linear(watch, strategy)
+    optimizer = watch.adapter.make_optimizer(model, functools.partial(torch.optim.Adam, lr=0.1))
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("strategy", [ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE])
+def test_ddp_with_an_unsharded_optimizer_declaring_zero_is_red(strategy: ShardingStrategy) -> None:
+    watch = watched(WholeOptimizerState)
+    stepped(watch, strategy)
+    finding = watch.finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
+    if strategy is ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE:  # the gradients are read first
+        assert "claims gradients sharded; this rank stores 10 gradient elements of a model with 10" in str(finding)
+    assert "claims optimizer state sharded; this rank stores 10 elements of the optimizer's 'exp_avg' state" in str(
+        finding
+    )
+
+
+def test_a_partitioned_optimizer_state_meets_the_zero1_claim() -> None:
+    watch = watched(HalfOptimizerState)
+    stepped(watch, ShardingStrategy.SHARD_OPTIM_STATE)
+    assert watch.finding(body_passed=True) is None
+
+
+def test_a_zero1_test_that_never_stepped_falls_back_to_the_backends_collectives() -> None:
+    quiet = watched(ShardsNothingAdapter)  # no collective: nothing the claim shards was observable
+    quiet.adapter.CAPABILITIES = WholeOptimizerState.CAPABILITIES
+    shard_linear(quiet, ShardingStrategy.SHARD_OPTIM_STATE)
+    assert isinstance(quiet.finding(body_passed=True), ExercisedNothing)
+    syncing = watched(WholeOptimizerState)  # a start-up broadcast shows replication
+    shard_linear(syncing, ShardingStrategy.SHARD_OPTIM_STATE)
+    assert syncing.finding(body_passed=True) is None
+
+
+@pytest.mark.parametrize(
+    ("adapter_cls", "strategy"),
+    [
+        (HalvesStorage, ShardingStrategy.FULL_SHARD),
+        (ReportsUnits, ShardingStrategy.FULL_SHARD),
+        (BroadcastsOnShard, ShardingStrategy.NO_SHARD),
+    ],
+)
+def test_each_sign_of_sharding_is_enough(adapter_cls: type[ShardsNothingAdapter], strategy: ShardingStrategy) -> None:
     watch = watched(adapter_cls)
-    shard_linear(watch, ShardingStrategy.NO_SHARD)
+    shard_linear(watch, strategy)
     assert watch.finding(body_passed=True) is None
 
 
