@@ -35,3 +35,32 @@ def hybrid_fits(world: WorldShape, params: Mapping[str, object]) -> str | None:
     if params.get("strategy") is ShardingStrategy.HYBRID_SHARD:
         return fixtures.hybrid_shard_exclusion(world.size, world.local_size)
     return None
+
+
+def unit_plan_fields(plan: str) -> dict[str, object]:
+    """The ``ShardingSpec`` fields of a unit plan over ``fixtures.CompositeModel``: ``auto`` (every
+    ``Unit`` its own unit, then the root), ``manual`` (``unit2`` by FQN, then the root) or
+    ``none`` (the whole model one unit, as ZeRO-1/2 and DDP have it: no units below the root,
+    so a backend without units runs the scenario)."""
+    if plan == "auto":
+        return {"auto_wrap_classes": (fixtures.Unit,)}
+    if plan == "manual":
+        return {"manual_units": ("unit2",)}
+    if plan == "none":
+        return {}
+    raise ValueError(f"unknown unit plan {plan!r}: use auto, manual or none")
+
+
+def lean_unit_plans(world: WorldShape, params: Mapping[str, object]) -> str | None:
+    """``exclude=`` of the world-size marker for scenarios with a ``wrap`` axis: HYBRID_SHARD
+    needs two shard groups (:func:`hybrid_fits`); the unit-less plan (``none``) runs at world
+    size 2 with parameters on the device, and at 4 only in SGD training (pairwise: the plans
+    with units already cover offload, both optimizers and both sizes)."""
+    reason = hybrid_fits(world, params)
+    if reason is not None or params.get("wrap") != "none":
+        return reason
+    if params.get("param_offload"):
+        return "the unit-less plan runs with parameters on the device (offload is covered with units)"
+    if world.size != 2 and params.get("optimizer") != "sgd":
+        return "the unit-less plan runs at world size 4 in SGD training only (pairwise)"
+    return None

@@ -28,6 +28,8 @@ import fixtures
 from conformance.protocol import (
     BackendAdapter,
     Capability,
+    Holding,
+    Phase,
     ShardingSpec,
     ShardingStrategy,
     ShardLayout,
@@ -35,8 +37,9 @@ from conformance.protocol import (
     declared_fqn,
     require,
     require_all,
+    storage_claim,
 )
-from conformance.scenario_specs import hybrid_fits, spec_with_mesh
+from conformance.scenario_specs import lean_unit_plans, spec_with_mesh, unit_plan_fields
 from fixtures.compare import EXACT, Tolerance, describe_difference, differences
 from harness import current_seed
 
@@ -52,6 +55,9 @@ FORWARD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 STEP_TOLERANCE = Tolerance(rtol=1e-6, atol=1e-6)
 LOCAL_BATCH = 2
 
+# The strategies of the unit-less variants: all but HYBRID_SHARD, whose (replicate, shard) mesh
+# the plans with units cover.
+UNITLESS_STRATEGIES = [s for s in ShardingStrategy if s is not ShardingStrategy.HYBRID_SHARD]
 param_offload_axis = pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 
 
@@ -82,6 +88,25 @@ def test_full_state_dict(
     require(backend, Capability.FULL_STATE_DICT)
     spec = dataclasses.replace(_layout_spec(layout), offload_params=param_offload)
     require_all(backend, spec.feature_capabilities())
+    _check_full_state_dict(backend, spec, f"{layout} layout, param_offload={param_offload}", rank, device)
+
+
+@pytest.mark.world_size(min=2, default=2)
+@pytest.mark.parametrize("strategy", UNITLESS_STRATEGIES, ids=lambda s: s.name)
+def test_full_state_dict_unit_less(
+    backend: BackendAdapter, strategy: ShardingStrategy, rank: int, device: torch.device
+) -> None:
+    """test_full_state_dict with the whole model as the only unit (no units below the root), for
+    every strategy: what a backend without units (ZeRO-1/2, DDP) saves and loads."""
+    require(backend, Capability.FULL_STATE_DICT)
+    spec = ShardingSpec(strategy=strategy)
+    require_all(backend, spec.feature_capabilities())
+    _check_full_state_dict(backend, spec, f"{strategy.name}, unit-less", rank, device)
+
+
+def _check_full_state_dict(
+    backend: BackendAdapter, spec: ShardingSpec, label: str, rank: int, device: torch.device
+) -> None:
     local = fixtures.build(fixtures.CompositeModel, current_seed(), device)
     _make_nonzero(local)
     expected = _detached(local.state_dict())
@@ -92,7 +117,7 @@ def test_full_state_dict(
         expected_output = local(*inputs)
 
     for form in backend.forms():
-        where = f"rank {rank}: {form.value}, {layout} layout, param_offload={param_offload}"
+        where = f"rank {rank}: {form.value}, {label}"
         saved = backend.shard(copy.deepcopy(local), spec, form)
         state = backend.state_dict(saved, StateDictKind.FULL)
         _assert_plain(state, where)
@@ -201,12 +226,14 @@ def test_save_load_flow(
         )
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 @param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)
+@pytest.mark.parametrize("wrap", ["auto", "none"])
 def test_optim_state_dict_round_trip(
     backend: BackendAdapter,
+    wrap: str,
     kind: StateDictKind,
     param_offload: bool,
     strategy: ShardingStrategy,
@@ -221,6 +248,8 @@ def test_optim_state_dict_round_trip(
     restored pair gives the same parameters. ``param_offload``: shards and Adam's state on CPU.
     ``strategy``: optimizer state is what every strategy but NO_SHARD partitions, and the only
     thing SHARD_OPTIM_STATE (ZeRO-1) partitions, so each one round-trips its own layout.
+    ``wrap``: every ``Unit`` auto-wrapped, or the whole model one unit (``none``: the plan of
+    a backend without units; world size 2, parameters on the device).
     """
     require(backend, Capability.OPTIM_STATE_DICT)
     require(backend, Capability.for_state_dict(kind))
@@ -229,10 +258,11 @@ def test_optim_state_dict_round_trip(
         world_size,
         device,
         strategy=strategy,
-        auto_wrap_classes=(fixtures.Unit,),
         offload_params=param_offload,
+        **unit_plan_fields(wrap),
     )
-    _optim_round_trip(backend, spec, kind, f"{strategy.name}, param_offload={param_offload}", rank, device)
+    label = f"{strategy.name}, {wrap} units, param_offload={param_offload}"
+    _optim_round_trip(backend, spec, kind, label, rank, device)
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -262,7 +292,12 @@ def test_optim_state_dict_round_trip_flat_params(
 @pytest.mark.world_size(min=2, default=2)
 @pytest.mark.parametrize(
     "strategy",
-    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.SHARD_OPTIM_STATE],
+    [
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.SHARD_OPTIM_STATE,
+        ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE,
+    ],
     ids=lambda s: s.name,
 )
 def test_native_checkpoint_round_trip(
@@ -272,10 +307,12 @@ def test_native_checkpoint_round_trip(
     two identical sharded models and optimizers train two steps; one saves, steps once more
     (parameters and optimizer state move on), loads. It then holds the other's parameters bit
     for bit (read through ``unshard``), and one more step on both gives the same parameters,
-    so the optimizer state came back too. One directory, shared by the ranks."""
+    so the optimizer state came back too. One directory, shared by the ranks. Units where the
+    strategy shards parameters; the whole model one unit where it keeps them whole (ZeRO-1/2)."""
     require(backend, Capability.NATIVE_CHECKPOINT)
     require(backend, Capability.UNSHARD)
-    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,))
+    shards_parameters = storage_claim(strategy).parameters[Phase.AT_REST] is Holding.SHARDED
+    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=(fixtures.Unit,) if shards_parameters else ())
     require_all(backend, spec.feature_capabilities())
     model_cls = fixtures.CompositeModel
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)

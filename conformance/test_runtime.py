@@ -24,7 +24,7 @@ from conformance.protocol import (
     require_all,
     unshard_capabilities,
 )
-from conformance.scenario_specs import hybrid_fits, spec_with_mesh
+from conformance.scenario_specs import lean_unit_plans, spec_with_mesh, unit_plan_fields
 from fixtures.compare import Tolerance, differences, report
 from harness import current_seed
 
@@ -81,17 +81,12 @@ def _spec(
     param_offload: bool = False,
 ) -> ShardingSpec:
     """auto: every ``Unit`` is its own unit, then the root. manual: ``unit2`` by FQN, then the
-    root. HYBRID_SHARD gets an explicit (replicate, shard) mesh in both wrap modes.
+    root. none: the whole model is one unit (no units below the root). HYBRID_SHARD gets an
+    explicit (replicate, shard) mesh in every plan.
     ``param_offload``: sharded parameters (and the optimizer step) live on CPU. Skips (on
     every rank alike) unless the backend has all of it."""
     return spec_with_mesh(
-        backend,
-        world_size,
-        device,
-        strategy=strategy,
-        auto_wrap_classes=(fixtures.Unit,) if wrap == "auto" else (),
-        manual_units=("unit2",) if wrap == "manual" else (),
-        offload_params=param_offload,
+        backend, world_size, device, strategy=strategy, offload_params=param_offload, **unit_plan_fields(wrap)
     )
 
 
@@ -119,6 +114,8 @@ strategy_axis = pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=
 
 
 wrap_axis = pytest.mark.parametrize("wrap", ["auto", "manual"])
+# With the unit-less plan too: the families a backend without units (ZeRO-1/2, DDP) must run.
+plan_axis = pytest.mark.parametrize("wrap", ["auto", "manual", "none"])
 
 
 def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) -> fixtures.OracleRun:
@@ -135,10 +132,10 @@ def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) 
 TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
 @pytest.mark.parametrize(("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"])
 @strategy_axis
-@wrap_axis
+@plan_axis
 def test_training(
     backend: BackendAdapter,
     wrap: str,
@@ -240,10 +237,10 @@ def test_training(
 TRAINED_STEPS = 2
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=hybrid_fits)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
 @pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 @strategy_axis
-@wrap_axis
+@plan_axis
 def test_unshard_after_training(
     backend: BackendAdapter,
     wrap: str,

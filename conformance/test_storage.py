@@ -154,8 +154,9 @@ class StorageProbe:
             whole_everywhere = holding is Holding.WHOLE and any(count != numel for count in counts)
             if not low <= sum(counts) <= high or whole_everywhere:
                 self.problems.append(
-                    f"{self.where}, step {self.step}, {phase.value}: {stored.value} of {key!r} ({numel} elements): the ranks "
-                    f"store {counts} (together {sum(counts)}); {self.claim_text(stored, holding)}, "
+                    f"{self.where}, step {self.step}, {phase.value}: {stored.value} of {key!r} "
+                    f"({numel} elements): the ranks store {counts} (together {sum(counts)}); "
+                    f"{self.claim_text(stored, holding)}, "
                     f"so together between {low} and {high}"
                     + (", each rank all of it" if holding is Holding.WHOLE else "")
                 )

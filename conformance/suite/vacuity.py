@@ -28,10 +28,12 @@ body passed, two things must hold:
    and runs after every test.
 
    Where the strategy shards nothing (NO_SHARD, a shard group of one rank) or nothing it shards
-   was observable (a ZeRO-1 test that never stepped an optimizer), the evidence is the one that
-   replication shows: a collective issued by the backend during the test, inside ``shard()`` or
-   a training-loop, state-dict or checkpoint call of the adapter (``harness.collectives_issued()``
-   read around each call: the harness's trace counts every collective it records).
+   was observable (a ZeRO-1 test that never stepped an optimizer), any sign that the backend
+   took the model over is the evidence: storage that shrank, a unit the adapter reports, or a
+   collective issued by the backend during the test, inside ``shard()`` or a training-loop,
+   state-dict or checkpoint call of the adapter (``harness.collectives_issued()`` read around
+   each call: the harness's trace counts every collective it records). That is what
+   replicating strategies show: NO_SHARD and DeepSpeed stage 0 broadcast or all-reduce.
 
    Collectives the scenario issues itself (its own ``dist.all_reduce`` of a verdict) are not the
    backend's and do not count; neither do those inside ``unshard()`` (a backend only gathers
@@ -178,7 +180,9 @@ class ShardWatch:
         broken: list[str] = []
         for model in self.sharded:
             observed = self._claims_observed(model, world_size)
-            shown.append(any(observed.values()))
+            # Nothing the claim shards was observable: the signs replication shows (shrunk
+            # storage, units, or a collective below) are the evidence.
+            shown.append(any(observed.values()) or model.storage_shrank or self._has_units(model))
             broken += [problem for problem in observed.values() if isinstance(problem, str)]
         if broken:
             return StorageClaimNotMet(
