@@ -24,6 +24,7 @@ BUILTIN: dict[str, str] = {
     "reference": "conformance.adapters.reference:ReferenceAdapter",
     "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
     "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+    "torch-zero": "conformance.adapters.torch_zero:TorchZeroAdapter",
 }
 
 # Built-in adapters for libraries this project does not depend on: listed (and part of ``all``)

@@ -596,3 +596,244 @@ def test_declared_absence_is_real(
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
     PROOFS[backend_name, capability](rank, world_size, device)
+
+
+# == torch-zero: DistributedDataParallel + ZeroRedundancyOptimizer ===============================
+# One block, kept at the end of the file. The proofs register as every other; they are run by the
+# test at the end of the block, because test_declared_absence_is_real above was parametrized from
+# PROOFS before this block ran.
+
+
+def _zero_step(device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """A DDP-wrapped model after one ZeroRedundancyOptimizer (Adam) step: the model, DDP, ZeRO."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _two_linears(device)
+    ddp = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    ddp(torch.full((2, 4), float(dist.get_rank() + 1), device=device)).sum().backward()
+    optimizer.step()
+    return model, ddp, optimizer
+
+
+def _equal_on_every_rank(tensor: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor.contiguous())
+    return all(torch.equal(other, gathered[0]) for other in gathered)
+
+
+def _ddp_options() -> set[str]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return set(inspect.signature(DistributedDataParallel).parameters)
+
+
+def _ddp_replicates_every_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    # No option shards anything; after a ZeRO-1 step every rank holds every parameter whole, the
+    # same values everywhere (ZeroRedundancyOptimizer broadcast each from its owner).
+    assert not {"sharding_strategy", "reshard_after_forward", "shard_parameters", "zero_stage"} & _ddp_options()
+    model, _ddp, _optimizer = _zero_step(device)
+    numels = {name: p.numel() for name, p in _two_linears(device).named_parameters()}
+    for name, param in model.named_parameters():
+        assert param.numel() == numels[name], f"{name}: {param.numel()} of {numels[name]} elements here"
+        assert _equal_on_every_rank(param.detach()), f"{name} differs between ranks"
+
+
+for _capability in (
+    Capability.FULL_SHARD,
+    Capability.SHARD_GRAD_OP,
+    Capability.HYBRID_SHARD,
+    Capability.UNSHARD_RANK0_ONLY,
+):
+    proves("torch-zero", _capability)(_ddp_replicates_every_parameter)
+
+
+@proves("torch-zero", Capability.SHARD_GRAD_AND_OPTIM_STATE)
+def _zero_keeps_every_gradient_whole(rank: int, world_size: int, device: torch.device) -> None:
+    # ZeroRedundancyOptimizer's options partition nothing but the state (parameters_as_bucket_view
+    # packs parameters, overlap_with_ddp steps from DDP's all-reduce hook); after backward every
+    # rank holds the whole, all-reduced gradient of every parameter, also of those whose state
+    # another rank owns.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    options = set(inspect.signature(ZeroRedundancyOptimizer).parameters)
+    assert options == {
+        "params",
+        "optimizer_class",
+        "process_group",
+        "parameters_as_bucket_view",
+        "overlap_with_ddp",
+        "defaults",
+    }, options
+    model, _ddp, optimizer = _zero_step(device)
+    owned = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+    others = [name for name, p in model.named_parameters() if id(p) not in owned]
+    assert others, "this rank owns every parameter's state: nothing to show"
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.shape == param.shape, f"{name}: {param.grad}"
+        assert _equal_on_every_rank(param.grad), f"{name}'s gradient differs between ranks (not all-reduced)"
+
+
+def _ddp_has_no_units(rank: int, world_size: int, device: torch.device) -> None:
+    # Nothing names submodules, and in forward every submodule finds its parameters whole, in
+    # the storage they had at rest: there is nothing to gather or free per submodule.
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert not {"auto_wrap_policy", "ignored_modules", "sharding_strategy"} & _ddp_options()
+    model = _two_linears(device)
+    at_rest = {name: (p.data_ptr(), p.numel()) for name, p in model.named_parameters()}
+    ddp = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+    seen: dict[str, tuple[int, int]] = {}
+
+    def record(prefix: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for name, param in module.named_parameters(prefix=prefix):
+                seen[name] = (param.data_ptr(), param.numel())
+
+        return hook
+
+    for prefix, child in model.named_children():
+        child.register_forward_pre_hook(record(prefix))
+    ddp(torch.ones(2, 4, device=device)).sum().backward()
+    assert seen == at_rest, f"in forward {seen}, at rest {at_rest}"
+
+
+for _capability in (
+    Capability.AUTO_WRAP,
+    Capability.UNITS,
+    Capability.UNMANAGED_ROOT,
+    Capability.MIXED_STRATEGIES,
+    Capability.INTROSPECT_UNSHARDED,
+    Capability.INTROSPECT_UNIT_FQNS,
+    Capability.INTROSPECT_EVENTS,
+    Capability.INTROSPECT_STORAGE,
+):
+    proves("torch-zero", _capability)(_ddp_has_no_units)
+
+
+def _ddp_mixed_precision_is_private(rank: int, world_size: int, device: torch.device) -> None:
+    # The only mixed-precision knob is DDP's mixed_precision argument, typed with a private class
+    # that neither torch.nn.parallel nor its distributed module exports.
+    import torch.nn.parallel
+    import torch.nn.parallel.distributed as ddp_module
+
+    public = {name for name in (*dir(torch.nn.parallel), *ddp_module.__all__) if "precision" in name.lower()}
+    assert not public, f"torch exports {sorted(public)} now"
+    if "mixed_precision" in _ddp_options():
+        assert hasattr(ddp_module, "_MixedPrecision") and not hasattr(ddp_module, "MixedPrecision")
+
+
+proves("torch-zero", Capability.MIXED_PRECISION)(_ddp_mixed_precision_is_private)
+proves("torch-zero", Capability.REDUCE_DTYPE)(_ddp_mixed_precision_is_private)
+
+
+def _ddp_keeps_the_modules_own_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    # No option moves, flattens or gathers parameters, and DDP has no unshard of any kind: the
+    # parameters it trains are the module's own objects, original shapes, on the model's device.
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert not {"cpu_offload", "offload_policy", "use_orig_params", "flatten_parameters"} & _ddp_options()
+    own = {name for name in dir(DistributedDataParallel) if name not in dir(nn.Module)}
+    assert not {"summon_full_params", "unshard", "reshard"} & own
+    model, ddp, _optimizer = _zero_step(device)
+    original = dict(_two_linears(device).named_parameters())
+    for name, param in ddp.named_parameters():
+        inner = name.removeprefix("module.")
+        assert param is model.get_parameter(inner), f"{name} is not the module's own parameter"
+        assert param.shape == original[inner].shape and param.device == device, (name, param.shape, param.device)
+
+
+for _capability in (Capability.CPU_OFFLOAD, Capability.FLAT_PARAMETERS, Capability.UNSHARD_OFFLOAD_TO_CPU):
+    proves("torch-zero", _capability)(_ddp_keeps_the_modules_own_parameters)
+
+
+@proves("torch-zero", Capability.IGNORED_MODULES)
+def _ddp_cannot_ignore_modules_publicly(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert not {"ignored_modules", "ignored_params", "ignored_states"} & _ddp_options()
+    own = {name for name in dir(DistributedDataParallel) if name not in dir(nn.Module)}
+    ignoring = sorted(name for name in own if "ignore" in name.lower())
+    assert ignoring and all(name.startswith("_") for name in ignoring), f"DDP's ignore methods: {ignoring}"
+
+
+@proves("torch-zero", Capability.SHARDED_STATE_DICT)
+def _ddp_state_dicts_are_whole(rank: int, world_size: int, device: torch.device) -> None:
+    # Its own state dict and torch.distributed.checkpoint's sharded one both hold plain, whole tensors.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model, ddp, _optimizer = _zero_step(device)
+    whole = {name: value.shape for name, value in model.state_dict().items()}
+    for state in (ddp.module.state_dict(), get_model_state_dict(ddp, options=StateDictOptions(full_state_dict=False))):
+        assert not any(isinstance(v, DTensor) or hasattr(v, "local_shards") for v in state.values())
+        assert {name: value.shape for name, value in state.items()} == whole
+
+
+@proves("torch-zero", Capability.EXEC_ORDER_CHECK)
+def _ddp_does_not_check_the_order(rank: int, world_size: int, device: torch.device) -> None:
+    # Ranks run two same-sized submodules in opposite orders: the step completes, nothing raises.
+    from torch.nn.parallel import DistributedDataParallel
+
+    from conformance.test_divergence import SwappableUnits
+
+    assert not {"check_exec_order", "forward_prefetch"} & _ddp_options()
+    model = fixtures.build(SwappableUnits, current_seed(), device)
+    ddp = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+    if rank != 0:
+        model.order = tuple(reversed(SwappableUnits.UNIT_FQNS))
+    inputs = fixtures.local_batch(model, seed=current_seed(), iteration=0, rank=rank, batch_size=4, device=device)
+    model.loss(ddp(*inputs)).backward()
+
+
+@proves("torch-zero", Capability.TENSOR_PARALLEL)
+def _ddp_refuses_dtensor_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    # DDP's construction broadcasts the parameters: with every parameter a DTensor the broadcast
+    # has no DTensor rule; beside plain ones (a 2-D model's usual mix), the coalescing refuses.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    every = fixtures.build(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), current_seed(), device)
+    parallelize_module(every, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    some = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
+    parallelize_module(some, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    for model, refusal in (
+        (every, "does not have a sharding strategy registered"),
+        (some, "got mixed torch.Tensor and DTensor"),
+    ):
+        with pytest.raises((NotImplementedError, RuntimeError), match=refusal):
+            DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+
+
+@proves("torch-zero", Capability.NATIVE_CHECKPOINT)
+def _zero_saves_only_consolidated_state(rank: int, world_size: int, device: torch.device) -> None:
+    # Neither class has a save / load of its own, and ZeroRedundancyOptimizer refuses to give its
+    # state at all until consolidate_state_dict gathered the whole of it onto the asking rank.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    for cls, base in ((DistributedDataParallel, nn.Module), (ZeroRedundancyOptimizer, torch.optim.Optimizer)):
+        own = {name for name in dir(cls) if name not in dir(base) and not name.startswith("_")}
+        assert not {name for name in own if "save" in name or "checkpoint" in name}, (cls.__name__, own)
+    _model, _ddp, optimizer = _zero_step(device)
+    with pytest.raises(RuntimeError, match="has not been consolidated on this rank"):
+        optimizer.state_dict()
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    ("backend_name", "capability"), [param for param in _proof_params() if param.values[0] == "torch-zero"]
+)
+def test_torch_zero_declared_absence_is_real(
+    backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
+) -> None:
+    test_declared_absence_is_real(backend_name, capability, rank, world_size, device)
+
+
+# == end of torch-zero ============================================================================
