@@ -74,7 +74,14 @@ def test_select_keeps_order_and_drops_duplicates() -> None:
 
 
 def test_all_expands_to_builtins_and_entry_points(third_party: str, optional_builtins: None) -> None:
-    assert registry.select(["all"]) == ["reference", "torch-fsdp1", "torch-fsdp2", "present-lib", third_party]
+    assert registry.select(["all"]) == [
+        "reference",
+        "torch-fsdp1",
+        "torch-fsdp2",
+        "torch-zero",
+        "present-lib",
+        third_party,
+    ]
 
 
 def test_optional_builtin_is_listed_only_where_its_library_is_installed(optional_builtins: None) -> None:
