@@ -22,11 +22,12 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
   ``UNSHARDED_NAME_PREFIX`` inserted (the seeds': none).
 * Storage, exactly as the adapter's declared ``SHARD_LAYOUT`` gives it
   (``conformance.protocol.ShardLayout``): what each rank stores (``local_shard``) of a flat
-  parameter (ceil(N / world size) elements for a unit of N) or of a sharded original parameter
-  (no rank shows the full tensor), and, where the adapter reports it (``INTROSPECT_STORAGE``),
-  the elements a unit's unsharded storage holds: the layout's padded size while unsharded, 0
-  once freed (the seed's ``numel * world_size`` / ``0``). Scenarios write into a rank's part only through
-  ``set_local_shard`` (under DeepSpeed ZeRO-3 the parameter itself is an empty placeholder).
+  parameter (ceil(N / world size) elements for a unit of N, under any layout: a flat parameter
+  is one flat buffer) or of a sharded original parameter (no rank shows the full tensor), and,
+  where the adapter reports it (``INTROSPECT_STORAGE``), the elements a unit's unsharded storage
+  holds: the padded size while unsharded, 0 once freed (the seed's ``numel * world_size`` /
+  ``0``). Scenarios write into a rank's part only through ``set_local_shard`` (under DeepSpeed
+  ZeRO-3 the parameter itself is an empty placeholder).
 * Refusals: unsharding during forward or backward, ``rank0_only`` with ``writeback``, and
   ``offload_to_cpu`` with ``NO_SHARD`` each raise what the adapter declares in ``REFUSALS``
   (exception types and a message pattern; ``conformance.protocol.Misuse``), checked exactly. A
@@ -463,10 +464,11 @@ def test_unshard_singleton_writeback(
 ) -> None:
     """A 1-element weight: padding written on the other ranks never reaches the real value.
 
-    Each rank stores exactly what the declared ``SHARD_LAYOUT`` gives (a flat parameter, or
-    DeepSpeed's padded part: one element on every rank; otherwise the weight on rank 0 and
-    nothing elsewhere). Every rank writes ``rank + 2`` into what it stores (beyond rank 0 that is
-    padding, or nothing); the full weight then reads 2 (rank 0's). Zeroing it with writeback
+    Each rank stores exactly what the declared ``SHARD_LAYOUT`` gives (DeepSpeed's padded part:
+    one element on every rank; otherwise the weight on rank 0 and nothing elsewhere), or with a
+    flat parameter, one flat buffer under any layout: one element on every rank. Every rank
+    writes ``rank + 2`` into what it stores (beyond rank 0 that is padding, or nothing); the
+    full weight then reads 2 (rank 0's). Zeroing it with writeback
     leaves rank 0's stored element and the full weight at 0, and, as the seed checks, the
     padding the other ranks store keeps ``rank + 2``: writeback writes real elements only.
     """
@@ -478,9 +480,10 @@ def test_unshard_singleton_writeback(
         sizes = [backend.local_shard(sharded, name).numel() for name in names]
         index = 0 if use_orig_params else None
         wanted = [expected_local_numel(layout, [torch.Size([1, 1])], index, rank, world_size)]
+        rule = f"{layout.name} ({layout.value})" if use_orig_params else "a flat parameter (one flat buffer per unit)"
         assert sizes == wanted, (
             f"{form.value}: rank {rank} stores {dict(zip(names, sizes))} elements of the 1-element "
-            f"weight; {layout.name} ({layout.value}) gives {wanted}"
+            f"weight; {rule} gives {wanted}"
         )
         for name, size in zip(names, sizes):
             if size:
@@ -547,7 +550,7 @@ def test_unshard_respects_reshard(
     def check(sharded: nn.Module, root: bool, when: str) -> None:
         state = {unit: backend.is_unsharded(sharded, unit) for unit in ("", "0")}
         assert state == {"": root, "0": False}, f"{when}: unsharded per unit {state}"
-        _check_unsharded_storage(backend, sharded, {"": root, "0": False}, world_size, when)
+        _check_unsharded_storage(backend, sharded, {"": root, "0": False}, use_orig_params, world_size, when)
 
     for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
         where = form.value
@@ -574,24 +577,32 @@ _TWO_LAYER_UNITS = {"": ("1.weight",), "0": ("0.weight",)}
 
 
 def _check_unsharded_storage(
-    backend: BackendAdapter, sharded: nn.Module, unsharded: dict[str, bool], world_size: int, where: str
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    unsharded: dict[str, bool],
+    use_orig_params: bool,
+    world_size: int,
+    where: str,
 ) -> None:
     """Where the backend reports storage (``INTROSPECT_STORAGE``), each TwoLayer unit's allocated
-    unsharded storage is exactly its padded size under the declared ``SHARD_LAYOUT`` while
-    unsharded and 0 once freed: a buffer left allocated, or freed only in part, fails (the
-    seed's ``numel * world_size`` / ``0`` checks). Without it, ``is_unsharded`` is what there is."""
+    unsharded storage is exactly its padded size while unsharded (under the declared
+    ``SHARD_LAYOUT``, or with flat parameters one flat buffer under any layout) and 0 once
+    freed: a buffer left allocated, or freed only in part, fails (the seed's
+    ``numel * world_size`` / ``0`` checks). Without it, ``is_unsharded`` is what there is."""
     if not backend.supports(Capability.INTROSPECT_STORAGE):
         return
     layout = type(backend).SHARD_LAYOUT
+    flat = not use_orig_params
     shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
     seen, wanted = {}, {}
     for unit, names in _TWO_LAYER_UNITS.items():
         seen[unit] = backend.unsharded_storage_numel(sharded, unit)
-        padded = expected_unsharded_numel(layout, [shapes[name] for name in names], world_size)
+        padded = expected_unsharded_numel(layout, [shapes[name] for name in names], world_size, flat_parameter=flat)
         wanted[unit] = padded if unsharded[unit] else 0
+    rule = "a flat parameter (one flat buffer per unit)" if flat else layout.name
     assert seen == wanted, (
         f"{where}: unsharded storage per unit holds {seen} elements, expected {wanted} "
-        f"({layout.name}: the padded size while unsharded, 0 once freed; unsharded units: "
+        f"({rule}: the padded size while unsharded, 0 once freed; unsharded units: "
         f"{sorted(u for u, state in unsharded.items() if state)})"
     )
 
@@ -648,7 +659,7 @@ def _check_names_and_storage(
             f"{where}: ranks 0..{world_size - 1} store {seen} elements of sharded {name} "
             f"{tuple(shapes[name])}; {layout.name} ({layout.value}) gives {wanted}"
         )
-    _check_unsharded_storage(backend, sharded, unsharded, world_size, where)
+    _check_unsharded_storage(backend, sharded, unsharded, use_orig_params, world_size, where)
     for unit, names in _TWO_LAYER_UNITS.items():
         if unsharded[unit]:
             for name in names:

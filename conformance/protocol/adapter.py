@@ -6,7 +6,9 @@ methods: each public method (``shard``, ``unshard``, the state dicts, the native
 checks every capability the call exercises, then calls the adapter's implementation (``_shard``,
 ``_unshard``, ...; :data:`TEMPLATE_METHODS`). An adapter written for a protocol before version 3
 implemented the public methods itself; its methods are adopted as the implementations when its
-class is created (:func:`_adopt_implementations`).
+class is created (:func:`_adopt_implementations`), under names of the protocol's own so that
+they never collide with the adapter's helpers, and its parameter lookup sees through the
+wrapper it could not yet declare (:func:`_adopt_name_lookup`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         # Adoption first, then the bases' checks (BackendCapabilities: an API form is declared),
         # the order they have always run in.
         _adopt_implementations(cls)
+        _adopt_name_lookup(cls)
         super().__init_subclass__(**kwargs)
 
     def __init__(self, env: BackendEnv) -> None:
@@ -90,7 +93,7 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         """Shard ``model`` (already on ``env.device``) and return the module to run, after
         checking ``spec.needed_capabilities(form)`` and the declared combinations."""
         require_all(self, spec.needed_capabilities(form) | spec.conditions())
-        sharded = self._shard(model, spec, form)
+        sharded = _implementation(self, "shard")(model, spec, form)
         self._specs()[sharded] = spec
         return sharded
 
@@ -139,7 +142,7 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
             "with_grads": with_grads,
         }
         require_all(self, unshard_capabilities(**options) | self._spec_requirements(model))
-        with self._unshard(model, fqn, **options):
+        with _implementation(self, "unshard")(model, fqn, **options):
             yield
 
     @abc.abstractmethod
@@ -170,18 +173,18 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
     def state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
         """Model state dict keyed by original FQNs (see :class:`StateDictKind`)."""
         require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
-        return self._state_dict(model, kind)
+        return _implementation(self, "state_dict")(model, kind)
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
         """Load a state dict of ``kind`` produced by :meth:`state_dict` (strict)."""
         require_all(self, {Capability.for_state_dict(kind)} | self._spec_requirements(model))
-        self._load_state_dict(model, state_dict, kind)
+        _implementation(self, "load_state_dict")(model, state_dict, kind)
 
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, kind: StateDictKind) -> dict[str, Any]:
         """Optimizer state dict keyed by parameter FQNs."""
         needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
         require_all(self, needed | self._spec_requirements(model))
-        return self._optim_state_dict(model, optim, kind)
+        return _implementation(self, "optim_state_dict")(model, optim, kind)
 
     def load_optim_state_dict(
         self,
@@ -193,7 +196,7 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         """Load an optimizer state dict produced by :meth:`optim_state_dict`."""
         needed = {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(kind)}
         require_all(self, needed | self._spec_requirements(model))
-        self._load_optim_state_dict(model, optim, state_dict, kind)
+        _implementation(self, "load_optim_state_dict")(model, optim, state_dict, kind)
 
     @abc.abstractmethod
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
@@ -223,12 +226,12 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         ``directory`` (the same path on every rank; every rank calls this). The suite never
         reads the files: it checks them by round trip (load, compare full state, train on)."""
         require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
-        self._save_checkpoint(model, optim, directory)
+        _implementation(self, "save_checkpoint")(model, optim, directory)
 
     def load_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
         """Load what :meth:`save_checkpoint` wrote into ``model`` and ``optim`` (sharded alike)."""
         require_all(self, {Capability.NATIVE_CHECKPOINT} | self._spec_requirements(model))
-        self._load_checkpoint(model, optim, directory)
+        _implementation(self, "load_checkpoint")(model, optim, directory)
 
     def _save_checkpoint(self, model: nn.Module, optim: torch.optim.Optimizer, directory: str) -> None:
         raise AssertionError(f"{type(self).__name__} declares NATIVE_CHECKPOINT but lacks _save_checkpoint")
@@ -262,24 +265,99 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         raise AssertionError(f"{type(self).__name__} declares INTROSPECT_EVENTS but lacks it")
 
 
+# Before protocol 3 an adapter implemented the public methods itself; the protocol keeps its
+# methods under these names (never an adapter's: protocol 1 and 2 had no private names to
+# collide with), so an adapter's own helper called e.g. ``_unshard`` stays the adapter's.
+_ADOPTED_PREFIX = "_protocol_adopted_"
+# The first protocol version in which adapters implement the underscored methods and declare
+# their wrapper's path components (WRAPPER_COMPONENTS); older adapters are adopted.
+_TEMPLATE_METHODS_VERSION = 3
+
+
+def _adopted_name(public: str) -> str:
+    return f"{_ADOPTED_PREFIX}{public}"
+
+
+def _is_old(cls: type) -> bool:
+    return getattr(cls, "PROTOCOL_VERSION", 1) < _TEMPLATE_METHODS_VERSION
+
+
+def _implementation(adapter: BackendAdapter, public: str) -> Any:
+    """The bound method a template method calls for ``public``: that of the nearest class (in the
+    MRO) that provides it, by an adopted public method (an old adapter's) or by the underscored
+    implementation (a current adapter's, or the protocol's own default). An old adapter's
+    underscored names are its own helpers, never the implementation."""
+    adopted, implementation = _adopted_name(public), TEMPLATE_METHODS[public]
+    for klass in type(adapter).__mro__:
+        members = vars(klass)
+        if adopted in members:
+            return members[adopted].__get__(adapter, type(adapter))
+        if implementation in members and (klass is BackendAdapter or not _is_old(klass)):
+            return members[implementation].__get__(adapter, type(adapter))
+    raise AssertionError(f"BackendAdapter defines {implementation}: unreachable")
+
+
 def _adopt_implementations(cls: type[BackendAdapter]) -> None:
     """Keep the public methods the protocol's templates.
 
     An adapter written for a protocol before version 3 implemented ``shard``, ``unshard`` and the
-    state-dict methods itself: its methods become the implementations (``_shard``, ...) behind
-    the checking templates, so it keeps running and gains the checks. From version 3 on, an
-    adapter implements the underscored methods; overriding a public one is refused, since it
+    state-dict methods itself: its methods become the implementations behind the checking
+    templates, so it keeps running and gains the checks. They are kept under a name of the
+    protocol's (``_protocol_adopted_unshard``), never under ``_unshard``: an old adapter may have
+    its own helper by that name (``_unshard(engine, fqn, writeback)``), which must stay the one
+    its own code calls and must never be taken for the implementation. Where the adapter has no
+    ``_unshard`` of its own, the adopted method also fills that abstract slot. From version 3 on,
+    an adapter implements the underscored methods; overriding a public one is refused, since it
     would bypass the capability checks.
     """
     for public, implementation in TEMPLATE_METHODS.items():
         if public not in vars(cls):
             continue
-        if cls.PROTOCOL_VERSION >= 3:
+        if not _is_old(cls):
             raise TypeError(
                 f"{cls.__name__} overrides {public}(), which checks the declared capabilities before "
                 f"calling the adapter: implement {implementation}() instead (protocol version "
                 f"{cls.PROTOCOL_VERSION}; docs/writing-an-adapter.md)"
             )
-        if implementation not in vars(cls):
-            setattr(cls, implementation, vars(cls)[public])
+        adopted = vars(cls)[public]
+        setattr(cls, _adopted_name(public), adopted)
+        if getattr(getattr(cls, implementation, None), "__isabstractmethod__", False):
+            setattr(cls, implementation, adopted)
         delattr(cls, public)
+
+
+def _adopt_name_lookup(cls: type[BackendAdapter]) -> None:
+    """Give an adapter written before protocol 3 a parameter lookup that sees through its wrapper.
+
+    Such an adapter could not declare ``WRAPPER_COMPONENTS``: the storage hooks' default lookup
+    (``named_parameter``, through ``original_fqn``) then misses a parameter its wrapper shows as
+    ``module.<fqn>`` (a ZeRO engine, DDP). Where the adapter keeps the default lookup, a name
+    that matches no parameter exactly matches the one parameter whose name ends in ``.<fqn>``
+    (the wrapper's leading path); none or several is an error naming the fix.
+    """
+    if _is_old(cls) and cls.named_parameter is BackendHooks.named_parameter:
+        cls.named_parameter = _named_parameter_through_wrapper  # type: ignore[method-assign]
+
+
+def _named_parameter_through_wrapper(self: BackendAdapter, model: nn.Module, fqn: str) -> nn.Parameter:
+    """:meth:`BackendHooks.named_parameter` for an adapter written before protocol 3 (see
+    :func:`_adopt_name_lookup`)."""
+    try:
+        return BackendHooks.named_parameter(self, model, fqn)
+    except KeyError as missing:
+        problem = missing.args[0]
+    suffix = f".{fqn}"
+    found: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if self.original_fqn(name).endswith(suffix):
+            found.setdefault(id(param), (name, param))
+    if len(found) == 1:
+        return next(iter(found.values()))[1]
+    shown = sorted(name for name, _ in found.values())
+    raise KeyError(
+        f"{problem}; {type(self).__name__} was written for protocol version {self.PROTOCOL_VERSION}, before "
+        f"adapters declared the path components their wrapper inserts, and "
+        + (f"several parameters end in {suffix!r}: {shown}" if shown else f"no parameter ends in {suffix!r}")
+        + ". Declare them in WRAPPER_COMPONENTS (e.g. frozenset({'module'})) and set PROTOCOL_VERSION "
+        "(docs/writing-an-adapter.md)"
+    )

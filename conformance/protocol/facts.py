@@ -5,8 +5,9 @@ Where the upstream tests leave a backend a choice, an adapter declares what its 
 exactly that (docs/writing-an-adapter.md, "Backend facts"): how each :class:`Misuse` is refused
 (:class:`Refusal`, :data:`SEED_REFUSALS`), what ``unshard()`` shows under mixed precision
 (:class:`MixedPrecisionUnshard`), how parameters are split over the ranks (:class:`ShardLayout`,
-with :func:`expected_local_numel` and :func:`expected_unsharded_numel`), and the names a backend
-shows (``WRAPPER_COMPONENTS``, ``FLAT_PARAMETER_NAME``, ``UNSHARDED_NAME_PREFIX``). The functions
+with :func:`expected_local_numel` and :func:`expected_unsharded_numel`), the names a backend
+shows (``WRAPPER_COMPONENTS``, ``FLAT_PARAMETER_NAME``, ``UNSHARDED_NAME_PREFIX``) and where its
+library's code lives (``BACKEND_MODULES``, for the call sites of the collective trace). The functions
 at the end read a backend's declarations the way scenarios must: :func:`declared_fqn`,
 :func:`unsharded_name`, :func:`flat_param_fqn`, :func:`declared_refusal`, :func:`refused`.
 """
@@ -83,10 +84,17 @@ class MixedPrecisionUnshard:
 
 
 class ShardLayout(enum.Enum):
-    """How a backend splits a unit's parameters over the ranks (``SHARD_LAYOUT``): what each rank
-    stores of a parameter (:meth:`BackendAdapter.local_shard`) and how many elements a unit's
-    unsharded storage holds (:meth:`BackendAdapter.unsharded_storage_numel`), both exactly
+    """How a backend splits a unit's original parameters over the ranks (``SHARD_LAYOUT``): what
+    each rank stores of a parameter (:meth:`BackendAdapter.local_shard`) and how many elements a
+    unit's unsharded storage holds (:meth:`BackendAdapter.unsharded_storage_numel`), both exactly
     (:func:`expected_local_numel`, :func:`expected_unsharded_numel`).
+
+    A flat parameter (``ShardingSpec.use_orig_params=False``) is one flat buffer per unit under
+    every layout: each rank stores ceil(N / world size) of a unit's N elements, and the unit's
+    unsharded storage holds that times the world size. So a backend that keeps flat parameters
+    as flat units and original parameters otherwise (e.g. in rows) declares the layout of its
+    original parameters; the flat rule applies by itself (``index`` None in
+    :func:`expected_local_numel`, ``flat_parameter`` in :func:`expected_unsharded_numel`).
 
     FLAT_UNIT (torch FSDP1, the seeds', the default): a unit's parameters, flattened in
     registration order, form one buffer padded at its end to a multiple of the world size; rank r
@@ -112,19 +120,18 @@ def expected_local_numel(
     layout: ShardLayout, shapes: list[torch.Size], index: int | None, rank: int, world_size: int
 ) -> int:
     """Elements rank ``rank`` stores of parameter ``index`` of a unit whose parameters have
-    ``shapes`` (registration order), or of the unit's flat parameter (``index`` None, FLAT_UNIT
-    only). FLAT_UNIT assumes no gaps between parameters: exact for one-parameter units, where
-    the alignment padding a backend may insert between parameters cannot arise."""
+    ``shapes`` (registration order), or of the unit's flat parameter (``index`` None): one flat
+    buffer whatever ``layout`` says of original parameters, ceil(N / world size) elements on
+    every rank. FLAT_UNIT assumes no gaps between parameters: exact for one-parameter units,
+    where the alignment padding a backend may insert between parameters cannot arise."""
     numels = [shape.numel() for shape in shapes]
+    chunk = _ceil_div(sum(numels), world_size)
+    if index is None:
+        return chunk
     if layout is ShardLayout.FLAT_UNIT:
-        chunk = _ceil_div(sum(numels), world_size)
-        if index is None:
-            return chunk
         start = sum(numels[:index])
         stop = start + numels[index]
         return max(0, min(stop, (rank + 1) * chunk) - max(start, rank * chunk))
-    if index is None:
-        raise ValueError(f"{layout.name} has no flat parameter per unit: name a parameter")
     shape = shapes[index]
     if layout is ShardLayout.ROWS:
         rows = shape[0] if len(shape) else 1
@@ -134,10 +141,14 @@ def expected_local_numel(
     return _ceil_div(numels[index], world_size)
 
 
-def expected_unsharded_numel(layout: ShardLayout, shapes: list[torch.Size], world_size: int) -> int:
-    """Elements of a unit's unsharded storage while it is allocated (padding included)."""
+def expected_unsharded_numel(
+    layout: ShardLayout, shapes: list[torch.Size], world_size: int, *, flat_parameter: bool = False
+) -> int:
+    """Elements of a unit's unsharded storage while it is allocated (padding included).
+    ``flat_parameter``: the unit is sharded with a flat parameter (``use_orig_params=False``),
+    one flat buffer whatever ``layout`` says of original parameters."""
     numels = [shape.numel() for shape in shapes]
-    if layout is ShardLayout.FLAT_UNIT:
+    if layout is ShardLayout.FLAT_UNIT or flat_parameter:
         return _ceil_div(sum(numels), world_size) * world_size
     if layout is ShardLayout.ROWS:
         total = 0
@@ -168,8 +179,10 @@ class BackendFacts:
     # How each misuse is refused; a misuse left out is held to the seeds' refusal.
     REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
     MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
-    # How parameters are split over the ranks (protocol 4): local_shard sizes and, with
-    # INTROSPECT_STORAGE, unsharded storage sizes are checked exactly against it.
+    # How original parameters are split over the ranks (protocol 4): local_shard sizes and, with
+    # INTROSPECT_STORAGE, unsharded storage sizes are checked exactly against it. A flat
+    # parameter is one flat buffer per unit under any layout (ShardLayout): declare the layout
+    # of your original parameters.
     SHARD_LAYOUT: ClassVar[ShardLayout] = ShardLayout.FLAT_UNIT
     # What the module shard() returns puts in front of every original FQN in the names it lists
     # inside the unshard context (its own child attribute, for an adapter whose root wrapper does
@@ -180,6 +193,15 @@ class BackendFacts:
     # left whole. "2-D" (the seed's, FSDP1): on the 2-D mesh, placements (Shard(0), Replicate());
     # "dp": on the dp mesh, (Shard(0),). Tensor-parallel values are always on the 2-D mesh.
     NON_TP_2D_STATE_DICT_MESH: ClassVar[str] = "2-D"
+    # Import names of the packages (or modules) that hold the backend library's own code (e.g.
+    # ("deepspeed",)), protocol 5. The collective trace names the line that issued each
+    # collective; frames inside these are left out, so a collective the library issues is named
+    # by the scenario line that called into it: the same on every rank, even where the library
+    # itself takes rank-dependent paths (the owner of a parameter broadcasts it, the others
+    # receive it) that issue matching collectives from different lines of its own. Without it,
+    # such paths are reported as divergent collectives. The adapter's own module and the protocol
+    # are always left out; torch's frames too, so a backend built into torch declares nothing.
+    BACKEND_MODULES: ClassVar[tuple[str, ...]] = ()
 
     def original_fqn(self, name: str) -> str:
         """The original model's FQN for a name seen on a sharded model: the name without the

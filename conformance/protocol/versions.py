@@ -65,6 +65,7 @@ ADDED: dict[int, Additions] = {
     5: Additions(
         capabilities=frozenset({Capability.SHARD_GRAD_AND_OPTIM_STATE, Capability.REDUCE_DTYPE, Capability.NO_SYNC}),
         hooks=("local_optim_state",),
+        facts=("BACKEND_MODULES",),
     ),
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.protocol.versions.ADDED must describe every protocol version"

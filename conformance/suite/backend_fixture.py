@@ -3,23 +3,48 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from conformance.protocol import BackendAdapter, BackendEnv
 from conformance.suite import registry
 from conformance.suite.vacuity import ShardWatch
-from harness import RankContext, rank_fixture, register_label_provider
+from harness import RankContext, rank_fixture, register_label_provider, skip_call_sites_in
+
+# The suite's own code: a backend declaring one of these would hide the scenarios' lines too.
+_SUITE_PACKAGES = ("conformance", "harness", "fixtures")
 
 
-def _skip_adapter_call_sites(module: str) -> None:
-    """Call sites in the trace name the scenario's line, not the adapter's nor the protocol's (the
-    template methods and default hooks between a scenario and its backend, e.g. the default
-    `backward`): the same on every rank, and the line a user can act on."""
-    from harness import skip_call_sites_in
-
-    skip_call_sites_in("conformance.protocol", module)
-    if module.startswith("conformance.adapters."):
+def _skip_adapter_call_sites(adapter_cls: type[BackendAdapter]) -> None:
+    """Call sites in the trace name the scenario's line, not the adapter's (its module and those of
+    the adapter classes it builds on, e.g. the template's) nor the protocol's (the template
+    methods and default hooks between a scenario and its backend, e.g. the default `backward`) nor
+    the suite's watch on the adapter's calls (conformance.suite.vacuity): the same on every rank,
+    and the line a user can act on. For every test of the rank's life."""
+    modules = [klass.__module__ for klass in adapter_cls.__mro__ if klass not in BackendAdapter.__mro__]
+    skip_call_sites_in("conformance.protocol", "conformance.suite.vacuity", *dict.fromkeys(modules))
+    if any(module.startswith("conformance.adapters.") for module in modules):
         skip_call_sites_in("conformance.adapters")
+
+
+def skip_backend_call_sites(adapter_cls: type[BackendAdapter]) -> Callable[[], None]:
+    """Leave the backend library's declared packages (``BACKEND_MODULES``) out of call sites for
+    one test, so a collective the library issues is named by the scenario line that called into
+    it; returns what takes them back (the next test may run another backend in this rank)."""
+    declared = tuple(adapter_cls.BACKEND_MODULES)
+    covering = [name for name in declared if name.split(".")[0] in _SUITE_PACKAGES]
+    if covering:
+        raise ValueError(
+            f"{adapter_cls.__name__}.BACKEND_MODULES names {covering}, the conformance suite's own code: "
+            "its frames would hide the scenarios' lines from the collective trace; name only the "
+            "packages of the backend library (e.g. ('deepspeed',))"
+        )
+    try:
+        return skip_call_sites_in(*declared)
+    except ValueError as error:
+        raise ValueError(
+            f"{adapter_cls.__name__}.BACKEND_MODULES = {declared!r}: {error} (declare the import names "
+            "of the backend library's packages, e.g. ('deepspeed',))"
+        ) from None
 
 
 @rank_fixture
@@ -27,8 +52,9 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     """The adapter for this test's backend, built fresh for every test in every rank.
 
     For the test's duration the adapter's ``collective_label`` names the collectives in the
-    harness's trace; afterwards its ``close`` runs (before the harness destroys the test's
-    process groups) and the label provider is removed. A test that passed without making the
+    harness's trace, and the library packages it declares (``BACKEND_MODULES``) are left out of
+    their call sites; afterwards its ``close`` runs (before the harness destroys the test's
+    process groups), and the label provider and the packages are taken back. A test that passed without making the
     adapter shard anything, or (world size > 1) without any sign that the backend sharded,
     fails (``conformance.suite.vacuity``).
     """
@@ -39,10 +65,15 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             "conformance.suite.backend_plugin (root conftest pytest_plugins) so --backend applies"
         )
     adapter_cls = registry.load(selection)
-    _skip_adapter_call_sites(adapter_cls.__module__)
-    adapter = adapter_cls(
-        BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
-    )
+    _skip_adapter_call_sites(adapter_cls)
+    take_back_backend_sites = skip_backend_call_sites(adapter_cls)
+    try:
+        adapter = adapter_cls(
+            BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
+        )
+    except BaseException:
+        take_back_backend_sites()
+        raise
     watch = ShardWatch(adapter)
     unregister = register_label_provider(adapter.collective_label)
     try:
@@ -55,5 +86,6 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             adapter.close()
         finally:
             unregister()
+            take_back_backend_sites()
     if vacuous is not None:
         raise vacuous

@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 
 import torch
@@ -62,13 +62,16 @@ def in_asymmetric_region() -> bool:
     return _regions.depth > 0
 
 
-def skip_call_sites_in(*packages: str) -> None:
+def skip_call_sites_in(*packages: str) -> Callable[[], None]:
     """Leave the frames of these importable packages or modules (e.g. a backend's) out of call sites.
 
     The site then names the line that called into them, which differs between ranks when they
     issued a collective from different places in their own code. A package skips its whole
-    directory, a module only its own file.
+    directory, a module only its own file. Returns a function that takes back what this call
+    added (not what was skipped before it), for a skip that lasts one test: a rank runs many
+    tests, and one backend's packages must not hide another test's lines.
     """
+    added: list[str] = []
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or not (spec.origin or spec.submodule_search_locations):
@@ -80,7 +83,17 @@ def skip_call_sites_in(*packages: str) -> None:
         for prefix in prefixes:
             if prefix not in _skipped_dirs:
                 _skipped_dirs.append(prefix)
+                added.append(prefix)
                 _code_files.clear()  # verdicts cached before may have changed
+
+    def take_back() -> None:
+        for prefix in added:
+            if prefix in _skipped_dirs:
+                _skipped_dirs.remove(prefix)
+                _code_files.clear()
+        added.clear()
+
+    return take_back
 
 
 def call_site(depth: int = 2) -> str:

@@ -7,6 +7,13 @@ ranks run two equal-sized units in opposite orders (``conformance.test_divergenc
 with no capability check and no ``expect_divergence`` marker; then the same step with the
 ranks agreeing, which must pass, so a failure of the first is the divergence and not a broken
 adapter or a session that died.
+
+The converse: a backend library's own rank-dependent paths are never a divergence. Where the
+library's owner rank broadcasts from one line and the others receive from another
+(tests/conformance/owner_broadcast_lib), an adapter that declares the library's package
+(``BACKEND_MODULES``) passes, every collective named by the scenario's line; the same adapter
+without the declaration fails on the library's two lines, in the same ranks right after, so the
+declaration lasts one test.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from adapter_testing import run_inner_session
+from adapter_testing import run_inner_session, traced_tables
 
+from conformance.suite.backend_fixture import skip_backend_call_sites
+from tests.conformance.owner_broadcast_adapters import OwnerBroadcastAdapter
 from tests.support.pytest_output import failure_sections
 
 BACKENDS = ("torch-fsdp1", "torch-fsdp2", "reference")
@@ -83,3 +92,70 @@ def test_reference_raises_its_order_error(inner_report: dict[str, str]) -> None:
     assert re.search(r"rank 0: failed.*Forward order differs across ranks", failure, re.S), failure
     assert re.search(r"rank 1: failed.*Forward order differs across ranks", failure, re.S), failure
     assert "ranks issued divergent collectives" not in failure, failure
+
+
+# -- a backend library's own paths are not the user's ------------------------------------------
+
+OWNER_BROADCAST = "tests.conformance.owner_broadcast_adapters:"
+OWNER_BROADCAST_TESTS = """
+import pytest
+import torch
+import torch.nn as nn
+from conformance.protocol import ApiForm, ShardingSpec, ShardingStrategy
+
+@pytest.mark.world_size(2)
+def test_replicated_from_the_owner(backend, rank, device):
+    model = nn.Linear(4, 2).to(device)
+    with torch.no_grad():
+        model.weight.fill_(rank + 1)
+    backend.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)  # the scenario's line
+    assert torch.all(model.weight == 1), model.weight
+"""
+SCENARIO_LINE = next(
+    number for number, line in enumerate(OWNER_BROADCAST_TESTS.splitlines(), 1) if "the scenario's line" in line
+)
+
+
+def test_a_backend_librarys_own_paths_are_not_a_divergence(tmp_path) -> None:
+    result = run_inner_session(
+        tmp_path,
+        OWNER_BROADCAST_TESTS,
+        [f"{OWNER_BROADCAST}OwnerBroadcastAdapter", f"{OWNER_BROADCAST}OwnerBroadcastUndeclared"],
+        "--show-traces",
+        "-s",
+    )
+    output = result.stdout + result.stderr
+    assert "PASSED test_inner.py::test_replicated_from_the_owner[owner-broadcast]" in output, output
+    assert "FAILED test_inner.py::test_replicated_from_the_owner[owner-broadcast-undeclared]" in output, output
+    assert "1 pool starts, 2 rank processes" in output, output  # the same ranks ran both, declared first
+    declared, undeclared = traced_tables(output)
+    # Every collective of the declared run, the library's broadcasts and the template's DDP one,
+    # on both ranks: named by the scenario's line.
+    sites = re.findall(r"(\S+\.py:\d+)", declared)
+    assert len(sites) == 6 and set(sites) == {f"test_inner.py:{SCENARIO_LINE}"}, declared
+    library = r"\S*owner_broadcast_lib/__init__\.py:\d+"
+    assert re.search(
+        rf"ranks issued divergent collectives: collective #1 on group \[0, 1\]: rank 0 broadcast 8 float32 at "
+        rf"{library} vs rank 1 broadcast 8 float32 at {library}",
+        output,
+    ), output
+    assert "owner_broadcast_lib" in undeclared and "owner_broadcast_lib" not in declared
+
+
+def test_declared_backend_modules_must_be_the_librarys() -> None:
+    """A declared package that is not importable, or that holds the suite's own code (it would hide
+    the scenarios' lines), is refused naming the fix; a valid declaration can be taken back."""
+
+    class NotImportable(OwnerBroadcastAdapter):
+        BACKEND_MODULES = ("no_such_library_anywhere",)
+
+    class TheSuite(OwnerBroadcastAdapter):
+        BACKEND_MODULES = ("conformance.scenario_specs",)
+
+    with pytest.raises(
+        ValueError, match=r"NotImportable.BACKEND_MODULES = \('no_such_library_anywhere',\).*import names"
+    ):
+        skip_backend_call_sites(NotImportable)
+    with pytest.raises(ValueError, match=r"TheSuite.BACKEND_MODULES names \['conformance.scenario_specs'\].*hide"):
+        skip_backend_call_sites(TheSuite)
+    skip_backend_call_sites(OwnerBroadcastAdapter)()

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import conformance.test_unshard_params as unshard_scenarios  # a module, so its tests are not collected here
 import fixtures
 from conformance.protocol import (
     BackendAdapter,
@@ -30,6 +31,7 @@ from conformance.protocol import (
 )
 from conformance.suite import registry
 from harness import current_seed
+from tests.conformance.layout_adapters import FlatUnitsOriginalRows, FlatUnitsOriginalRowsMisdeclared
 
 Proof = Callable[[int, int, torch.device], None]
 PROOFS: dict[tuple[str, str], Proof] = {}
@@ -475,6 +477,37 @@ def test_declared_refusals_are_checked_exactly() -> None:
     assert tp.mismatch(RuntimeError("Found TP device_mesh on the 0 dimension of its parent mesh")) is None
     assert tp.mismatch(RuntimeError("TP must be the innermost dimension")) is not None
     assert re.search(tp.pattern, "Found TP device_mesh on the 1 dimension of its parent mesh")
+
+
+@pytest.mark.world_size(2)
+def test_a_flat_parameter_is_one_flat_buffer_under_any_declared_layout(
+    rank: int, world_size: int, device: torch.device
+) -> None:
+    """A backend keeping flat parameters as flat units and original ones in rows declares ROWS,
+    the layout of its original parameters: the storage scenarios hold its flat parameters to one
+    flat buffer per unit (once, any layout but FLAT_UNIT made them fail: "ROWS has no flat
+    parameter per unit") and its original parameters to the declared layout, which must be true
+    (the same backend declaring PER_PARAMETER fails on its original parameters only)."""
+    env = BackendEnv(rank, world_size, device)
+    backend = FlatUnitsOriginalRows(env)
+    unshard_scenarios.test_unshard_singleton_writeback(
+        backend=backend, use_orig_params=False, rank=rank, world_size=world_size, device=device
+    )
+    for use_orig_params in (False, True):
+        unshard_scenarios.test_unshard_names_and_storage(
+            backend=backend, use_orig_params=use_orig_params, world_size=world_size, device=device
+        )
+    misdeclared = FlatUnitsOriginalRowsMisdeclared(env)
+    unshard_scenarios.test_unshard_names_and_storage(
+        backend=misdeclared, use_orig_params=False, world_size=world_size, device=device
+    )
+    # 1.weight (3 x 5): rows of 2 and 1 at two ranks; PER_PARAMETER would be 8 padded elements each.
+    with pytest.raises(
+        AssertionError, match=r"store \[10, 5\] elements of sharded 1\.weight .*PER_PARAMETER.* gives \[8, 8\]"
+    ):
+        unshard_scenarios.test_unshard_names_and_storage(
+            backend=misdeclared, use_orig_params=True, world_size=world_size, device=device
+        )
 
 
 def _proofs_at(world_size: int) -> list[tuple[str, str]]:
