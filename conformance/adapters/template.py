@@ -55,7 +55,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 4
+    PROTOCOL_VERSION = 5
     # Test ids, reports and expectations use it; the expectations file is
     # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
     name = "template-ddp"
@@ -73,6 +73,7 @@ class TemplateAdapter(BackendAdapter):
             Capability.UNSHARD_WRITEBACK,
             Capability.FULL_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
+            Capability.NO_SYNC,  # DDP's no_sync(): see no_gradient_sync below
         }
     )
     # The reason each missing capability is missing: a claim about the backend, so a true one.
@@ -105,6 +106,12 @@ class TemplateAdapter(BackendAdapter):
     # left whole: "2-D" (the seeds': the 2-D mesh, (Shard(0), Replicate())) or "dp" (the dp mesh,
     # (Shard(0),)). DDP has no 2-D state dict, so the default stands.
     NON_TP_2D_STATE_DICT_MESH = "2-D"
+    # The packages of your library (import names): collectives issued from their code are
+    # attributed to the scenario line that called into it, the same on every rank, so your
+    # library's rank-dependent paths (an owner rank broadcasting, the others receiving) are
+    # never taken for the user's divergence. DDP issues its collectives from torch (always
+    # skipped): none. DeepSpeed: ("deepspeed",).
+    BACKEND_MODULES = ()
     # Where it runs (docs/writing-an-adapter.md, "Devices and torch versions"): device kind -> the
     # torch versions it runs on there ("" for every torch; a kind left out is not supported), and
     # why not where it does not. A session elsewhere refuses the backend once, at start. DDP: anywhere.
@@ -237,6 +244,23 @@ class TemplateAdapter(BackendAdapter):
 
     def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
         super().set_local_grad_shard(model, fqn, value)
+
+    def local_optim_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, fqn: str
+    ) -> dict[str, torch.Tensor]:
+        # The optimizer-state tensors this rank stores for the parameter (Adam: exp_avg,
+        # exp_avg_sq), scalars such as `step` left out; {} where another rank keeps them. The
+        # storage scenario sums them over the ranks against the strategy's claim (NO_SHARD:
+        # whole on every rank). Override where the state lives elsewhere (a partitioning
+        # optimizer's inner optimizer, flat fp32 partitions).
+        return super().local_optim_state(model, optimizer, fqn)
+
+    # -- gradient accumulation (NO_SYNC) --------------------------------------------------------
+    def no_gradient_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # Micro-batches run forward and backward inside, accumulating local gradients without
+        # reducing them; the first backward after the context reduces the whole sum. DDP decides
+        # in forward whether the next backward reduces, which is why forward runs inside too.
+        return model.no_sync()
 
     # -- labels and lifetime: the defaults fit ----------------------------------------------
     def collective_label(self) -> str | None:

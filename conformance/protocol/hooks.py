@@ -132,11 +132,13 @@ class BackendHooks:
 
     # -- gradient accumulation (optional capability NO_SYNC) ---------------------------------
     def no_gradient_sync(self, model: nn.Module) -> AbstractContextManager[None]:
-        """Context in which :meth:`backward` accumulates this rank's local gradients without
-        reducing them across ranks; the first :meth:`backward` after the context reduces the
-        sum of everything accumulated, so a step then sees the same gradients as without the
-        switch (torch FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``).
-        Only called where ``Capability.NO_SYNC`` is declared."""
+        """Context in which micro-batches accumulate this rank's local gradients without
+        reducing them across ranks: a scenario runs each accumulated micro-batch's forward and
+        :meth:`backward` inside it (torch DDP and FSDP1 decide in forward whether the next
+        backward reduces). The first micro-batch run after the context reduces the sum of
+        everything accumulated, so a step then sees the same gradients as without the switch
+        (torch FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``, DDP
+        ``no_sync``). Only called where ``Capability.NO_SYNC`` is declared."""
         raise AssertionError(f"{type(self).__name__} declares NO_SYNC but lacks no_gradient_sync")
 
     # -- collective labels and lifetime ------------------------------------------------------
