@@ -596,3 +596,127 @@ def test_declared_absence_is_real(
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
     PROOFS[backend_name, capability](rank, world_size, device)
+
+
+# == DeepSpeed, protocol 5 (storage, units, gradient accumulation) ==================================
+# Registered here, after the generic tests above have built their parametrize lists at import: the
+# meta-tests read PROOFS / COMBINATION_PROOFS when they run, and test_deepspeed_protocol5_absence_is_real
+# below runs exactly the proofs this block registers.
+
+
+def _deepspeed_step(ds_engine: Any, device: torch.device, between: Callable[[], None] = lambda: None) -> None:
+    loss = ds_engine(torch.ones(2, 4, device=device)).sum()
+    between()
+    ds_engine.backward(loss)
+    ds_engine.step()
+
+
+@proves("deepspeed", Capability.SHARD_GRAD_OP)
+def _deepspeed_has_no_reshard_after_backward_only(rank: int, world_size: int, device: torch.device) -> None:
+    """SHARD_GRAD_OP: parameters sharded at rest, gathered from forward until backward. Stage 2
+    never shards parameters; stage 3's only knob for keeping gathered parameters,
+    stage3_max_reuse_distance (here its maximum), reads the module trace recorded in the first
+    step: in that step every parameter is released between forward and backward, in the next
+    one kept. No ZeRO option names the choice itself."""
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = getattr(DeepSpeedZeroConfig, "model_fields", None) or DeepSpeedZeroConfig.__fields__
+    assert not [name for name in fields if "reshard" in name], sorted(fields)
+    stage2 = _ds_engine(deepspeed, _two_linears(device), stage=2)
+    assert all(not hasattr(p, "ds_tensor") and p.numel() > 0 for p in stage2.module.parameters())
+
+    status = deepspeed.zero.ZeroParamStatus
+    stage3 = _ds_engine(deepspeed, _two_linears(device), stage=3, stage3_max_reuse_distance=2**62)
+    gathered: list[list[bool]] = []
+
+    def record() -> None:
+        gathered.append([p.ds_status == status.AVAILABLE for p in stage3.module.parameters()])
+
+    for _ in range(2):
+        _deepspeed_step(stage3, device, record)
+    assert not any(gathered[0]), f"first step: gathered between forward and backward {gathered[0]}"
+    assert all(gathered[1]), f"second step (trace recorded): gathered {gathered[1]}"
+
+
+def _deepspeed_stage_has_no_units(stage: int) -> Proof:
+    """Stages 0-2 install no hooks on submodules (ZeRO-3 fetches through one per module; the
+    engine's own hook on the root serves every stage) and leave every parameter whole; stages 1-2
+    partition one flat buffer per optimizer param group, holding every parameter of the model,
+    over all ranks; stage 0 steps the client's torch optimizer itself."""
+
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        model = _two_linears(device)
+        ds_engine = _ds_engine(deepspeed, model, stage=stage)
+        hooked = {
+            name: (len(m._forward_pre_hooks), len(m._forward_hooks))
+            for name, m in model.named_modules()
+            if name and (m._forward_pre_hooks or m._forward_hooks)
+        }
+        assert not hooked, f"ZeRO stage {stage} hooks submodules: {hooked}"
+        assert not any(hasattr(p, "ds_id") for p in model.parameters())
+        if stage == 0:
+            assert isinstance(ds_engine.optimizer, torch.optim.SGD), type(ds_engine.optimizer).__name__
+            return
+        zero = ds_engine.optimizer
+        assert len(zero.bit16_groups) == 1 and {id(p) for p in zero.bit16_groups[0]} == {
+            id(p) for p in model.parameters()
+        }
+        assert len(zero.parallel_partitioned_bit16_groups[0]) == world_size
+
+    return proof
+
+
+def _deepspeed_refuses_no_sync(stage: int) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=stage)
+        message = f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {stage}"
+        with pytest.raises(AssertionError, match=message), ds_engine.no_sync():
+            pass
+
+    return proof
+
+
+_DEEPSPEED_PROTOCOL5_COMBINATIONS: dict[frozenset[Capability], Proof] = {
+    frozenset({Capability.UNITS, Capability.NO_SHARD}): _deepspeed_stage_has_no_units(0),
+    frozenset({Capability.UNITS, Capability.SHARD_OPTIM_STATE}): _deepspeed_stage_has_no_units(1),
+    frozenset({Capability.UNITS, Capability.SHARD_GRAD_AND_OPTIM_STATE}): _deepspeed_stage_has_no_units(2),
+    frozenset({Capability.NO_SYNC, Capability.SHARD_GRAD_AND_OPTIM_STATE}): _deepspeed_refuses_no_sync(2),
+    frozenset({Capability.NO_SYNC, Capability.FULL_SHARD}): _deepspeed_refuses_no_sync(3),
+}
+for _combination, _proof in _DEEPSPEED_PROTOCOL5_COMBINATIONS.items():
+    COMBINATION_PROOFS["deepspeed", _combination] = _proof
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "requirements",
+    [
+        pytest.param(frozenset({Capability.SHARD_GRAD_OP}), id="SHARD_GRAD_OP"),
+        *(
+            pytest.param(c, id="+".join(sorted(m.name for m in c)))
+            for c in sorted(_DEEPSPEED_PROTOCOL5_COMBINATIONS, key=lambda c: sorted(m.name for m in c))
+        ),
+    ],
+)
+def test_deepspeed_protocol5_absence_is_real(
+    requirements: frozenset[Capability], rank: int, world_size: int, device: torch.device
+) -> None:
+    if "deepspeed" not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN["deepspeed"]
+        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    adapter = registry.load("deepspeed")(BackendEnv(rank, world_size, device))
+    if len(requirements) == 1:
+        (capability,) = requirements
+        if adapter.supports(capability):
+            pytest.skip(f"deepspeed supports {capability.value} on {device.type}: nothing to prove")
+        PROOFS["deepspeed", capability](rank, world_size, device)
+    else:
+        if requirements not in adapter.unsupported_combinations():
+            pytest.skip(f"deepspeed supports {sorted(c.name for c in requirements)} on {device.type}")
+        COMBINATION_PROOFS["deepspeed", requirements](rank, world_size, device)
+
+
+# == end of DeepSpeed, protocol 5 ===================================================================
