@@ -4,20 +4,28 @@ Install: ``DS_BUILD_OPS=0 pip install 'fsdp-conformance[deepspeed]'`` (no compil
 needed; on CPU DeepSpeed JIT-builds one small shared-memory op the first time a process uses
 it, which takes about a minute once per machine).
 
-Strategy mapping, by what each stage keeps on a rank:
+Strategy mapping, by what each stage keeps on a rank (``conformance.protocol.storage``):
 
 * ``NO_SHARD`` -> stage 0: parameters, gradients and optimizer state replicated, gradients
   all-reduced (DDP semantics).
-* ``SHARD_OPTIM_STATE`` -> stage 1: parameters and gradients replicated, optimizer state (and
-  its fp32 master copy) partitioned.
-* ``SHARD_GRAD_OP`` -> stage 2: gradients and optimizer state partitioned. Parameters stay
-  replicated at all times, where torch's SHARD_GRAD_OP shards them between steps; torch's docs
-  liken the two, and what today's scenarios check of SHARD_GRAD_OP (training parity; the
-  gradient views need ``with_grads``, which DeepSpeed lacks) is the same. Scenarios that
-  check parameter storage under SHARD_GRAD_OP will show the difference, as they should.
+* ``SHARD_OPTIM_STATE`` -> stage 1: parameters replicated, optimizer state (and its fp32 master
+  copy) partitioned. DeepSpeed 0.19.8 keeps only this rank's partition of the reduced gradients
+  after a boundary backward (``param.grad`` is freed), where the strategy claims whole ones.
+* ``SHARD_GRAD_AND_OPTIM_STATE`` -> stage 2: parameters replicated, gradients reduced into the
+  owning rank's partition, optimizer state partitioned.
 * ``FULL_SHARD`` -> stage 3: parameters partitioned too (``param`` is an empty placeholder,
   this rank's flat part is ``param.ds_tensor``), gathered module by module during forward and
-  backward.
+  backward and released after each module. ``stage3_max_reuse_distance`` and
+  ``stage3_prefetch_bucket_size`` are 0 here: with DeepSpeed's defaults, from the second step on
+  (once its module trace is recorded) every parameter of a small model stays gathered from
+  forward to backward, which is not what FULL_SHARD stores.
+* ``SHARD_GRAD_OP`` (parameters sharded at rest, gathered from forward to backward): no stage.
+  ZeRO-3 keeps a forward-gathered parameter for backward only by its recorded trace and reuse
+  budget, never in the first step (see ``UNSUPPORTED_REASONS``).
+
+Units: only ZeRO-3 fetches per module, so only FULL_SHARD takes units (they name what
+``unshard(recurse=False)`` and the introspection read); stages 0-2 partition the flat optimizer
+groups of the whole model and have none (``UNSUPPORTED_COMBINATIONS``).
 
 DeepSpeed owns the training loop: the optimizer is built into the engine
 (:meth:`make_optimizer`), and gradients are reduced by ``engine.backward`` (stage 0 refuses a
@@ -29,8 +37,17 @@ depends on when the engine was built.
 Config choices, each because DeepSpeed's default would change what scenarios compare:
 ``gradient_clipping`` 0 (DeepSpeed's default clips the global gradient norm to 1.0, which a
 plain torch loop does not do), ``stage3_param_persistence_threshold`` 0 (DeepSpeed leaves
-parameters below it unpartitioned), ``zero_allow_untested_optimizer`` (scenarios bring plain
-torch optimizers).
+parameters below it unpartitioned), ``stage3_max_reuse_distance`` and
+``stage3_prefetch_bucket_size`` 0 (see FULL_SHARD above), ``zero_allow_untested_optimizer``
+(scenarios bring plain torch optimizers). Mixed precision: DeepSpeed's bf16/fp16 mode reduces
+gradients in that dtype by default (``ShardingSpec.reduce_dtype`` None); ``reduce_dtype`` float32
+sets ``communication_data_type`` "fp32", which every stage casts its gradient reductions to.
+
+Gradient accumulation: ``gradient_accumulation_steps`` is 1, so every ``engine.backward`` is an
+accumulation boundary. Stages 0 and 3 add a second backward's gradients to the first's; stages 1
+and 2 replace this rank's reduced partition with the newer one (observed on 0.19.8).
+``no_gradient_sync`` is ``engine.no_sync()``, which DeepSpeed refuses under gradient
+partitioning (stages 2 and 3).
 
 Rank environment: DeepSpeed reads ``LOCAL_RANK`` (and ``RANK``, ``WORLD_SIZE``) from the
 environment and caches process groups in ``deepspeed.utils.groups``; the adapter sets the
@@ -48,7 +65,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -79,10 +95,12 @@ if importlib.util.find_spec("deepspeed") is None:
 _STAGES = {
     ShardingStrategy.NO_SHARD: 0,
     ShardingStrategy.SHARD_OPTIM_STATE: 1,
-    ShardingStrategy.SHARD_GRAD_OP: 2,
+    ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE: 2,
     ShardingStrategy.FULL_SHARD: 3,
 }
 _MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# ShardingSpec.reduce_dtype -> DeepSpeed's communication_data_type (gradient reductions are cast to it).
+_COMMUNICATION_DTYPES = {torch.float32: "fp32", **_MIXED_DTYPES}
 # The child name under which our wrapper holds the model: the adapter's one wrapper component.
 _WRAPPED = "_deepspeed_wrapped_module"
 
@@ -210,7 +228,7 @@ class DeepSpeedModel(nn.Module):
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
     CAPABILITIES = frozenset(
@@ -219,10 +237,12 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.UNITS,
             Capability.AUTO_WRAP,
             Capability.FULL_SHARD,
-            Capability.SHARD_GRAD_OP,
+            Capability.SHARD_GRAD_AND_OPTIM_STATE,
             Capability.NO_SHARD,
             Capability.SHARD_OPTIM_STATE,
             Capability.MIXED_PRECISION,
+            Capability.REDUCE_DTYPE,
+            Capability.NO_SYNC,
             Capability.CPU_OFFLOAD,
             Capability.UNSHARD,
             Capability.UNSHARD_WRITEBACK,
@@ -245,6 +265,13 @@ class DeepSpeedAdapter(BackendAdapter):
     # so the names it lists (inside GatheredParameters too) start with that.
     UNSHARDED_NAME_PREFIX = _WRAPPED
     UNSUPPORTED_REASONS = {
+        Capability.SHARD_GRAD_OP: (
+            "no ZeRO stage keeps parameters sharded at rest and gathered from forward to backward: "
+            "stage 2 never shards parameters, and stage 3 keeps a forward-gathered parameter for "
+            "backward only through stage3_max_reuse_distance, which reads the module trace "
+            "recorded during the first step, so the first step (and any after the trace is "
+            "invalidated or past the reuse budget) releases each module's parameters after its forward"
+        ),
         Capability.COMPOSABLE: ("deepspeed.initialize wraps the model in a DeepSpeedEngine; it has no in-place form"),
         Capability.HYBRID_SHARD: (
             "ZeRO shards over the whole data-parallel group: DeepSpeed's hybrid sharding (MiCS, "
@@ -252,6 +279,10 @@ class DeepSpeedAdapter(BackendAdapter):
             "zero_hpz_partition_size only adds a secondary parameter copy per group"
         ),
         Capability.MIXED_PRECISION: ("DeepSpeed's accelerator on this device supports neither fp16 nor bf16"),
+        Capability.REDUCE_DTYPE: (
+            "a float32 gradient reduction under mixed precision needs mixed precision, which "
+            "DeepSpeed's accelerator on this device lacks (neither fp16 nor bf16)"
+        ),
         Capability.IGNORED_MODULES: (
             "ZeRO partitions every parameter of the model it is given; it cannot leave submodules out"
         ),
@@ -284,6 +315,31 @@ class DeepSpeedAdapter(BackendAdapter):
             "NO_SHARD is ZeRO stage 0, which has no offload: DeepSpeed ignores offload_optimizer "
             "and offload_param below stage 1 and trains with everything on the device"
         ),
+        # Only ZeRO-3 fetches parameters per module; stages 0-2 have nothing a unit could name.
+        frozenset({Capability.UNITS, Capability.NO_SHARD}): (
+            "NO_SHARD is ZeRO stage 0: DeepSpeed replicates the whole model and all-reduces its "
+            "gradients in buckets; it has no units"
+        ),
+        frozenset({Capability.UNITS, Capability.SHARD_OPTIM_STATE}): (
+            "ZeRO stage 1 partitions the optimizer state of the whole model (one flat buffer per "
+            "optimizer param group, split over all ranks); it has no units"
+        ),
+        frozenset({Capability.UNITS, Capability.SHARD_GRAD_AND_OPTIM_STATE}): (
+            "ZeRO stage 2 partitions the gradients and optimizer state of the whole model (one "
+            "flat buffer per optimizer param group, split over all ranks); it has no units"
+        ),
+        # DeepSpeedEngine.no_sync asserts "no_sync context manager is incompatible with gradient
+        # partitioning logic of ZeRO stage 2/3": those stages reduce in every backward.
+        frozenset({Capability.NO_SYNC, Capability.SHARD_GRAD_AND_OPTIM_STATE}): (
+            "DeepSpeedEngine.no_sync refuses ZeRO stage 2 ('no_sync context manager is "
+            "incompatible with gradient partitioning logic of ZeRO stage 2'): it reduces "
+            "gradients into their owners' partitions in every backward"
+        ),
+        frozenset({Capability.NO_SYNC, Capability.FULL_SHARD}): (
+            "DeepSpeedEngine.no_sync refuses ZeRO stage 3 ('no_sync context manager is "
+            "incompatible with gradient partitioning logic of ZeRO stage 3'): it reduce-scatters "
+            "gradients in every backward"
+        ),
     }
 
     def __init__(self, env: BackendEnv) -> None:
@@ -308,7 +364,7 @@ class DeepSpeedAdapter(BackendAdapter):
 
     def capabilities(self) -> frozenset[Capability]:
         if not self.mixed_precision_dtypes():
-            return self.CAPABILITIES - {Capability.MIXED_PRECISION}
+            return self.CAPABILITIES - {Capability.MIXED_PRECISION, Capability.REDUCE_DTYPE}
         return self.CAPABILITIES
 
     def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -403,6 +459,11 @@ class DeepSpeedAdapter(BackendAdapter):
             "zero_optimization": {
                 "stage": _STAGES[spec.strategy],
                 "stage3_param_persistence_threshold": 0,
+                # Release every module's parameters after its forward, in every step (see the
+                # module docstring: DeepSpeed's defaults keep them gathered until backward once
+                # its trace is recorded, and prefetch the next ones).
+                "stage3_max_reuse_distance": 0,
+                "stage3_prefetch_bucket_size": 0,
             },
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**62,
@@ -416,6 +477,15 @@ class DeepSpeedAdapter(BackendAdapter):
                     f"trains in; use one of {sorted(map(str, _MIXED_DTYPES))}"
                 )
             config[key] = {"enabled": True}
+            # DeepSpeed reduces in the compute dtype unless told otherwise, as reduce_dtype None asks.
+            if spec.reduce_dtype is not None and spec.reduce_dtype != spec.param_dtype:
+                name = _COMMUNICATION_DTYPES.get(spec.reduce_dtype)
+                if name is None:
+                    raise ValueError(
+                        f"deepspeed adapter: reduce_dtype {spec.reduce_dtype} is not one DeepSpeed "
+                        f"reduces in (communication_data_type); use one of {sorted(map(str, _COMMUNICATION_DTYPES))}"
+                    )
+                config["communication_data_type"] = name
         if spec.offload_params:
             config["zero_optimization"].update(
                 self._offload(config["zero_optimization"]["stage"], pin=self.env.device.type == "cuda")
@@ -599,10 +669,17 @@ class DeepSpeedAdapter(BackendAdapter):
         _all_ranks_or_none(load, self.env.device)
 
     # -- storage ----------------------------------------------------------------------------
+    # What a rank holds, by stage: stage 3 a padded flat part of each parameter (ds_tensor) and
+    # of its gradient and optimizer state, the whole parameter while it is gathered; stages 1-2
+    # whole parameters and, of the flat optimizer groups split over the ranks, the fragment of
+    # each parameter that falls in this rank's partition (DeepSpeed's _hp_mapping, what its own
+    # safe_get_full_* functions read); stage 0 everything whole.
     def local_shard(self, model: nn.Module, fqn: str) -> torch.Tensor:
         param = self.named_parameter(model, fqn)
-        if hasattr(param, "ds_tensor"):  # stage 3: this rank's flat part, padding included
-            return param.ds_tensor.detach().clone()
+        if hasattr(param, "ds_tensor"):
+            if param.ds_status == self._ds.zero.ZeroParamStatus.AVAILABLE and param.data.numel() == param.ds_numel:
+                return param.detach().clone()  # gathered (in forward, backward or a gather context)
+            return param.ds_tensor.detach().clone()  # this rank's flat part, padding included
         return param.detach().clone()  # stages 0-2 keep every parameter whole on every rank
 
     def set_local_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
@@ -624,33 +701,65 @@ class DeepSpeedAdapter(BackendAdapter):
     def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_grad
 
-        stage = _root(model).stage()
-        if stage in (1, 2):
-            _skip_stage12_grads()
+        root = _root(model)
         param = self.named_parameter(model, fqn)
-        if stage == 0:  # plain replicated gradients, all-reduced by engine.backward
-            return None if param.grad is None else param.grad.detach().clone()
-        if getattr(param, "_z3_optimizer", None) is None:
-            return None  # no engine yet: nothing was reduced
-        grad = safe_get_local_grad(param)
-        return None if grad is None else grad.detach().clone()
+        if param.grad is not None:  # stage 0; stage 1 inside no_sync (local, not yet reduced)
+            return param.grad.detach().clone()
+        if root.stage() == 3:
+            if getattr(param, "_z3_optimizer", None) is None:
+                return None  # no engine yet: nothing was reduced
+            grad = safe_get_local_grad(param)
+            return None if grad is None else grad.detach().clone()
+        if root.stage() in (1, 2):
+            fragment = _reduced_grad_fragment(root, param)
+            return None if fragment is None else fragment.detach().clone()
+        return None
 
     def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_local_grad
 
-        stage = _root(model).stage()
-        if stage in (1, 2):
-            _skip_stage12_grads()
+        root = _root(model)
         param = self.named_parameter(model, fqn)
-        if stage == 0:
-            if param.grad is None:
-                raise ValueError(f"{fqn}: this rank stores no gradient to overwrite")
-            with torch.no_grad():
-                param.grad.copy_(value)
-        elif getattr(param, "_z3_optimizer", None) is None:
-            raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (no engine yet)")
-        else:
+        if param.grad is not None:
+            target = param.grad
+        elif root.stage() == 3 and getattr(param, "_z3_optimizer", None) is not None:
             safe_set_local_grad(param, value)
+            return
+        else:
+            target = _reduced_grad_fragment(root, param) if root.stage() in (1, 2) else None
+            if target is None:
+                raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
+        if value.shape != target.shape:
+            raise ValueError(f"{fqn} gradient: this rank stores shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+
+    def local_optim_state(self, model: nn.Module, optimizer: Any, fqn: str) -> dict[str, torch.Tensor]:
+        """Stage 3: this rank's flat part of each elementwise state (safe_get_local_optimizer_state);
+        stages 1-2: the views DeepSpeed links each parameter's fragment to at the first step
+        (``_hp_mapping.optim_fragment``); stage 0: the torch optimizer's state of the parameter
+        (under bf16/fp16, of its fp32 master copy). Empty before the first step."""
+        from deepspeed.utils import safe_get_local_optimizer_state
+
+        root = _root(model)
+        param = self.named_parameter(model, fqn)
+        if root.stage() == 3:
+            keys, _ = _zero_state_layout(_base_optimizer(root))
+            return {key: safe_get_local_optimizer_state(param, key).detach().clone() for key in keys}
+        if root.stage() in (1, 2):
+            mapping = getattr(param, "_hp_mapping", None)
+            fragments = {} if mapping is None else (mapping.optim_fragment or {})
+            return {key: value.detach().clone() for key, value in fragments.items() if value.dim() > 0}
+        wrapper = _engine(model).optimizer  # the torch optimizer, or DeepSpeed's bf16/fp16 wrapper of it
+        state = getattr(wrapper, "optimizer", wrapper).state.get(_stage0_master(root, param), {})
+        return {key: v.detach().clone() for key, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+
+    # -- gradient accumulation ---------------------------------------------------------------
+    def no_gradient_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """``engine.no_sync()``: backward leaves local gradients in ``param.grad`` and skips the
+        reduction; the next backward outside reduces what accumulated (stages 0 and 1; DeepSpeed
+        refuses it under gradient partitioning, see UNSUPPORTED_COMBINATIONS)."""
+        return _engine(model).no_sync()
 
     # -- introspection ----------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
@@ -709,6 +818,39 @@ def _base_optimizer(root: DeepSpeedModel) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer) if root.stage() > 0 else optimizer
 
 
+def _reduced_grad_fragment(root: DeepSpeedModel, param: nn.Parameter) -> torch.Tensor | None:
+    """ZeRO-1/2: this rank's part of ``param``'s reduced gradient, an empty tensor where its
+    partition holds none of ``param``, None where the optimizer holds no reduced gradients of
+    ``param``'s group (before the first backward, after step).
+
+    DeepSpeed keeps the reduced gradients of a boundary backward per flat group and partition
+    (``averaged_gradients``) until step; a parameter's ``_hp_mapping`` names its fragment there
+    (``safe_get_full_grad`` reads the same). ``safe_get_local_grad`` is defined for ZeRO-3 only."""
+    optimizer = getattr(root.engine, "optimizer", None)
+    groups = getattr(optimizer, "bit16_groups", None)
+    if groups is None:
+        return None  # no engine yet
+    group_index = next((i for i, group in enumerate(groups) if any(p is param for p in group)), None)
+    reduced = getattr(optimizer, "averaged_gradients", {})
+    if group_index is None or reduced.get(group_index) is None:
+        return None
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return torch.empty(0, dtype=reduced[group_index][0].dtype, device=param.device)
+    return mapping.get_lp_grad_fragment(param._index_in_param_group)
+
+
+def _stage0_master(root: DeepSpeedModel, param: nn.Parameter) -> torch.Tensor:
+    """What the stage-0 torch optimizer keys ``param``'s state by: the parameter itself, or under
+    bf16/fp16 the fp32 master copy DeepSpeed's FP16 optimizer wrapper steps in its place."""
+    optimizer = root.engine.optimizer
+    for low, master in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ())):
+        for low_param, master_param in zip(low, master):
+            if low_param is param:
+                return master_param
+    return param
+
+
 def _zero_state_layout(base: torch.optim.Optimizer) -> tuple[list[str], dict[str, Any]]:
     """Under ZeRO the base optimizer steps flat fp32 partitions: its elementwise states
     (Adam's exp_avg, ...) belong to the parameters laid out in them, its scalar states (step)
@@ -738,16 +880,6 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
-
-
-def _skip_stage12_grads() -> None:
-    """Same on every rank (it depends on the stage only), so every rank skips together."""
-    pytest.skip(
-        "unsupported: this rank's gradient shard under ZeRO-1/2: DeepSpeed frees "
-        "param.grad after backward and keeps this rank's reduced part in flat buffers, with no "
-        "public per-parameter accessor (safe_get_local_grad asserts 'This API is only defined "
-        "for ZeRO-3 partitioned parameters')"
-    )
 
 
 def _all_ranks_or_none(action: Callable[[], None], device: torch.device) -> None:

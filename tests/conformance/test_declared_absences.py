@@ -497,111 +497,7 @@ if not HAS_IGNORED_PARAMS:
 RUN_NOTHING = frozenset({Capability.IGNORED_MODULES})
 
 
-# -- the tests -----------------------------------------------------------------------------------
-
-
-def _installed_builtins() -> list[str]:
-    """The built-ins, and the optional built-ins whose library is installed here."""
-    return [
-        *registry.BUILTIN,
-        *(
-            name
-            for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
-            if importlib.util.find_spec(library) is not None
-        ),
-    ]
-
-
-def test_every_declared_absence_has_a_proof() -> None:
-    declared = {
-        (backend, capability)
-        for backend in _installed_builtins()
-        for device in DEVICES
-        for capability in _declared_missing(backend, device)
-    }
-    missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
-    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins())
-    assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
-    assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
-
-
-def _declared_combinations() -> set[tuple[str, frozenset[Capability]]]:
-    declared = set()
-    for backend in _installed_builtins():
-        adapter_cls = registry.load(backend)
-        for device in DEVICES:
-            adapter = adapter_cls.__new__(adapter_cls)
-            BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=2, device=torch.device(device)))
-            declared |= {(backend, combination) for combination in adapter.unsupported_combinations()}
-    return declared
-
-
-def test_every_declared_combination_has_a_proof() -> None:
-    declared = _declared_combinations()
-    missing = sorted(f"{b}: {sorted(c.name for c in cs)}" for b, cs in declared - COMBINATION_PROOFS.keys())
-    leftover = sorted(
-        f"{b}: {sorted(c.name for c in cs)}"
-        for b, cs in COMBINATION_PROOFS.keys() - declared
-        if b in _installed_builtins()
-    )
-    assert not missing, f"combinations declared unsupported without a proof here: {missing}"
-    assert not leftover, f"proofs of combinations no longer declared (delete them): {leftover}"
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize(
-    ("backend_name", "combination"),
-    [
-        pytest.param(b, cs, id=f"{b}-{'+'.join(sorted(c.name for c in cs))}")
-        for b, cs in sorted(COMBINATION_PROOFS, key=lambda key: (key[0], sorted(c.name for c in key[1])))
-    ],
-)
-def test_declared_combination_absence_is_real(
-    backend_name: str,
-    combination: frozenset[Capability],
-    rank: int,
-    world_size: int,
-    device: torch.device,
-) -> None:
-    if backend_name not in _installed_builtins():
-        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
-        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
-    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
-    if combination not in adapter.unsupported_combinations():
-        pytest.skip(f"{backend_name} supports {sorted(c.name for c in combination)} on {device.type}")
-    COMBINATION_PROOFS[backend_name, combination](rank, world_size, device)
-
-
-def _proof_params() -> list:
-    params = []
-    for backend, capability in sorted(PROOFS, key=lambda key: (key[0], key[1].name)):
-        # The order proof runs two units in opposite orders on purpose.
-        marks = [pytest.mark.expect_divergence] if capability is Capability.EXEC_ORDER_CHECK else []
-        params.append(pytest.param(backend, capability, marks=marks, id=f"{backend}-{capability.name}"))
-    return params
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize(("backend_name", "capability"), _proof_params())
-def test_declared_absence_is_real(
-    backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
-) -> None:
-    if backend_name not in _installed_builtins():
-        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
-        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
-    cannot_run = gate.unsupported(registry.load(backend_name), device.type, torch.__version__)
-    if cannot_run is not None and capability not in RUN_NOTHING:
-        pytest.skip(reason=f"{backend_name}: {cannot_run} (its proofs run where it does)")
-    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
-    if adapter.supports(capability):
-        pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
-    PROOFS[backend_name, capability](rank, world_size, device)
-
-
-# == torch-zero: DistributedDataParallel + ZeroRedundancyOptimizer ===============================
-# One block, kept at the end of the file. The proofs register as every other; they are run by the
-# test at the end of the block, because test_declared_absence_is_real above was parametrized from
-# PROOFS before this block ran.
+# -- torch-zero: DistributedDataParallel + ZeroRedundancyOptimizer -------------------------------
 
 
 def _zero_step(device: torch.device) -> tuple[nn.Module, Any, Any]:
@@ -826,14 +722,191 @@ def _zero_saves_only_consolidated_state(rank: int, world_size: int, device: torc
         optimizer.state_dict()
 
 
+# -- DeepSpeed, protocol 5 (storage, units, gradient accumulation) --------------------------------
+
+
+def _deepspeed_step(ds_engine: Any, device: torch.device, between: Callable[[], None] = lambda: None) -> None:
+    loss = ds_engine(torch.ones(2, 4, device=device)).sum()
+    between()
+    ds_engine.backward(loss)
+    ds_engine.step()
+
+
+@proves("deepspeed", Capability.SHARD_GRAD_OP)
+def _deepspeed_has_no_reshard_after_backward_only(rank: int, world_size: int, device: torch.device) -> None:
+    """SHARD_GRAD_OP: parameters sharded at rest, gathered from forward until backward. Stage 2
+    never shards parameters; stage 3's only knob for keeping gathered parameters,
+    stage3_max_reuse_distance (here its maximum), reads the module trace recorded in the first
+    step: in that step every parameter is released between forward and backward, in the next
+    one kept. No ZeRO option names the choice itself."""
+    _, deepspeed = _deepspeed(rank, world_size, device)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = getattr(DeepSpeedZeroConfig, "model_fields", None) or DeepSpeedZeroConfig.__fields__
+    assert not [name for name in fields if "reshard" in name], sorted(fields)
+    stage2 = _ds_engine(deepspeed, _two_linears(device), stage=2)
+    assert all(not hasattr(p, "ds_tensor") and p.numel() > 0 for p in stage2.module.parameters())
+
+    status = deepspeed.zero.ZeroParamStatus
+    stage3 = _ds_engine(deepspeed, _two_linears(device), stage=3, stage3_max_reuse_distance=2**62)
+    gathered: list[list[bool]] = []
+
+    def record() -> None:
+        gathered.append([p.ds_status == status.AVAILABLE for p in stage3.module.parameters()])
+
+    for _ in range(2):
+        _deepspeed_step(stage3, device, record)
+    assert not any(gathered[0]), f"first step: gathered between forward and backward {gathered[0]}"
+    assert all(gathered[1]), f"second step (trace recorded): gathered {gathered[1]}"
+
+
+def _deepspeed_stage_has_no_units(stage: int) -> Proof:
+    """Stages 0-2 install no hooks on submodules (ZeRO-3 fetches through one per module; the
+    engine's own hook on the root serves every stage) and leave every parameter whole; stages 1-2
+    partition one flat buffer per optimizer param group, holding every parameter of the model,
+    over all ranks; stage 0 steps the client's torch optimizer itself."""
+
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        model = _two_linears(device)
+        ds_engine = _ds_engine(deepspeed, model, stage=stage)
+        hooked = {
+            name: (len(m._forward_pre_hooks), len(m._forward_hooks))
+            for name, m in model.named_modules()
+            if name and (m._forward_pre_hooks or m._forward_hooks)
+        }
+        assert not hooked, f"ZeRO stage {stage} hooks submodules: {hooked}"
+        assert not any(hasattr(p, "ds_id") for p in model.parameters())
+        if stage == 0:
+            assert isinstance(ds_engine.optimizer, torch.optim.SGD), type(ds_engine.optimizer).__name__
+            return
+        zero = ds_engine.optimizer
+        assert len(zero.bit16_groups) == 1 and {id(p) for p in zero.bit16_groups[0]} == {
+            id(p) for p in model.parameters()
+        }
+        assert len(zero.parallel_partitioned_bit16_groups[0]) == world_size
+
+    return proof
+
+
+def _deepspeed_refuses_no_sync(stage: int) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        _, deepspeed = _deepspeed(rank, world_size, device)
+        ds_engine = _ds_engine(deepspeed, _two_linears(device), stage=stage)
+        message = f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {stage}"
+        with pytest.raises(AssertionError, match=message), ds_engine.no_sync():
+            pass
+
+    return proof
+
+
+_DEEPSPEED_PROTOCOL5_COMBINATIONS: dict[frozenset[Capability], Proof] = {
+    frozenset({Capability.UNITS, Capability.NO_SHARD}): _deepspeed_stage_has_no_units(0),
+    frozenset({Capability.UNITS, Capability.SHARD_OPTIM_STATE}): _deepspeed_stage_has_no_units(1),
+    frozenset({Capability.UNITS, Capability.SHARD_GRAD_AND_OPTIM_STATE}): _deepspeed_stage_has_no_units(2),
+    frozenset({Capability.NO_SYNC, Capability.SHARD_GRAD_AND_OPTIM_STATE}): _deepspeed_refuses_no_sync(2),
+    frozenset({Capability.NO_SYNC, Capability.FULL_SHARD}): _deepspeed_refuses_no_sync(3),
+}
+for _combination, _proof in _DEEPSPEED_PROTOCOL5_COMBINATIONS.items():
+    COMBINATION_PROOFS["deepspeed", _combination] = _proof
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+def _installed_builtins() -> list[str]:
+    """The built-ins, and the optional built-ins whose library is installed here."""
+    return [
+        *registry.BUILTIN,
+        *(
+            name
+            for name, (library, _target, _install) in registry.OPTIONAL_BUILTIN.items()
+            if importlib.util.find_spec(library) is not None
+        ),
+    ]
+
+
+def test_every_declared_absence_has_a_proof() -> None:
+    declared = {
+        (backend, capability)
+        for backend in _installed_builtins()
+        for device in DEVICES
+        for capability in _declared_missing(backend, device)
+    }
+    missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
+    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins())
+    assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
+    assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
+
+
+def _declared_combinations() -> set[tuple[str, frozenset[Capability]]]:
+    declared = set()
+    for backend in _installed_builtins():
+        adapter_cls = registry.load(backend)
+        for device in DEVICES:
+            adapter = adapter_cls.__new__(adapter_cls)
+            BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=2, device=torch.device(device)))
+            declared |= {(backend, combination) for combination in adapter.unsupported_combinations()}
+    return declared
+
+
+def test_every_declared_combination_has_a_proof() -> None:
+    declared = _declared_combinations()
+    missing = sorted(f"{b}: {sorted(c.name for c in cs)}" for b, cs in declared - COMBINATION_PROOFS.keys())
+    leftover = sorted(
+        f"{b}: {sorted(c.name for c in cs)}"
+        for b, cs in COMBINATION_PROOFS.keys() - declared
+        if b in _installed_builtins()
+    )
+    assert not missing, f"combinations declared unsupported without a proof here: {missing}"
+    assert not leftover, f"proofs of combinations no longer declared (delete them): {leftover}"
+
+
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize(
-    ("backend_name", "capability"), [param for param in _proof_params() if param.values[0] == "torch-zero"]
+    ("backend_name", "combination"),
+    [
+        pytest.param(b, cs, id=f"{b}-{'+'.join(sorted(c.name for c in cs))}")
+        for b, cs in sorted(COMBINATION_PROOFS, key=lambda key: (key[0], sorted(c.name for c in key[1])))
+    ],
 )
-def test_torch_zero_declared_absence_is_real(
+def test_declared_combination_absence_is_real(
+    backend_name: str,
+    combination: frozenset[Capability],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    if backend_name not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
+        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+    if combination not in adapter.unsupported_combinations():
+        pytest.skip(f"{backend_name} supports {sorted(c.name for c in combination)} on {device.type}")
+    COMBINATION_PROOFS[backend_name, combination](rank, world_size, device)
+
+
+def _proof_params() -> list:
+    params = []
+    for backend, capability in sorted(PROOFS, key=lambda key: (key[0], key[1].name)):
+        # The order proof runs two units in opposite orders on purpose.
+        marks = [pytest.mark.expect_divergence] if capability is Capability.EXEC_ORDER_CHECK else []
+        params.append(pytest.param(backend, capability, marks=marks, id=f"{backend}-{capability.name}"))
+    return params
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(("backend_name", "capability"), _proof_params())
+def test_declared_absence_is_real(
     backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
 ) -> None:
-    test_declared_absence_is_real(backend_name, capability, rank, world_size, device)
-
-
-# == end of torch-zero ============================================================================
+    if backend_name not in _installed_builtins():
+        library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
+        pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    cannot_run = gate.unsupported(registry.load(backend_name), device.type, torch.__version__)
+    if cannot_run is not None and capability not in RUN_NOTHING:
+        pytest.skip(reason=f"{backend_name}: {cannot_run} (its proofs run where it does)")
+    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+    if adapter.supports(capability):
+        pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
+    PROOFS[backend_name, capability](rank, world_size, device)
