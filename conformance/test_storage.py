@@ -11,10 +11,10 @@ For every strategy the backend declares, with a unit-less plan (the root is the 
 ZeRO has it) and with auto-wrapped units where the backend has them, two Adam steps run through
 the adapter and the claim is checked
 
-- in forward (inside each leaf module's forward, a read-only hook): parameters are whole. For
-  a strategy that keeps parameters whole, every rank's ``local_shard`` holds all of each; for
-  one that shards them, the running unit's unsharded storage holds at least its parameters'
-  elements (``unsharded_storage_numel``, where the backend declares ``INTROSPECT_STORAGE``);
+- in forward (inside each leaf module's forward, a read-only hook): the module's parameters are
+  whole on this rank (``local_shard`` holds all of each), and for a strategy that shards them
+  the running unit's unsharded storage holds at least those elements
+  (``unsharded_storage_numel``, where the backend declares ``INTROSPECT_STORAGE``);
 - between forward and backward, after backward and at rest after the step: parameters
   (``local_shard``), gradients (``local_grad_shard``, after backward and after the step) and
   optimizer state (``local_optim_state``, once the optimizer has stepped).
@@ -188,10 +188,6 @@ def test_storage_claim(
     for form in backend.forms():
         model = fixtures.build(fixtures.CompositeModel, seed, device, dim=DIM)
         numels = {name: param.numel() for name, param in model.named_parameters()}
-        unit_numels: dict[str, int] = {}
-        for name, numel in numels.items():
-            unit = _unit_of(name.rsplit(".", 1)[0], plan)
-            unit_numels[unit] = unit_numels.get(unit, 0) + numel
         sharded = backend.shard(model, spec, form)
         names = {declared_fqn(backend, name) for name, _ in sharded.named_parameters()}
         assert set(numels) <= names, (
@@ -207,12 +203,11 @@ def test_storage_claim(
                     _check_in_forward,
                     backend,
                     sharded,
-                    # A shard group of one rank (HYBRID_SHARD on a (2, 1) mesh) shards nothing.
-                    claim.parameters[Phase.AT_REST] is Holding.WHOLE or probe.group_size == 1,
+                    numels,
                     declared_fqn(backend, name),
                     _unit_of(declared_fqn(backend, name), plan),
-                    unit_numels,
-                    forward_check,
+                    # A shard group of one rank (HYBRID_SHARD on a (2, 1) mesh) shards nothing.
+                    forward_check and probe.group_size > 1 and claim.parameters[Phase.AT_REST] is Holding.SHARDED,
                     in_forward,
                     where,
                 )
@@ -247,33 +242,35 @@ def test_storage_claim(
 def _check_in_forward(
     backend: BackendAdapter,
     sharded: nn.Module,
-    parameters_whole_at_rest: bool,
+    numels: dict[str, int],
     module_fqn: str,
     unit: str,
-    unit_numels: dict[str, int],
     unit_storage_known: bool,
     problems: list[str],
     where: str,
     module: nn.Module,
     args: object,
 ) -> None:
-    """Inside a leaf module's forward, this rank holds its parameters whole (every strategy's
-    claim for :attr:`Phase.FORWARD`; reads only, no collective)."""
-    if parameters_whole_at_rest:
-        fqns = [f"{module_fqn}.{name}" for name, _ in module.named_parameters()]
-        counts = stored_elements(backend, sharded, Stored.PARAMETERS, fqns)
-        for fqn, count in counts.items():
-            expected = dict(module.named_parameters())[fqn.rsplit(".", 1)[1]].numel()
-            if count != expected:
-                problems.append(
-                    f"{where}, {Phase.FORWARD.value}: this rank stores {count} of the {expected} elements of "
-                    f"{fqn!r}; the strategy keeps parameters whole"
-                )
-    elif unit_storage_known:
+    """Inside a leaf module's forward, this rank holds the module's parameters whole, whatever the
+    strategy keeps at rest: ``local_shard`` shows all of each, and where the backend reports its
+    unsharded storage (``INTROSPECT_STORAGE``), the running unit has at least those elements
+    allocated (a unit of FSDP gathers all of its parameters, DeepSpeed ZeRO-3 those of the running
+    module; either holds these). Reads only, no collective."""
+    own = [f"{module_fqn}.{name}" for name, _ in module.named_parameters(recurse=False)]
+    counts = stored_elements(backend, sharded, Stored.PARAMETERS, own)
+    for fqn, count in counts.items():
+        expected = numels[fqn]
+        if count != expected:
+            problems.append(
+                f"{where}, {Phase.FORWARD.value} of {module_fqn!r}: this rank holds {count} of the {expected} "
+                f"elements of {fqn!r}: it computes with a parameter it has not gathered whole"
+            )
+    if unit_storage_known:
+        needed = sum(numels[fqn] for fqn in own)
         allocated = backend.unsharded_storage_numel(sharded, unit)
-        if allocated < unit_numels[unit]:
+        if allocated < needed:
             problems.append(
                 f"{where}, {Phase.FORWARD.value} of {module_fqn!r}: unit {unit or '(root)'!r} has {allocated} "
-                f"elements of unsharded storage allocated, fewer than its {unit_numels[unit]} parameter "
-                "elements: it computes with parameters it has not gathered"
+                f"elements of unsharded storage allocated, fewer than the {needed} of the module's own "
+                "parameters it is computing with"
             )

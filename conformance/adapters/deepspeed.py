@@ -231,6 +231,9 @@ class DeepSpeedAdapter(BackendAdapter):
     PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({_WRAPPED})
+    # DeepSpeed's own code (its owner-rank broadcasts, its partition-dependent reductions) is never
+    # the user's: collectives it issues are attributed to the scenario line that called into it.
+    BACKEND_MODULES = ("deepspeed",)
     CAPABILITIES = frozenset(
         {
             Capability.WRAPPER,
