@@ -6,7 +6,8 @@ that into bounds on what all ranks store together.  Here the reference adapter's
 `local_grad_shard` and `local_optim_state` are summed over the ranks for every parameter of the
 sharded model (original parameters, or the flat parameters of `use_orig_params=False`) at rest
 after a step and after a backward, and held to those bounds: the self-check behind the storage
-scenario, for the engine's own strategies.
+scenario, for the engine's own strategies.  `set_local_grad_shard` must write what
+`local_grad_shard` reads.
 """
 
 from __future__ import annotations
@@ -117,4 +118,8 @@ def test_storage_hooks_meet_the_claims(rank, world_size, device, strategy, use_o
         totals = _stored(backend, sharded, optim, fqns)
         dist.all_reduce(totals)
         problems += _check(strategy, phase, numels, totals, world_size)
+    for fqn in fqns:  # what local_grad_shard reads is where set_local_grad_shard writes
+        grad = backend.local_grad_shard(sharded, fqn)
+        backend.set_local_grad_shard(sharded, fqn, grad + 1)
+        torch.testing.assert_close(backend.local_grad_shard(sharded, fqn), grad + 1, msg=fqn)
     assert not problems, f"rank {rank}, {strategy.name}:\n" + "\n".join(problems)
