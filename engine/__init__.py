@@ -1,14 +1,16 @@
 """Reference flat-parameter sharding engine (FSDP-style) for the conformance suite.
 
 Public API (see README.md): `fully_shard`, `ShardedModule`, `ShardingOptions`, `unshard_params`,
-`ShardedOptimizer` (SHARD_OPTIM_STATE), `ShardingStrategy`, `MixedPrecision`, `StateDictKind`,
-`set_state_dict_type`, `optim_state_dict`, `load_optim_state_dict`, introspection helpers and
-`collectives.current_label`.
+`ShardedOptimizer` (SHARD_OPTIM_STATE, SHARD_GRAD_AND_OPTIM_STATE), `ShardingStrategy`,
+`MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
+`load_optim_state_dict`, `no_sync` / `set_gradient_sync` (gradient accumulation), introspection
+helpers and `collectives.current_label`.
 """
 
 from engine import collectives
 from engine.api import ShardedModule, fully_shard
 from engine.config import ShardingOptions, ShardingStrategy, StateDictKind
+from engine.grad_sync import no_sync, set_gradient_sync
 from engine.introspect import clear_events, events, is_unsharded, partitions_optimizer_state, unit_fqns, units
 from engine.mixed_precision import MixedPrecision
 from engine.optim_state import load_optim_state_dict, optim_state_dict
@@ -29,8 +31,10 @@ __all__ = [
     "fully_shard",
     "is_unsharded",
     "load_optim_state_dict",
+    "no_sync",
     "optim_state_dict",
     "partitions_optimizer_state",
+    "set_gradient_sync",
     "set_state_dict_type",
     "unit_fqns",
     "units",

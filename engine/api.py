@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from engine import state_dict as _state_dict
-from engine.config import ShardingOptions, ShardingStrategy, resolve_options
+from engine.config import ShardingOptions, resolve_options
 from engine.flat_param import collect_params
 from engine.state import WRAPPED_ATTR, clean_fqn, make_root, managing_unit, mark_managed, register_hooks, unit_of
 from engine.topology import Topology, build_topology, check_tensor_parallel_mesh
@@ -190,9 +190,9 @@ def _make_unit(
     infos = collect_params(modules)
     for info in infos:
         if info.tp_spec is not None:
-            if options.strategy is ShardingStrategy.SHARD_OPTIM_STATE:
+            if options.strategy.partitions_optimizer_state:
                 raise NotImplementedError(
-                    f"{clean_fqn(info.fqn)} is tensor-parallel: SHARD_OPTIM_STATE does not partition "
+                    f"{clean_fqn(info.fqn)} is tensor-parallel: {options.strategy.name} does not partition "
                     "tensor-parallel parameters; shard the data-parallel dimension with FULL_SHARD or NO_SHARD"
                 )
             check_tensor_parallel_mesh(info.tp_spec.mesh, clean_fqn(info.fqn))
@@ -211,6 +211,7 @@ def _make_unit(
         options.offload_params,
         device,
         flat_param_owner=flat_param_owner,
+        reduce_dtype=options.reduce_dtype,
     )
     for _, module in modules:
         mark_managed(module, unit)

@@ -26,6 +26,15 @@ class ShardingStrategy(enum.Enum):
     # ZeRO-1: parameters and gradients replicated (gradients all-reduced, as NO_SHARD); only the
     # optimizer state is partitioned, by `engine.ShardedOptimizer` (FULL_SHARD's chunk layout).
     SHARD_OPTIM_STATE = "shard_optim_state"
+    # ZeRO-2: parameters replicated as ZeRO-1; each unit's gradient is reduce-scattered so that a
+    # rank stores only its partition of it (the one its optimizer steps, FULL_SHARD's chunk
+    # layout), and the optimizer state is partitioned the same way (`engine.ShardedOptimizer`).
+    SHARD_GRAD_AND_OPTIM_STATE = "shard_grad_and_optim_state"
+
+    @property
+    def partitions_optimizer_state(self) -> bool:
+        """Parameters whole on every rank, optimizer state partitioned (ZeRO-1 and ZeRO-2)."""
+        return self in (ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE)
 
 
 class StateDictKind(enum.Enum):
@@ -58,7 +67,8 @@ class ShardingOptions:
     * ``strategy``: see :class:`ShardingStrategy`.
     * ``auto_wrap_classes``: submodules of these classes (innermost first) become their own units.
     * ``ignored_modules``: submodules whose parameters stay plain and unsynchronised.
-    * ``mixed_precision``: compute dtype; master shards and gradients stay in full precision.
+    * ``mixed_precision``: compute dtype and gradient reduction dtype; master shards and stored
+      gradients stay in full precision.
     * ``offload_params``: shards and their gradients live on CPU; compute runs on ``device``.
     * ``use_orig_params``: True exposes one ``nn.Parameter`` per original parameter (a view of
       this rank's piece of the flat shard); False exposes one flat parameter per unit, registered
@@ -110,6 +120,10 @@ class ShardingOptions:
     @property
     def param_dtype(self) -> torch.dtype | None:
         return self.mixed_precision.param_dtype if self.mixed_precision is not None else None
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return self.mixed_precision.reduce_dtype if self.mixed_precision is not None else None
 
 
 _OPTION_NAMES = tuple(field.name for field in dataclasses.fields(ShardingOptions))

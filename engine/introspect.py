@@ -38,6 +38,7 @@ def clear_events(module: nn.Module) -> None:
 
 
 def partitions_optimizer_state(module: nn.Module) -> bool:
-    """Whether `module` or a submodule is a SHARD_OPTIM_STATE unit: its optimizer must be an
-    `engine.ShardedOptimizer` for the optimizer state to be partitioned."""
+    """Whether `module` or a submodule is a SHARD_OPTIM_STATE or SHARD_GRAD_AND_OPTIM_STATE unit:
+    its optimizer must be an `engine.ShardedOptimizer` for the optimizer state to be partitioned
+    (and, for SHARD_GRAD_AND_OPTIM_STATE, for the gradients to be applied at all)."""
     return any(unit is not None and unit.optim_partition is not None for unit in (unit_of(m) for m in module.modules()))

@@ -56,8 +56,9 @@ def _keys(info: ParamInfo, prefix: str) -> list[str]:
 def to_dtensor(unit: ShardedUnit, full: torch.Tensor, *, partitioned: bool = False) -> DTensor:
     """`full` as a DTensor chunked along dim 0 over the unit's shard mesh (replicated across).
 
-    Replicated for units that keep parameters whole (NO_SHARD, SHARD_OPTIM_STATE); with
-    `partitioned` (SHARD_OPTIM_STATE optimizer state) chunked over the ranks partitioning it.
+    Replicated for units that keep parameters whole (NO_SHARD, SHARD_OPTIM_STATE,
+    SHARD_GRAD_AND_OPTIM_STATE); with `partitioned` (their partitioned optimizer state) chunked
+    over the ranks partitioning it.
     """
     topology = unit.topology
     mesh = topology.shard_mesh(unit.device)
@@ -66,7 +67,8 @@ def to_dtensor(unit: ShardedUnit, full: torch.Tensor, *, partitioned: bool = Fal
         size, rank = topology.optim_size, topology.optim_rank
     else:
         size, rank = topology.shard_size, topology.shard_rank
-    whole = unit.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_OPTIM_STATE) and not partitioned
+    replicated = unit.strategy is ShardingStrategy.NO_SHARD or unit.strategy.partitions_optimizer_state
+    whole = replicated and not partitioned
     if whole or full.dim() == 0:
         placements: list[Any] = [Replicate()] * mesh.ndim
         local = full.clone()

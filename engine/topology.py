@@ -16,10 +16,11 @@ from engine.config import ShardingStrategy
 class Topology:
     """Process groups of one sharding application.
 
-    `shard_group` is None when each rank holds everything (NO_SHARD, SHARD_OPTIM_STATE, or a shard
-    group of one); `replicate_group` is None when there is nothing to all-reduce across.
-    `optim_group` / `optim_size` / `optim_rank`: the ranks SHARD_OPTIM_STATE partitions optimizer
-    state over (None / 1 / 0 for every other strategy, whose state follows the parameters).
+    `shard_group` is None when each rank holds every parameter (NO_SHARD, SHARD_OPTIM_STATE,
+    SHARD_GRAD_AND_OPTIM_STATE, or a shard group of one); `replicate_group` is None when there is
+    nothing to all-reduce across.  `optim_group` / `optim_size` / `optim_rank`: the ranks
+    SHARD_OPTIM_STATE partitions optimizer state over, and SHARD_GRAD_AND_OPTIM_STATE its
+    gradients too (None / 1 / 0 for every other strategy, whose state follows the parameters).
     """
 
     shard_group: dist.ProcessGroup | None
@@ -96,8 +97,9 @@ def build_topology(
         process_group = mesh.get_group()
     group = process_group or dist.group.WORLD
     world = _size(group)
-    if strategy is ShardingStrategy.SHARD_OPTIM_STATE:
-        # Replicated like NO_SHARD; the optimizer partitions its state over the same ranks.
+    if strategy.partitions_optimizer_state:
+        # Parameters replicated like NO_SHARD; the optimizer partitions its state (and ZeRO-2 its
+        # gradients) over the same ranks.
         if world == 1:
             return Topology(None, None, 1, 0, 1, group, mesh)
         return Topology(None, group, 1, 0, world, group, mesh, group, world, dist.get_rank(group))

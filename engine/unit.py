@@ -18,8 +18,14 @@ Buffers and who owns them (see `collectives.py` for the stream invariants they r
 * ``_staging`` — the compute-dtype / on-device copy of ``shard`` that the all-gather reads under
   mixed precision or offload.  Persistent; rewritten only by this unit's next gather, which
   runs after the previous one (same stream on CUDA; after `wait()` on CPU).
-* A reduction's input (the unsharded gradient) and output (this rank's reduced chunk) belong to
-  its `GradReduction` until `complete()`; the output then becomes the stored gradient.
+* A reduction's input (the unsharded gradient, cast to ``reduce_dtype``) and output (this rank's
+  reduced chunk) belong to its `GradReduction` until `complete()`; the output, upcast to the
+  master dtype and averaged, is then added to the stored gradients: the exposed parameters'
+  (this rank's shard; the whole gradient where parameters are replicated), or for
+  SHARD_GRAD_AND_OPTIM_STATE the optimizer partition's (`partition.py`).
+* ``flat_leaf.grad`` — while gradient sync is off (`UnitContext.sync_gradients`, `engine.no_sync`)
+  a backward leaves the unsharded, unreduced gradient there and autograd adds the next
+  backward's into it; the first backward with sync on reduces the accumulated sum.
 
 A unit never imports or reads the root state (`state.py`): everything it needs from outside
 itself arrives in the `UnitContext` its root hands down (see that class).
@@ -46,7 +52,8 @@ class GradReduction:
     """One unit's gradient reduction, issued and not yet handed out.
 
     `complete()` waits for the collective, finishes the reduction (all-reduce across replica
-    groups for HYBRID_SHARD, average) and adds the result to the stored gradients.
+    groups for HYBRID_SHARD, in the reduce dtype), upcasts the sum to the master dtype, averages
+    it there and adds the result to the stored gradients.
     """
 
     __slots__ = ("_across_replicas", "_pending", "_reduced", "_source", "unit")
@@ -80,11 +87,13 @@ class GradReduction:
         if self._across_replicas:
             with collectives.labelled(unit.label):
                 collectives.all_reduce_sum(reduced, topology.replicate_group)
+        if reduced.dtype != unit.master_dtype:  # the sum was reduced in low precision
+            reduced = reduced.to(unit.master_dtype)
         if topology.dp_world_size > 1:
             reduced.div_(topology.dp_world_size)
         if reduced.device != unit.shard.device:
             reduced = reduced.to(unit.shard.device)
-        unit.exposure.accumulate_grad(reduced)
+        unit.store_reduced_grad(reduced)
 
 
 class UnitContext:
@@ -99,7 +108,8 @@ class UnitContext:
       start afresh, as they did when the unit still pointed at its root).  A unit whose context
       is None was never rooted: it records no events and must not run a backward.
     * **What it holds**: the unshard / reshard event log (`introspect.events` reads it), the
-      state-dict settings (replaced and read by `state_dict.py` only), and two callbacks into the
+      state-dict settings (replaced and read by `state_dict.py` only), whether backward reduces
+      gradients (`sync_gradients`, switched by `grad_sync.py` only), and two callbacks into the
       root's schedule: `reduction_started` (a unit's gradient reduction was issued: the root
       bounds how many are in flight and completes them at the end of backward) and `in_compute`
       (is a forward or backward of this root running; recovers from a backward that raised).
@@ -110,7 +120,7 @@ class UnitContext:
       unit's former reference to its root cost too, and a plain Python cycle the collector frees.
     """
 
-    __slots__ = ("events", "in_compute", "reduction_started", "state_dict")
+    __slots__ = ("events", "in_compute", "reduction_started", "state_dict", "sync_gradients")
 
     def __init__(
         self,
@@ -121,6 +131,8 @@ class UnitContext:
         # that never reads it keeps a constant footprint.
         self.events: collections.deque[tuple[str, str]] = collections.deque(maxlen=100_000)
         self.state_dict = StateDictSettings()
+        # False: backward keeps each unit's unreduced gradient (gradient accumulation, no_sync).
+        self.sync_gradients = True
         self.reduction_started = reduction_started
         self.in_compute = in_compute
 
@@ -138,9 +150,11 @@ class ShardedUnit:
         offload_params: bool,
         device: torch.device,
         flat_param_owner: nn.Module | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         """`flat_param_owner`: expose one flat parameter registered on that module
-        (use_orig_params=False); None exposes the original parameters."""
+        (use_orig_params=False); None exposes the original parameters.  `reduce_dtype`: the
+        dtype gradients are reduced in (None: the compute dtype)."""
         self.module = module
         self.topology = topology
         self.strategy = strategy
@@ -157,6 +171,7 @@ class ShardedUnit:
         self.backward_prepared = False  # this backward already unsharded the unit
         self.master_dtype = _common_dtype(params)
         self.compute_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
         shard_device = torch.device("cpu") if offload_params else device
         self.shard = torch.zeros(self.layout.chunk, dtype=self.master_dtype, device=shard_device)
         if offload_params and device.type == "cuda":
@@ -180,9 +195,10 @@ class ShardedUnit:
             if flat_param_owner is None
             else FlatParams(self.layout, self.shard, flat_param_owner, self._full)
         )
-        # SHARD_OPTIM_STATE: what this rank's optimizer steps (`partition.py`); None otherwise.
+        # SHARD_OPTIM_STATE / SHARD_GRAD_AND_OPTIM_STATE: what this rank's optimizer steps
+        # (`partition.py`), for ZeRO-2 also where its gradient partition is stored; else None.
         self.optim_partition: OptimPartition | None = None
-        if strategy is ShardingStrategy.SHARD_OPTIM_STATE and self.has_params:
+        if strategy.partitions_optimizer_state and self.has_params:
             self.optim_partition = OptimPartition(
                 params,
                 self.shard,
@@ -223,6 +239,11 @@ class ShardedUnit:
     @property
     def has_params(self) -> bool:
         return bool(self.layout.params)
+
+    @property
+    def partitions_grads(self) -> bool:
+        """ZeRO-2: this rank stores only its optimizer partition's piece of the gradient."""
+        return self.strategy is ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE and self.optim_partition is not None
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -333,29 +354,61 @@ class ShardedUnit:
         if reduction is not None:
             reduction.complete()
 
-    def start_grad_reduction(self) -> GradReduction | None:
-        """Issue the reduction of `flat_leaf.grad` asynchronously; None when there is no gradient.
+    def store_reduced_grad(self, reduced: torch.Tensor) -> None:
+        """Add this rank's averaged, master-dtype reduction result to the stored gradients."""
+        if self.partitions_grads:
+            assert self.optim_partition is not None
+            self.optim_partition.accumulate_grad(reduced, self.exposure.requires_grad())
+        else:
+            self.exposure.accumulate_grad(reduced)
 
-        The first collective (reduce-scatter over the shard group, or for a one-rank shard
-        group the all-reduce over the replicas) runs while backward continues.
+    def start_grad_reduction(self) -> GradReduction | None:
+        """Issue the reduction of `flat_leaf.grad` asynchronously; None when there is no gradient
+        or gradient sync is off (the gradient then stays on `flat_leaf`, where the next backward
+        accumulates into it).
+
+        The gradient is cast to `reduce_dtype` first.  The first collective (reduce-scatter over
+        the shard group — for ZeRO-2 over the optimizer partition group, padded to its layout —
+        or for a one-rank shard group the all-reduce over the replicas) runs while backward
+        continues.
         """
         grad = self.flat_leaf.grad
-        self.flat_leaf.grad = None
         if grad is None:
             return None
-        if grad.dtype != self.master_dtype:
-            grad = grad.to(self.master_dtype)
+        if self.context is not None and not self.context.sync_gradients:
+            return None
+        self.flat_leaf.grad = None
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
         topology = self.topology
         pending = None
         reduced = grad
+        partition = self.optim_partition if self.partitions_grads else None
         with collectives.labelled(self.label):
-            if topology.shard_group is not None:
+            if partition is not None:
+                reduced, pending = self._reduce_scatter_partition(grad, partition)
+            elif topology.shard_group is not None:
                 reduced = torch.empty(self.layout.chunk, dtype=grad.dtype, device=grad.device)
                 pending = collectives.reduce_scatter_flat(reduced, grad, topology.shard_group, async_op=True)
             elif topology.replicate_group is not None:
                 pending = collectives.all_reduce_sum(grad, topology.replicate_group, async_op=True)
         across_replicas = topology.shard_group is not None and topology.replicate_group is not None
         return GradReduction(self, reduced, pending, grad, across_replicas)
+
+    def _reduce_scatter_partition(
+        self, grad: torch.Tensor, partition: OptimPartition
+    ) -> tuple[torch.Tensor, collectives.Pending | None]:
+        """ZeRO-2: sum the whole flat gradient over the partition group, keeping this rank's
+        chunk (padded to the partition layout, zeros on padding)."""
+        layout = partition.layout
+        if partition.group is None:  # one rank: its chunk is the whole (unpadded) gradient
+            return grad[: layout.chunk], None
+        padded = grad
+        if grad.numel() != layout.padded_numel:
+            padded = grad.new_zeros(layout.padded_numel)
+            padded[: layout.numel].copy_(grad[: layout.numel])
+        reduced = grad.new_empty(layout.chunk)
+        return reduced, collectives.reduce_scatter_flat(reduced, padded, partition.group, async_op=True)
 
 
 def _weak_hook(

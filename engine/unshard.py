@@ -12,6 +12,8 @@ import torch.nn as nn
 
 from engine import collectives
 from engine.flat_param import maybe_wrap
+from engine.params import ParamExposure
+from engine.partition import OptimPartition
 from engine.state import managing_unit, unit_of
 from engine.unit import ShardedUnit
 
@@ -54,9 +56,10 @@ class UnitUnshard:
             self.was_unsharded = unit.is_unsharded
             unit.unshard()
             full = unit._full
-        # A one-rank shard group holds full gradients already: show those very tensors, so
-        # in-place changes persist exactly as changes to the (aliased) parameters do.
-        alias_grads = options.with_grads and unit.topology.shard_group is None
+        # A one-rank shard group holds full gradients already (unless ZeRO-2 partitioned them):
+        # show those very tensors, so in-place changes persist exactly as changes to the
+        # (aliased) parameters do.
+        alias_grads = options.with_grads and unit.topology.shard_group is None and not unit.partitions_grads
         grads = self._gather_grads() if options.with_grads and not alias_grads else None
         if not self.visible:
             self._restore()
@@ -68,7 +71,7 @@ class UnitUnshard:
         self.shown, self.shown_grads = full, grads
         exposure = unit.exposure
         stored = exposure.stored_grad_views() if alias_grads else [None] * len(unit.layout.params)
-        has_grad = exposure.param_has_grad()
+        has_grad = _grad_store(unit).param_has_grad()
         for info, requires_grad, stored_grad, local_has_grad in zip(
             unit.layout.params, exposure.requires_grad(), stored, has_grad
         ):
@@ -97,7 +100,9 @@ class UnitUnshard:
                 if unit.is_unsharded and shown.data_ptr() != unit._full.data_ptr():
                     unit._full.copy_(shown)
             if self.shown_grads is not None:
-                unit.exposure.write_grad_chunk(self.shown_grads[start : start + layout.chunk])
+                store = _grad_store(unit)  # its chunks lie in the flat buffer as its layout says
+                begin = store.layout.chunk_start
+                store.write_grad_chunk(self.shown_grads[begin : begin + store.layout.chunk])
 
     def _restore(self) -> None:
         unit = self.unit
@@ -123,8 +128,10 @@ class UnitUnshard:
     def _gather_grads(self) -> torch.Tensor | None:
         """Full flat gradient, or None when no rank has a gradient for this unit."""
         unit = self.unit
-        group = unit.topology.shard_group
-        has_grad = unit.exposure.has_grad()
+        store = _grad_store(unit)
+        layout = store.layout
+        group = unit.optim_partition.group if unit.partitions_grads else unit.topology.shard_group
+        has_grad = store.has_grad()
         if group is not None:
             flag = torch.tensor([int(has_grad)], device=unit.device)
             with collectives.labelled(unit.label):
@@ -132,16 +139,25 @@ class UnitUnshard:
             has_grad = bool(flag.item())
         if not has_grad:
             return None
-        local = unit.exposure.grad_chunk()
+        local = store.grad_chunk()
         if local is None:  # other ranks have gradients, this one none: contribute zeros
-            local = torch.zeros(unit.layout.chunk, dtype=unit.master_dtype, device=unit.device)
+            local = torch.zeros(layout.chunk, dtype=unit.master_dtype, device=unit.device)
         local = local.to(unit.device, unit.master_dtype)
         if group is None:
             return local
-        full = torch.empty(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
+        full = torch.empty(layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
         with collectives.labelled(unit.label):
             collectives.all_gather_flat(full, local, group)
         return full
+
+
+def _grad_store(unit: ShardedUnit) -> ParamExposure | OptimPartition:
+    """Where `unit` stores this rank's gradients: the exposed parameters, or (ZeRO-2) its
+    optimizer partition."""
+    if unit.partitions_grads:
+        assert unit.optim_partition is not None
+        return unit.optim_partition
+    return unit.exposure
 
 
 def units_in_scope(module: nn.Module, recurse: bool) -> list[ShardedUnit]:

@@ -1,11 +1,13 @@
-"""`ShardedOptimizer`: the optimizer of a model with SHARD_OPTIM_STATE (ZeRO-1) units.
+"""`ShardedOptimizer`: the optimizer of a model with SHARD_OPTIM_STATE (ZeRO-1) or
+SHARD_GRAD_AND_OPTIM_STATE (ZeRO-2) units.
 
-Each rank's inner optimizer is built over this rank's partition of every SHARD_OPTIM_STATE unit
+Each rank's inner optimizer is built over this rank's partition of every such unit
 (`partition.OptimPartition.params`) instead of the unit's replicated parameters, so it creates
 state only for its chunk; parameters of units with other strategies (already sharded, or NO_SHARD)
-and unmanaged parameters are passed through unchanged.  `step()` hands each partition its piece
-of the averaged gradients, steps the inner optimizer, then all-gathers the updated chunks into
-the replicated parameters (one all-gather per unit, issued together and waited in order).
+and unmanaged parameters are passed through unchanged.  `step()` hands each ZeRO-1 partition its
+piece of the averaged gradients (a ZeRO-2 partition stores its gradient already), steps the inner
+optimizer, then all-gathers the updated chunks into the replicated parameters (one all-gather per
+unit, issued together and waited in order).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ class ShardedOptimizer:
 
     ``params``: what you would give a torch optimizer for ``model`` (an iterable of parameters or
     of parameter-group dicts); default ``model.parameters()``.  Each parameter of a
-    SHARD_OPTIM_STATE unit is replaced by this rank's partition of it (with flat parameters, a
-    unit's ``_flat_param`` by the unit's partition chunk), and ``make_optimizer`` is called with
-    the result.  The inner optimizer is ``.optimizer`` (give it to LR schedulers);
+    SHARD_OPTIM_STATE or SHARD_GRAD_AND_OPTIM_STATE unit is replaced by this rank's partition of
+    it (with flat parameters, a unit's ``_flat_param`` by the unit's partition chunk), and
+    ``make_optimizer`` is called with the result.  The inner optimizer is ``.optimizer`` (give it to LR schedulers);
     ``param_groups``, ``state``, ``state_dict()`` and ``load_state_dict()`` are its own (per rank,
     partition parameters).  For state dicts keyed by FQNs use ``engine.optim_state_dict`` /
     ``engine.load_optim_state_dict``.  ``step()`` is collective: call it on every rank.
@@ -118,7 +120,10 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()  # its backward produces the gradients this step uses
         for unit in self._units:
-            _partition(unit).load_grads(unit.exposure.stored_grad_views())
+            if unit.partitions_grads:  # ZeRO-2: the partition's gradients are stored already
+                _partition(unit).refresh()
+            else:
+                _partition(unit).load_grads(unit.exposure.stored_grad_views())
         self.optimizer.step()
         gathers = [_partition(unit).start_gather(unit.label) for unit in self._units]
         try:
@@ -136,7 +141,7 @@ class ShardedOptimizer:
 
 def _partition(unit: ShardedUnit) -> OptimPartition:
     partition = unit.optim_partition
-    assert partition is not None  # only SHARD_OPTIM_STATE units are stepped here
+    assert partition is not None  # only ZeRO-1 / ZeRO-2 units are stepped here
     return partition
 
 

@@ -5,7 +5,16 @@ maps onto the engine's flat-parameter mode (one `_flat_param` per unit, as torch
 SHARD_OPTIM_STATE maps onto the engine's ZeRO-1 strategy: parameters and gradients stay whole on
 every rank (what `local_shard` / `local_grad_shard` report, through the protocol's defaults), and
 `make_optimizer` builds an `engine.ShardedOptimizer`, which keeps optimizer state only for this
-rank's partition.
+rank's partition.  SHARD_GRAD_AND_OPTIM_STATE maps onto the engine's ZeRO-2 strategy: parameters
+whole, each unit's gradient reduce-scattered so that a rank stores only the piece its optimizer
+partition steps (stored as that partition's gradient: the replicated parameters carry none).
+
+Storage introspection therefore reads, per parameter of the sharded model: `local_shard` the
+parameter itself (the protocol's default); `local_grad_shard` its gradient, or for a ZeRO-2 unit
+its piece of this rank's gradient partition; `local_optim_state` the optimizer's state for it, or
+for a ZeRO-1 / ZeRO-2 unit the state of its piece of this rank's partition (empty where this rank
+owns none of it).  `reduce_dtype` maps onto `engine.MixedPrecision.reduce_dtype` and
+`no_gradient_sync` onto `engine.no_sync`.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from conformance.protocol import (
     strip_path_components,
     submodule,
 )
+from engine.unit import ShardedUnit
 
 _WRAPPER_COMPONENTS = frozenset({"_sharded_wrapped_module"})  # engine.ShardedModule's child
 _STRATEGIES = {
@@ -44,6 +54,7 @@ _STRATEGIES = {
     ShardingStrategy.NO_SHARD: engine.ShardingStrategy.NO_SHARD,
     ShardingStrategy.HYBRID_SHARD: engine.ShardingStrategy.HYBRID_SHARD,
     ShardingStrategy.SHARD_OPTIM_STATE: engine.ShardingStrategy.SHARD_OPTIM_STATE,
+    ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE: engine.ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE,
 }
 _KINDS = {StateDictKind.FULL: engine.StateDictKind.FULL, StateDictKind.SHARDED: engine.StateDictKind.SHARDED}
 
@@ -53,13 +64,9 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "reference"
-    CAPABILITIES = frozenset(Capability) - {
-        Capability.SHARD_GRAD_AND_OPTIM_STATE,
-        Capability.REDUCE_DTYPE,
-        Capability.NO_SYNC,
-    }
+    CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
     NON_TP_2D_STATE_DICT_MESH = "dp"  # engine/state_dict.py; proven in test_declared_facts.py
@@ -92,7 +99,7 @@ class ReferenceAdapter(BackendAdapter):
     def collective_label(self) -> str | None:
         return engine.collectives.current_label()
 
-    # -- training loop: SHARD_OPTIM_STATE units need the partitioning optimizer --------------
+    # -- training loop: ZeRO-1 / ZeRO-2 units need the partitioning optimizer ----------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Any:
         if engine.partitions_optimizer_state(model):
             return engine.ShardedOptimizer(model, factory)
@@ -124,12 +131,58 @@ class ReferenceAdapter(BackendAdapter):
         return {
             "strategy": _STRATEGIES[spec.strategy_for(unit)],
             "mesh": spec.mesh,
-            "mixed_precision": engine.MixedPrecision(param_dtype=spec.param_dtype) if spec.param_dtype else None,
+            "mixed_precision": (
+                engine.MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+                if spec.param_dtype
+                else None
+            ),
             "offload_params": spec.offload_params,
             "ignored_modules": owned or None,
             "use_orig_params": spec.use_orig_params,
             "device": self.env.device,
         }
+
+    # -- storage: ZeRO-2 gradients and ZeRO-1/2 optimizer state live in the partition ----------
+    def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
+        located = _partition_piece(model, self.named_parameter(model, fqn))
+        if located is None or not located[0].partitions_grads:
+            return super().local_grad_shard(model, fqn)
+        grad = located[1].grad
+        return None if grad is None else grad.detach().clone()
+
+    def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+        located = _partition_piece(model, self.named_parameter(model, fqn))
+        if located is None or not located[0].partitions_grads:
+            super().set_local_grad_shard(model, fqn, value)
+            return
+        grad = located[1].grad
+        if grad is None:
+            raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
+        if value.shape != grad.shape:
+            raise ValueError(
+                f"{fqn} gradient: this rank stores shape {tuple(grad.shape)}, got a value of shape "
+                f"{tuple(value.shape)} (write what local_grad_shard returned, modified)"
+            )
+        with torch.no_grad():
+            grad.copy_(value)
+
+    def local_optim_state(self, model: nn.Module, optimizer: Any, fqn: str) -> dict[str, torch.Tensor]:
+        located = _partition_piece(model, self.named_parameter(model, fqn))
+        if located is None or located[1] not in optimizer.state:
+            # Another strategy, or a plain optimizer over the replicated parameters.
+            return super().local_optim_state(model, optimizer, fqn)
+        piece = located[1]
+        if piece.numel() == 0:  # this rank's partition holds none of the parameter
+            return {}
+        return {
+            name: value.detach().clone()
+            for name, value in optimizer.state[piece].items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        }
+
+    # -- gradient accumulation ------------------------------------------------------------
+    def no_gradient_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return engine.no_sync(model)
 
     # -- unshard ------------------------------------------------------------------------
     def _unshard(
@@ -233,6 +286,21 @@ def _sharded_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not name:
             break  # the model itself is the root
     return [(_clean(name), module) for name, module in roots]
+
+
+def _partition_piece(model: nn.Module, param: torch.Tensor) -> tuple[ShardedUnit, nn.Parameter] | None:
+    """For a parameter a ZeRO-1 / ZeRO-2 unit exposes: (the unit, the parameter of this rank's
+    optimizer partition standing for it: its piece, or for a flat parameter the whole chunk).
+    None for every other parameter."""
+    for _prefix, root in _sharded_roots(model):
+        for unit in engine.units(root):
+            partition = unit.optim_partition
+            if partition is None:
+                continue
+            for index, exposed in enumerate(unit.optimizer_params):
+                if exposed is param:
+                    return unit, partition.params[index]
+    return None
 
 
 def _join(prefix: str, name: str) -> str:

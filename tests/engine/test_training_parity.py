@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -56,7 +57,13 @@ def shard(model: nn.Module, api: str, auto: bool, world_size: int, **options) ->
 
 def train_both(local, model, rank, world_size, device, iters=5):
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
+    # ZeRO-2 stores gradients only in the optimizer partitions: it needs the partitioning
+    # optimizer (ZeRO-1 keeps training with a plain one here, as documented).
+    if any(unit.partitions_grads for unit in engine.units(model)):
+        optim = engine.ShardedOptimizer(model, make_optim)
+    else:
+        optim = make_optim(model.parameters())
     generator = torch.Generator().manual_seed(1234)
     for step in range(iters):
         batch = torch.randn(world_size, 2, 100, generator=generator).to(device)
