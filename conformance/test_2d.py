@@ -2,7 +2,8 @@
 
 Setup shared by every scenario: a (world size / 2, 2) DeviceMesh named ("dp", "tp") (world size 4
 by default, any even size >= 4 when a session chooses one); the model
-is tensor-parallelized over ``mesh["tp"]`` (``net1`` column-wise, ``net2`` row-wise) and then
+is tensor-parallelized over ``mesh["tp"]`` (``net1`` column-wise, ``net2`` row-wise; the seed's
+``test_fsdp_2d_extension`` plan adds ``net3`` column-wise, see test_2d_state_dict_extension) and then
 handed to the backend with ``ShardingSpec(mesh=mesh["dp"])``. Ranks of one dp group feed
 identical batches (the batch of their dp rank), as tensor parallelism requires.
 All need ``Capability.TENSOR_PARALLEL``.
@@ -89,9 +90,14 @@ def _mesh(device: torch.device, dim_names: tuple[str, str] = ("dp", "tp")) -> De
     return init_device_mesh(device.type, shape, mesh_dim_names=dim_names)
 
 
-def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """``net1`` column-wise then ``net2`` row-wise: the pair needs one all-reduce in forward."""
-    return parallelize_module(model, tp_mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, net3: bool = False) -> nn.Module:
+    """``net1`` column-wise then ``net2`` row-wise: the pair needs one all-reduce in forward
+    (the seed's training and state-dict plan). ``net3``: ``net3`` column-wise too, the plan of
+    the seed's ``test_fsdp_2d_extension``."""
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    if net3:
+        plan["net3"] = ColwiseParallel()
+    return parallelize_module(model, tp_mesh, plan)
 
 
 def _two_d(
@@ -470,7 +476,7 @@ def test_2d_optim_state_dict(backend: BackendAdapter, kind: StateDictKind, rank:
 
 
 @two_d_world
-@pytest.mark.parametrize("mesh_kind", ["2d_slice", "1d"])
+@pytest.mark.parametrize("mesh_kind", ["2d_slice", "2d_tp", "1d"])
 def test_2d_state_dict_extension(backend: BackendAdapter, mesh_kind: str, rank: int, device: torch.device) -> None:
     """The backend's 2-D state-dict handling is on exactly when the dp mesh is a slice of a 2-D
     mesh (the seed's ``test_2d_fsdp_state_enable_extension`` and ``test_fsdp_2d_extension``).
@@ -478,12 +484,17 @@ def test_2d_state_dict_extension(backend: BackendAdapter, mesh_kind: str, rank: 
     The seed reads FSDP1's private ``_fsdp_extension`` (a ``DTensorExtensions`` with
     ``mesh_2d["dp"]``, None with a 1-D mesh); a backend-neutral suite checks what that switch
     decides, the sharded state dict. ``2d_slice``: a plain ``ThreeLayerMLP`` (no tensor
-    parallelism, as in the seed) sharded over ``mesh["dp"]`` of the (dp, tp) mesh: every value
-    is laid out as the backend declares for values TP left whole (``NON_TP_2D_STATE_DICT_MESH``;
-    "2-D": on the 2-D mesh, ``(Shard(0), Replicate())``, the extension engaged). ``1d``: the
-    same model over a 1-D mesh of every rank: every value is a DTensor on exactly that mesh with
-    ``(Shard(0),)`` (no extension: nothing 2-D). FSDP1's own switch is checked literally where
-    its fact is proven (``tests/conformance/test_declared_facts.py``).
+    parallelism, as in ``test_2d_fsdp_state_enable_extension``) sharded over ``mesh["dp"]`` of
+    the (dp, tp) mesh: every value is laid out as the backend declares for values TP left whole
+    (``NON_TP_2D_STATE_DICT_MESH``; "2-D": on the 2-D mesh, ``(Shard(0), Replicate())``, the
+    extension engaged). ``2d_tp``: ``test_fsdp_2d_extension``'s model, ``net1`` and ``net3``
+    column-wise and ``net2`` row-wise over ``mesh["tp"]``, sharded over ``mesh["dp"]`` with
+    original parameters: every value is a tensor-parallel one, on the 2-D mesh with ``Shard(0)``
+    over dp and its TP placement over tp. ``1d``: the plain model over a 1-D mesh of every rank:
+    every value is a DTensor on exactly that mesh with ``(Shard(0),)`` (no extension: nothing
+    2-D). FSDP1's own switch is checked literally where its fact is proven
+    (``tests/conformance/test_declared_facts.py``). Keys in order and ``full_tensor()`` equal to
+    the unwrapped values in every case.
     """
     require(backend, Capability.TENSOR_PARALLEL)
     require(backend, Capability.SHARDED_STATE_DICT)
@@ -491,25 +502,39 @@ def test_2d_state_dict_extension(backend: BackendAdapter, mesh_kind: str, rank: 
     expected = {name: value.detach().clone() for name, value in unwrapped.state_dict().items()}
     mesh = _mesh(device)
     one_d = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    tp_placements = {
+        name: tuple(param.placements)
+        for name, param in _tensor_parallel(copy.deepcopy(unwrapped), mesh["tp"], net3=True).named_parameters()
+        if isinstance(param, DTensor)
+    }
+    assert set(tp_placements) == set(expected), f"the seed's three-layer TP plan left {sorted(tp_placements)} parallel"
     for form in backend.forms():
         where = f"rank {rank}: {form.value}, {mesh_kind}"
         model = fixtures.build(fixtures.ThreeLayerMLP, current_seed(), device)
-        dp_mesh = mesh["dp"] if mesh_kind == "2d_slice" else one_d
+        if mesh_kind == "2d_tp":
+            model = _tensor_parallel(model, mesh["tp"], net3=True)
+        dp_mesh = one_d if mesh_kind == "1d" else mesh["dp"]
         state = backend.state_dict(backend.shard(model, ShardingSpec(mesh=dp_mesh), form), StateDictKind.SHARDED)
         gathered = _gather_dtensors(state, device)
 
         assert list(state) == list(expected), f"{where}: keys {list(state)} differ from {list(expected)}"
         for name, want in expected.items():
-            if mesh_kind == "2d_slice":
-                _assert_layout(
-                    state[name], gathered[name], mesh, None, backend.NON_TP_2D_STATE_DICT_MESH, f"{where}: {name}"
-                )
-            else:
+            if mesh_kind == "1d":
                 value = state[name]
                 assert isinstance(value, DTensor), f"{where}: {name} is {type(value).__name__}, not a DTensor"
                 assert value.device_mesh == one_d and tuple(value.placements) == (Shard(0),), (
                     f"{where}: {name} on {value.device_mesh} with {value.placements}: a 1-D mesh gets no "
                     f"2-D layout, expected (Shard(dim=0),) on {one_d}"
+                )
+            else:
+                tp_placement = tp_placements[name] if mesh_kind == "2d_tp" else None
+                _assert_layout(
+                    state[name],
+                    gathered[name],
+                    mesh,
+                    tp_placement,
+                    backend.NON_TP_2D_STATE_DICT_MESH,
+                    f"{where}: {name}",
                 )
             full = gathered[name][0]
             assert torch.equal(full.cpu(), want.cpu()), (

@@ -377,6 +377,7 @@ def _optim_round_trip(
         assert keys == param_fqns, (
             f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs {sorted(param_fqns)}"
         )
+        _assert_reading_kept_the_optimizer(backend, trained, optim, kind, optim_checkpoint, where, device)
 
         restored = backend.shard(fixtures.build(model_cls, current_seed() + 1, device, dim=16), spec, form)
         restored_optim = backend.make_optimizer(restored, make_optim)
@@ -402,6 +403,28 @@ def _optim_round_trip(
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _assert_reading_kept_the_optimizer(
+    backend: BackendAdapter,
+    model: nn.Module,
+    optim: Any,
+    kind: StateDictKind,
+    first_read: Any,
+    where: str,
+    device: torch.device,
+) -> None:
+    """``optim_state_dict`` must not modify the live optimizer: read again right after the
+    first read (``first_read``, a copy), the state is the same bit for bit. A read that
+    converts the state in place, resets it or changes a hyperparameter fails here, naming
+    that contract, instead of later as a step that differs from the restored pair's (which
+    its own read would have changed alike)."""
+    _assert_stores_alike(
+        backend.optim_state_dict(model, optim, kind),
+        first_read,
+        f"{where}: optim_state_dict must not modify the live optimizer: a second read differs from the first",
+        device,
+    )
 
 
 def _train_step(

@@ -64,6 +64,7 @@ from conformance.protocol import (
     refused,
     require,
     require_all,
+    submodule,
     unshard_capabilities,
     unsharded_name,
 )
@@ -318,6 +319,7 @@ def _check_param_data(
     mixed_precision: bool,
     use_orig_params: bool,
     rank: int,
+    world_size: int,
     device: torch.device,
 ) -> None:
     """Full parameters of a plain root over several sharded roots match an unsharded copy."""
@@ -334,20 +336,133 @@ def _check_param_data(
     )
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
     for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+        outside = _shown_sizes(sharded)
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
-            _check_param_data_inside(backend, sharded, local, spec, form, rank0_only, offload_to_cpu, rank, device)
-        _check_several_roots(backend, sharded, form)
+            if rank0_only and rank != 0:
+                _check_still_sharded(backend, sharded, outside, spec, form, rank, world_size)
+            else:
+                _check_param_data_inside(backend, sharded, local, spec, form, offload_to_cpu, device)
+        _check_several_roots(backend, sharded, local, form, rank, world_size, device)
 
 
-def _check_several_roots(backend: BackendAdapter, sharded: nn.Module, form: ApiForm) -> None:
-    """The seed's root checks, after the context ran (lazy initialisation done): the plain
-    root is no unit, and the units form more than one root (units under no other unit)."""
-    if not backend.supports(Capability.INTROSPECT_UNIT_FQNS):
-        return  # the names and values checked inside are all a backend without it can show
-    units = set(backend.unit_fqns(sharded))
-    assert "" not in units, f"{form.value}: the plain root (shard_root=False) is a unit: {sorted(units)}"
-    roots = sorted(u for u in units if not any(u.startswith(f"{other}.") for other in units if other != u))
-    assert len(roots) > 1, f"{form.value}: units {sorted(units)} form the roots {roots}; expected more than one"
+def _shown_sizes(sharded: nn.Module) -> dict[str, tuple[type, torch.Size]]:
+    """What each parameter the model lists looks like from outside: its type and shape."""
+    return {name: (type(param), param.shape) for name, param in sharded.named_parameters()}
+
+
+def _nested_model_units() -> dict[str, list[str]]:
+    """NestedModel sharded with its UNIT_FQNS: unit -> the parameters it manages (in
+    registration order), each parameter going to the innermost unit that contains it."""
+    units = fixtures.NestedModel.UNIT_FQNS
+    managed: dict[str, list[str]] = {unit: [] for unit in units}
+    for name, _ in fixtures.NestedModel().named_parameters():
+        owners = [unit for unit in units if name.startswith(f"{unit}.")]
+        if owners:
+            managed[max(owners, key=len)].append(name)
+    return managed
+
+
+def _check_still_sharded(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    outside: dict[str, tuple[type, torch.Size]],
+    spec: ShardingSpec,
+    form: ApiForm,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Inside a ``rank0_only`` context, on a rank other than 0: every unit stays as it was
+    outside, sharded (the seed: each flat parameter keeps its sharded size).
+
+    The rank lists the parameters it listed outside, each of the same type and shape; no
+    unit holds unsharded storage (``is_unsharded``; with ``INTROSPECT_STORAGE``, 0 elements of
+    it); what the rank stores of each managed parameter is exactly what the declared
+    ``SHARD_LAYOUT`` gives it (with flat parameters, ceil(N / world size) elements of each
+    unit's ``_flat_param``), and an original parameter the rank stores only part of does not
+    show its full shape. No collective: rank 0 is inside the context on its own.
+    """
+    shown = _shown_sizes(sharded)
+    assert shown == outside, (
+        f"{form.value}: rank {rank} lists {shown} inside a rank0_only context, "
+        f"{outside} outside: ranks other than 0 must keep showing their shards"
+    )
+    params = _named_params(backend, sharded)
+    shapes = {name: p.shape for name, p in fixtures.NestedModel().named_parameters()}
+    layout = type(backend).SHARD_LAYOUT
+    for unit, names in _nested_model_units().items():
+        assert not backend.is_unsharded(sharded, unit), (
+            f"{form.value}: rank {rank} holds unit {unit} unsharded under rank0_only"
+        )
+        if backend.supports(Capability.INTROSPECT_STORAGE):
+            held = backend.unsharded_storage_numel(sharded, unit)
+            assert held == 0, (
+                f"{form.value}: rank {rank} holds {held} elements of unit {unit}'s unsharded "
+                "storage under rank0_only, expected 0"
+            )
+        unit_shapes = [shapes[name] for name in names]
+        if not spec.use_orig_params:
+            flat = flat_param_fqn(backend, unit)
+            numel = sum(shape.numel() for shape in unit_shapes)
+            stored = backend.local_shard(sharded, flat).numel()
+            assert stored == -(-numel // world_size), (
+                f"{form.value}: rank {rank} stores {stored} elements of {flat} inside a rank0_only "
+                f"context; a unit of {numel} elements sharded {world_size} ways stores "
+                f"ceil({numel}/{world_size}) = {-(-numel // world_size)}"
+            )
+            continue
+        for index, name in enumerate(names):
+            stored = backend.local_shard(sharded, name).numel()
+            wanted = expected_local_numel(layout, unit_shapes, index, rank, world_size)
+            assert stored == wanted, (
+                f"{form.value}: rank {rank} stores {stored} elements of {name} "
+                f"{tuple(shapes[name])} inside a rank0_only context; {layout.name} "
+                f"({layout.value}) gives {wanted}"
+            )
+            # A flat unit's range may hold a small parameter whole: only a part must not look full.
+            if wanted < shapes[name].numel():
+                assert not _shows_full(params[name], shapes[name]), (
+                    f"{form.value}: rank {rank} shows {name} full ({type(params[name]).__name__} "
+                    f"{tuple(params[name].shape)}) inside a rank0_only context, storing {stored} "
+                    f"of its {shapes[name].numel()} elements"
+                )
+
+
+def _check_several_roots(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    local: nn.Module,
+    form: ApiForm,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """The seed's root count, read from the backend once lazy initialisation is done.
+
+    The plain root is no unit (``unit_fqns``, where the backend reports it). Then a forward
+    through each unit under no other unit (``body.1``, ``body.2``; the whole model's forward
+    would feed the plain root's own float32 layers a unit's low-precision output under mixed
+    precision): a root keeps its parameters unsharded after forward, a unit nested in another
+    reshards (FULL_SHARD; test_unshard_respects_reshard's contract), so the units
+    ``is_unsharded`` reports afterwards are the roots the backend made. They must be exactly
+    those outermost units: more than one root, as the seed counts. One rank shards nothing (no
+    unit ever reshards), so there the roots cannot be read.
+    """
+    if backend.supports(Capability.INTROSPECT_UNIT_FQNS):
+        units = set(backend.unit_fqns(sharded))
+        assert "" not in units, f"{form.value}: the plain root (shard_root=False) is a unit: {sorted(units)}"
+    if world_size == 1 or not backend.supports(Capability.INTROSPECT_UNSHARDED):
+        return
+    unit_names = fixtures.NestedModel.UNIT_FQNS
+    outermost = sorted(u for u in unit_names if not any(u.startswith(f"{other}.") for other in unit_names))
+    generator = torch.Generator().manual_seed(current_seed() + rank)
+    for unit in outermost:
+        features = next(local.get_submodule(unit).parameters()).shape[-1]
+        submodule(sharded, unit)(torch.rand(2, features, generator=generator).to(device))
+    roots = sorted(unit for unit in unit_names if backend.is_unsharded(sharded, unit))
+    assert roots == outermost and len(roots) > 1, (
+        f"{form.value}: after a forward the units {roots} kept their parameters unsharded, as "
+        f"roots do; the roots must be the units under no other unit, {outermost} (more than one)"
+    )
 
 
 def _check_param_data_inside(
@@ -356,26 +471,11 @@ def _check_param_data_inside(
     local: nn.Module,
     spec: ShardingSpec,
     form: ApiForm,
-    rank0_only: bool,
     offload_to_cpu: bool,
-    rank: int,
     device: torch.device,
 ) -> None:
-    """Inside the context of :func:`_check_param_data`: every full parameter, or (rank0_only,
-    other ranks) every unit still sharded."""
-    if rank0_only and rank != 0:
-        for unit in fixtures.NestedModel.UNIT_FQNS:
-            assert not backend.is_unsharded(sharded, unit), (
-                f"{form.value}: rank {rank} holds unit {unit} unsharded under rank0_only"
-            )
-            # The seed's proxy is each flat parameter's sharded size; the storage says it exactly.
-            if backend.supports(Capability.INTROSPECT_STORAGE):
-                held = backend.unsharded_storage_numel(sharded, unit)
-                assert held == 0, (
-                    f"{form.value}: rank {rank} holds {held} elements of unit {unit}'s unsharded "
-                    "storage under rank0_only, expected 0"
-                )
-        return
+    """Inside the context of :func:`_check_param_data`, on a rank that unshards: every
+    parameter full, equal to the unsharded copy."""
     pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
     for (name, expected), (seen_name, seen) in pairs:
         assert seen_name is not None and declared_fqn(backend, seen_name) == name, (
@@ -416,13 +516,15 @@ def test_unshard_param_data(
     mixed_precision: bool,
     use_orig_params: bool,
     rank: int,
+    world_size: int,
     device: torch.device,
 ) -> None:
     """Plain root over three sharded units (two nested): every full parameter matches.
 
     Names, shapes, device (CPU for managed parameters with ``offload_to_cpu``), fp32 dtype
     under mixed precision and values equal an unsharded copy; with ``rank0_only`` the other
-    ranks keep every unit sharded inside the context.
+    ranks keep every unit sharded inside the context, storing exactly their shards. After
+    the context, a forward shows the roots the backend made: the two outermost units.
     """
     _check_param_data(
         backend,
@@ -432,6 +534,7 @@ def test_unshard_param_data(
         mixed_precision,
         use_orig_params,
         rank,
+        world_size,
         device,
     )
 
@@ -451,7 +554,7 @@ def test_unshard_param_data_no_shard(
     device: torch.device,
 ) -> None:
     """As test_unshard_param_data on one rank (nothing sharded); offload_to_cpu is refused there."""
-    _check_param_data(backend, rank0_only, False, param_offload, mixed_precision, use_orig_params, rank, device)
+    _check_param_data(backend, rank0_only, False, param_offload, mixed_precision, use_orig_params, rank, 1, device)
 
 
 # -- padding --------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ each is defined in the module of its concern:
   implementation (``TEMPLATE_METHODS``), and the adoption of older adapters' public methods.
 - ``helpers``: functions adapters use (:func:`submodule`, :func:`innermost_first`,
   ``strip_path_components``).
+- ``proofs``: what an adapter's own tests use to prove the facts it declares
+  (:data:`FACTS_NEEDING_PROOF`, :func:`declared_facts`, :class:`FactProofs`,
+  :func:`raises_declared`).
 - ``storage``: strategies defined by storage: what a rank holds of parameters, gradients and
   optimizer state at each phase (:data:`STORAGE_CLAIMS`, :class:`Phase`, :class:`Stored`,
   :class:`Holding`), and the bounds a shard group's storage must meet.
@@ -58,6 +61,7 @@ from conformance.protocol.facts import (
 )
 from conformance.protocol.helpers import innermost_first, strip_path_components, submodule
 from conformance.protocol.hooks import BackendHooks
+from conformance.protocol.proofs import FACTS_NEEDING_PROOF, FactProofs, declared_facts, raises_declared
 from conformance.protocol.storage import (
     STORAGE_CLAIMS,
     Holding,
@@ -85,6 +89,7 @@ from conformance.protocol.vocabulary import (
 )
 
 __all__ = [
+    "FACTS_NEEDING_PROOF",
     "PROTOCOL_VERSION",
     "SEED_REFUSALS",
     "STORAGE_CLAIMS",
@@ -96,6 +101,7 @@ __all__ = [
     "BackendFacts",
     "BackendHooks",
     "Capability",
+    "FactProofs",
     "Holding",
     "Misuse",
     "MixedPrecisionUnshard",
@@ -111,6 +117,7 @@ __all__ = [
     "StateDictKind",
     "StorageClaim",
     "Stored",
+    "declared_facts",
     "declared_fqn",
     "declared_refusal",
     "expected_local_numel",
@@ -118,6 +125,7 @@ __all__ = [
     "flat_param_fqn",
     "innermost_first",
     "mixed_precision_dtype",
+    "raises_declared",
     "refused",
     "require",
     "require_all",

@@ -73,7 +73,12 @@ assert max(ADDED) == PROTOCOL_VERSION, "conformance.protocol.versions.ADDED must
 
 @dataclass(frozen=True)
 class Shortfall:
-    """What an adapter written for ``version`` does not declare of what later versions added."""
+    """What an adapter written for ``version`` does not declare of what later versions added.
+
+    ``capabilities`` are those it neither declares nor declares missing: one it lists in
+    ``UNSUPPORTED_REASONS`` is a declaration (its author knows of it and says why it is
+    missing), not a shortfall, and the scenarios it skips are not counted against the version.
+    """
 
     version: int
     capabilities: frozenset[Capability] = frozenset()
@@ -105,16 +110,21 @@ class Shortfall:
 
 
 def shortfall(adapter_cls: type[BackendAdapter]) -> Shortfall | None:
-    """None for an adapter written for the current protocol."""
+    """None for an adapter written for the current protocol, or for an older one that misses
+    nothing later versions added (it declares or declares missing every later capability, and
+    sets every later hook and fact itself)."""
     version = adapter_cls.PROTOCOL_VERSION
     if version >= PROTOCOL_VERSION:
         return None
     later = [ADDED[v] for v in range(version + 1, PROTOCOL_VERSION + 1)]
-    capabilities = frozenset().union(*(a.capabilities for a in later)) - adapter_cls.CAPABILITIES
+    declared = adapter_cls.CAPABILITIES | set(adapter_cls.UNSUPPORTED_REASONS)
+    capabilities = frozenset().union(*(a.capabilities for a in later)) - declared
     hooks = tuple(
         hook for a in later for hook in a.hooks if getattr(adapter_cls, hook) is getattr(BackendAdapter, hook)
     )
     facts = tuple(
         fact for a in later for fact in a.facts if getattr(adapter_cls, fact) is getattr(BackendAdapter, fact)
     )
+    if not (capabilities or hooks or facts):
+        return None
     return Shortfall(version, capabilities, hooks, facts)

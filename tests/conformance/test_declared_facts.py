@@ -29,45 +29,15 @@ from conformance.protocol import (
     expected_local_numel,
     expected_unsharded_numel,
 )
+from conformance.protocol.proofs import FactProofs, Proof, raises_declared
 from conformance.suite import registry
 from harness import current_seed
 from tests.conformance.layout_adapters import FlatUnitsOriginalRows, FlatUnitsOriginalRowsMisdeclared
 
-Proof = Callable[[int, int, torch.device], None]
-PROOFS: dict[tuple[str, str], Proof] = {}
-FACTS = (
-    "FLAT_PARAMETER_NAME",
-    "MIXED_PRECISION_UNSHARD",
-    "REFUSALS",
-    "SHARD_LAYOUT",
-    "UNSHARDED_NAME_PREFIX",
-    "NON_TP_2D_STATE_DICT_MESH",
-)
-
-
-# Proofs that need more than two ranks (a 2-D mesh with a dp dimension larger than 1): they run
-# in their own test at that world size.
-PROOF_WORLD_SIZES: dict[tuple[str, str], int] = {}
-
-
-def proves(backend: str, fact: str, world_size: int = 2) -> Callable[[Proof], Proof]:
-    def register(proof: Proof) -> Proof:
-        PROOFS[backend, fact] = proof
-        PROOF_WORLD_SIZES[backend, fact] = world_size
-        return proof
-
-    return register
-
-
-def declared_facts(adapter_cls: type[BackendAdapter]) -> set[str]:
-    """The facts an adapter class (or a base other than the protocol's) sets itself; a refusal
-    counts per misuse (``REFUSALS.<MISUSE>``): those it leaves out are held to the seeds'."""
-    owners = [klass for klass in adapter_cls.__mro__ if klass not in BackendAdapter.__mro__]
-    declared = {fact for fact in FACTS if any(fact in vars(klass) for klass in owners)}
-    facts = declared - {"REFUSALS"}
-    if "REFUSALS" in declared:
-        facts |= {f"REFUSALS.{misuse.name}" for misuse in adapter_cls.REFUSALS}
-    return facts
+# The built-ins' proofs; the registry and the fact helpers are public (conformance.protocol.proofs)
+# so that an adapter package proves its own facts the same way.
+REGISTRY = FactProofs()
+proves = REGISTRY.proves
 
 
 def _two_linears(device: torch.device) -> nn.Sequential:
@@ -88,9 +58,8 @@ class _CallsBack(nn.Module):
 
 
 def _raises_declared(backend: str, misuse: Misuse) -> contextlib.AbstractContextManager[object]:
-    """pytest.raises for exactly what ``backend`` declares for ``misuse``."""
-    refusal = declared_refusal(registry.load(backend), misuse)
-    return pytest.raises(refusal.types, match=refusal.pattern)
+    """pytest.raises for exactly what the built-in ``backend`` declares for ``misuse``."""
+    return raises_declared(registry.load(backend), misuse)
 
 
 # -- the reference engine ------------------------------------------------------------------------
@@ -455,14 +424,17 @@ def _installed_builtins() -> list[str]:
 
 
 def test_every_proof_runs() -> None:
-    assert set(_proofs_at(2)) | set(_proofs_at(4)) == set(PROOFS), "a proof at a world size no test runs"
+    assert set(REGISTRY.at(2)) | set(REGISTRY.at(4)) == set(REGISTRY.proofs), "a proof at a world size no test runs"
 
 
 def test_every_declared_fact_has_a_proof_and_every_proof_a_fact() -> None:
-    declared = {(backend, fact) for backend in _installed_builtins() for fact in declared_facts(registry.load(backend))}
-    proven = {key for key in PROOFS if key[0] in _installed_builtins()}
-    assert declared - proven == set(), "declared facts without a proof here"
-    assert proven - declared == set(), "proofs of facts no adapter declares any more: delete them"
+    builtins = _installed_builtins()
+    unproven = {backend: REGISTRY.unproven(backend, registry.load(backend)) for backend in builtins}
+    stale = {backend: REGISTRY.stale(backend, registry.load(backend)) for backend in builtins}
+    assert {b: facts for b, facts in unproven.items() if facts} == {}, "declared facts without a proof here"
+    assert {b: facts for b, facts in stale.items() if facts} == {}, (
+        "proofs of facts no adapter declares any more: delete them"
+    )
 
 
 def test_declared_refusals_are_checked_exactly() -> None:
@@ -510,18 +482,14 @@ def test_a_flat_parameter_is_one_flat_buffer_under_any_declared_layout(
         )
 
 
-def _proofs_at(world_size: int) -> list[tuple[str, str]]:
-    return sorted(key for key in PROOFS if PROOF_WORLD_SIZES[key] == world_size)
-
-
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize(("backend_name", "fact"), _proofs_at(2), ids=[f"{b}-{f}" for b, f in _proofs_at(2)])
+@pytest.mark.parametrize(("backend_name", "fact"), REGISTRY.at(2), ids=[f"{b}-{f}" for b, f in REGISTRY.at(2)])
 def test_declared_fact_is_real(backend_name: str, fact: str, rank: int, world_size: int, device: torch.device) -> None:
     _prove(backend_name, fact, rank, world_size, device)
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize(("backend_name", "fact"), _proofs_at(4), ids=[f"{b}-{f}" for b, f in _proofs_at(4)])
+@pytest.mark.parametrize(("backend_name", "fact"), REGISTRY.at(4), ids=[f"{b}-{f}" for b, f in REGISTRY.at(4)])
 def test_declared_2d_fact_is_real(
     backend_name: str, fact: str, rank: int, world_size: int, device: torch.device
 ) -> None:
@@ -533,4 +501,4 @@ def _prove(backend_name: str, fact: str, rank: int, world_size: int, device: tor
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
         pytest.skip(reason=f"{library} is not installed here ({install}): its facts are proven where it is")
     assert isinstance(registry.load(backend_name)(BackendEnv(rank, world_size, device)), BackendAdapter)
-    PROOFS[backend_name, fact](rank, world_size, device)
+    REGISTRY.proofs[backend_name, fact](rank, world_size, device)

@@ -6,6 +6,9 @@ usage error at selection."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import pytest
 import torch
 import torch.nn as nn
@@ -23,6 +26,31 @@ from conformance.protocol import (
 )
 from conformance.suite import registry
 from tests.conformance.old_adapters import FirstProtocolAdapter, Incomplete, ZeroStyleFirstProtocolAdapter
+
+
+class _FirstProtocolDeclaringGaps(FirstProtocolAdapter):
+    """Protocol 1, but it declares two later capabilities missing, with reasons."""
+
+    name = "first-protocol-declaring-gaps"
+    UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {
+        Capability.UNITS: "this backend shards the whole model as one unit",
+        Capability.NATIVE_CHECKPOINT: "this backend has no checkpoint format of its own",
+    }
+
+
+def test_a_capability_declared_missing_is_no_shortfall() -> None:
+    """A later capability an old adapter lists in UNSUPPORTED_REASONS is a declaration: the
+    warning neither names it nor counts the scenarios it skips."""
+    declared_missing = set(_FirstProtocolDeclaringGaps.UNSUPPORTED_REASONS)
+    plain = versions.shortfall(FirstProtocolAdapter)
+    shortfall = versions.shortfall(_FirstProtocolDeclaringGaps)
+    assert plain is not None and shortfall is not None
+    assert declared_missing <= plain.capabilities  # short without the declaration
+    assert shortfall.capabilities == plain.capabilities - declared_missing
+    assert not shortfall.costs(f"unsupported: {Capability.UNITS.value}: this backend shards the whole model")
+    assert shortfall.costs(f"unsupported: {Capability.UNMANAGED_ROOT.value}: the adapter does not provide it")
+    text = shortfall.describe(_FirstProtocolDeclaringGaps.name, 1)
+    assert "UNITS" not in text.replace("UNMANAGED_ROOT", "") and "NATIVE_CHECKPOINT" not in text
 
 
 def test_an_older_adapter_is_told_what_it_does_not_declare() -> None:

@@ -1,0 +1,102 @@
+"""Proving declared facts: what an adapter's own tests need to back every fact it declares.
+
+A backend fact an adapter declares (:class:`~conformance.protocol.facts.BackendFacts`;
+docs/writing-an-adapter.md, "Backend facts") changes what the scenarios accept, so each one is
+a claim about the backend, to be proven by a test that calls the real library, not the adapter.
+tests/conformance/test_declared_facts.py proves the built-ins' facts with these helpers; an
+adapter package outside this repository proves its own with them too:
+
+- :data:`FACTS_NEEDING_PROOF`: the facts that need a proof;
+- :func:`declared_facts`: which of them an adapter class sets itself (a refusal counts per
+  misuse, ``REFUSALS.<MISUSE>``): what a meta-test compares with the proofs it has;
+- :class:`FactProofs`: a registry of proofs by backend and fact, with the world size each runs
+  at, that says which declared facts lack a proof and which proofs outlived their declaration;
+- :func:`raises_declared`: ``pytest.raises`` for exactly the refusal an adapter declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from conformance.protocol.adapter import BackendAdapter
+from conformance.protocol.facts import BackendFacts, declared_refusal
+from conformance.protocol.vocabulary import Misuse
+
+# One proof: it runs on every rank of a world (``rank``, ``world_size``, the rank's ``device``)
+# and fails unless the real library behaves as the adapter declares.
+Proof = Callable[[int, int, torch.device], None]
+
+# The declared facts that need a proof: each changes what the scenarios accept.
+FACTS_NEEDING_PROOF = (
+    "FLAT_PARAMETER_NAME",
+    "MIXED_PRECISION_UNSHARD",
+    "REFUSALS",
+    "SHARD_LAYOUT",
+    "UNSHARDED_NAME_PREFIX",
+    "NON_TP_2D_STATE_DICT_MESH",
+)
+
+
+def declared_facts(adapter_cls: type[BackendFacts]) -> set[str]:
+    """The facts of :data:`FACTS_NEEDING_PROOF` an adapter class (or a base of it other than the protocol's
+    classes, whose defaults are the seeds') sets itself. A refusal counts per misuse
+    (``REFUSALS.<MISUSE>``): the misuses it leaves out are held to the seeds' refusals and need
+    no proof."""
+    owners = [klass for klass in adapter_cls.__mro__ if klass not in BackendAdapter.__mro__]
+    declared = {fact for fact in FACTS_NEEDING_PROOF if any(fact in vars(klass) for klass in owners)}
+    facts = declared - {"REFUSALS"}
+    if "REFUSALS" in declared:
+        facts |= {f"REFUSALS.{misuse.name}" for misuse in adapter_cls.REFUSALS}
+    return facts
+
+
+@dataclass
+class FactProofs:
+    """Proofs of declared facts, by (backend name, fact), each with the world size it runs at.
+
+    Register with the :meth:`proves` decorator; run :meth:`at` a world size from a distributed
+    test; in a meta-test, :meth:`unproven` and :meth:`stale` must both be empty for every
+    backend the package declares facts for.
+    """
+
+    proofs: dict[tuple[str, str], Proof] = field(default_factory=dict)
+    world_sizes: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def proves(self, backend: str, fact: str, world_size: int = 2) -> Callable[[Proof], Proof]:
+        """Decorator: the proof that ``backend`` really has ``fact`` (``"SHARD_LAYOUT"``, or
+        ``"REFUSALS.<MISUSE>"`` per refusal), run at ``world_size`` ranks."""
+
+        def register(proof: Proof) -> Proof:
+            if (backend, fact) in self.proofs:
+                raise ValueError(f"{backend}: {fact} already has a proof ({self.proofs[backend, fact].__name__})")
+            self.proofs[backend, fact] = proof
+            self.world_sizes[backend, fact] = world_size
+            return proof
+
+        return register
+
+    def at(self, world_size: int) -> list[tuple[str, str]]:
+        """The (backend, fact) pairs whose proofs run at ``world_size``, sorted (stable test ids)."""
+        return sorted(key for key, size in self.world_sizes.items() if size == world_size)
+
+    def unproven(self, backend: str, adapter_cls: type[BackendFacts]) -> set[str]:
+        """Facts ``adapter_cls`` declares that no proof registered for ``backend`` backs."""
+        return declared_facts(adapter_cls) - {fact for name, fact in self.proofs if name == backend}
+
+    def stale(self, backend: str, adapter_cls: type[BackendFacts]) -> set[str]:
+        """Proofs registered for ``backend`` of facts ``adapter_cls`` no longer declares: delete them."""
+        return {fact for name, fact in self.proofs if name == backend} - declared_facts(adapter_cls)
+
+
+def raises_declared(backend: BackendFacts | type[BackendFacts], misuse: Misuse) -> AbstractContextManager[Any]:
+    """``pytest.raises`` for exactly what ``backend`` (an adapter or its class) declares for
+    ``misuse``: one of the declared exception types, its message matching the declared pattern
+    (the seeds' refusal where it declares none)."""
+    refusal = declared_refusal(backend, misuse)
+    return pytest.raises(refusal.types, match=refusal.pattern)
