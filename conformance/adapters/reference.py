@@ -68,6 +68,9 @@ class ReferenceAdapter(BackendAdapter):
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
+    # The engine's own lines (its gathers, its reduce-scatters) are never the user's: collectives
+    # it issues are attributed to the scenario line that called into it.
+    BACKEND_MODULES = ("engine",)
     FLAT_PARAMETER_NAME = engine.params.FLAT_PARAM_NAME
     NON_TP_2D_STATE_DICT_MESH = "dp"  # engine/state_dict.py; proven in test_declared_facts.py
     # The engine's own refusals (engine/unshard.py, engine/topology.py): a call in the wrong state
