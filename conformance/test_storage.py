@@ -30,7 +30,7 @@ know each flat buffer's exact size; here every name is an original parameter.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -197,8 +197,12 @@ def test_storage_claim(
         where = f"{strategy.name} ({plan}, {form.value} form)"
         probe = StorageProbe(backend, sharded, spec, numels, rank=rank, world_size=world_size, where=where)
         in_forward: list[str] = []
-        hooks = [
-            module.register_forward_pre_hook(
+        # Inside forward proper: the module's forward method is wrapped, so the check runs after
+        # every pre-forward hook (where a backend such as DeepSpeed ZeRO-3 gathers) and before
+        # every post-forward hook (where it frees).
+        watched = [
+            _watch_forward(
+                module,
                 functools.partial(
                     _check_in_forward,
                     backend,
@@ -210,7 +214,7 @@ def test_storage_claim(
                     forward_check and probe.group_size > 1 and claim.parameters[Phase.AT_REST] is Holding.SHARDED,
                     in_forward,
                     where,
-                )
+                ),
             )
             for name, module in model.named_modules()
             if isinstance(module, nn.Linear)
@@ -233,10 +237,22 @@ def test_storage_claim(
             backend.step(sharded, optimizer)
             for stored in Stored:
                 probe.check(stored, Phase.AT_REST, optimizer=optimizer)
-        for hook in hooks:
-            hook.remove()
+        for module in watched:
+            del module.forward  # the class's forward again
         problems += probe.problems + in_forward
     assert not problems, f"rank {rank}: storage differs from what the strategy claims:\n" + "\n".join(problems)
+
+
+def _watch_forward(module: nn.Module, check: Callable[[nn.Module], None]) -> nn.Module:
+    """Run ``check(module)`` at the start of every call of ``module``'s own forward."""
+    forward = module.forward
+
+    def checked_forward(*args: object, **kwargs: object) -> object:
+        check(module)
+        return forward(*args, **kwargs)
+
+    module.forward = checked_forward  # an instance attribute: nn.Module.__call__ calls it
+    return module
 
 
 def _check_in_forward(
@@ -249,7 +265,6 @@ def _check_in_forward(
     problems: list[str],
     where: str,
     module: nn.Module,
-    args: object,
 ) -> None:
     """Inside a leaf module's forward, this rank holds the module's parameters whole, whatever the
     strategy keeps at rest: ``local_shard`` shows all of each, and where the backend reports its

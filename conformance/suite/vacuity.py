@@ -30,9 +30,10 @@ body passed, two things must hold:
    Where the strategy shards nothing (NO_SHARD, a shard group of one rank) or nothing it shards
    was observable (a ZeRO-1 test that never stepped an optimizer), any sign that the backend
    took the model over is the evidence: storage that shrank, a unit the adapter reports, or a
-   collective issued by the backend during the test, inside ``shard()`` or a training-loop,
-   state-dict or checkpoint call of the adapter (``harness.collectives_issued()`` read around
-   each call: the harness's trace counts every collective it records). That is what
+   collective issued by the backend during the test, inside ``shard()``, the forward of a module
+   it returned, or a training-loop, state-dict or checkpoint call of the adapter
+   (``harness.collectives_issued()`` read around each call: the harness's trace counts every
+   collective it records). That is what
    replicating strategies show: NO_SHARD and DeepSpeed stage 0 broadcast or all-reduce.
 
    Collectives the scenario issues itself (its own ``dist.all_reduce`` of a verdict) are not the
@@ -128,6 +129,7 @@ class ShardWatch:
             result = shard(model, spec, form)
             if isinstance(result, nn.Module):
                 self.sharded.append(ShardedModel(result, spec, form, local_numel(result) < before, numels))
+                self._attribute_forward(result)
             return result
 
         def watched_make_optimizer(model: nn.Module, factory: Any) -> Any:
@@ -139,6 +141,25 @@ class ShardWatch:
 
         self.adapter.shard = watched_shard  # type: ignore[method-assign]
         self.adapter.make_optimizer = watched_make_optimizer  # type: ignore[method-assign]
+
+    def _attribute_forward(self, module: nn.Module) -> None:
+        """Collectives issued in the forward of a module ``shard()`` returned are the backend's
+        too (FSDP's all-gathers, DeepSpeed's engine set-up and broadcast at its first forward)."""
+        state = {"before": 0, "outermost": False}
+
+        def enter(_module: nn.Module, _args: Any) -> None:
+            state["outermost"] = not self._inside_backend
+            if state["outermost"]:
+                state["before"] = self.collectives()
+            self._inside_backend += 1
+
+        def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+            self._inside_backend -= 1
+            if state["outermost"]:
+                self.backend_collectives += self.collectives() - state["before"]
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)  # also when forward raises
 
     def _attributed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def inside_backend(*args: Any, **kwargs: Any) -> Any:
