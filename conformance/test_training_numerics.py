@@ -26,6 +26,7 @@ The axes are covered pairwise, not as full products (see ``MIXED_PRECISION_CASES
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -53,7 +54,6 @@ WIDTH = 16  # CompositeModel(dim=WIDTH): small enough that float16 sums stay far
 LOCAL_BATCH = 2
 WRAPS = ("root", "auto")
 STRATEGIES = list(ShardingStrategy)
-LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # -- tolerances ------------------------------------------------------------------------------
 # Measured on CPU + gloo, torch 2.13, seed 1234, world size 2: every case of both scenarios on the
@@ -66,12 +66,15 @@ LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # the same values, ws2). The reference engine reduces in float32 even where reduce_dtype is None,
 # which moves each averaged gradient by up to half an ulp of the low-precision dtype: with fp16
 # losses 9.8e-4, parameters 3.9e-6, gradients 4.9e-4 of their scale; with bf16 1.6e-2, 3.1e-5,
-# 3.8e-3. That is the noise a correct backend may add (a reduction in higher precision, or a ring
-# summing in another order at larger world sizes), so the bounds are about four times it: losses
-# rtol = atol = 2 eps of the dtype (3 ulps of a loss near 2), parameters 4x, gradients 2 eps of
-# their scale (4x). A gradient doubled in low precision (tests/conformance/family_mutants.py,
-# lowp_double) moves losses by at least 2.3, parameters by 3.8e-2 and gradients by 1.2x their
-# scale: 40 to 1000 times these bounds.
+# 3.8e-3. DeepSpeed (bf16 only on CPU, measured too) keeps float32 masters one bf16 ulp off the
+# oracle's in some entries of `mix` and `proj` after a step, which moves one rank's next loss by
+# 0.10: the loss sums 32 outputs that largely cancel, so its rounding noise scales with the
+# outputs, not with the loss. That is the noise a correct backend may add (a reduction in higher
+# precision, a ring summing in another order at larger world sizes), so the bounds are a few
+# times it: losses rtol 2 eps of the dtype plus atol 16 eps (fp16, 1.6e-2) or 32 eps (bf16, 0.25,
+# 2.5 times DeepSpeed's), parameters 4x, gradients 2 eps of their scale (4x). A gradient doubled
+# in low precision (tests/conformance/family_mutants.py, lowp_double) moves losses by at least
+# 2.3, parameters by 3.8e-2 and gradients by 1.2x their scale: 9 to 300 times these bounds.
 #
 # Gradient accumulation (float32): losses 1.4e-6, parameters 3.0e-8 (one ulp), gradients 4.2e-7
 # of their scale, on every backend alike; the bounds are about four times that. A gradient
@@ -99,13 +102,13 @@ FULL_PRECISION_BOUNDS = Bounds(
 MIXED_PRECISION_BOUNDS = {
     torch.float16: Bounds(
         loss_rtol=2e-3,
-        loss_atol=2e-3,
+        loss_atol=1.6e-2,
         params=Tolerance(rtol=0.0, atol=1.6e-5),
         grads=Tolerance(rtol=0.0, atol=0.0, scaled_atol=2e-3),
     ),
     torch.bfloat16: Bounds(
         loss_rtol=1.6e-2,
-        loss_atol=1.6e-2,
+        loss_atol=0.25,
         params=Tolerance(rtol=0.0, atol=1.2e-4),
         grads=Tolerance(rtol=0.0, atol=0.0, scaled_atol=1.6e-2),
     ),
@@ -116,32 +119,18 @@ SGD = functools.partial(torch.optim.SGD, lr=LEARNING_RATE)
 
 
 # -- cases -----------------------------------------------------------------------------------
-# Mixed precision: (param_dtype name, reduce_dtype). None reduces in param_dtype.
-PRECISIONS: list[tuple[str, torch.dtype | None]] = [
-    ("fp16", None),
-    ("bf16", None),
-    ("bf16", torch.float32),
-    ("fp16", torch.float32),
-]
+# Mixed precision: the reduction dtype by id part. None reduces in param_dtype.
+REDUCE_DTYPES: dict[str, torch.dtype | None] = {"reduce_param_dtype": None, "reduce_fp32": torch.float32}
 
 
 def _mixed_precision_cases() -> list[object]:
-    """Every strategy with both unit plans; the precisions rotate so that each strategy meets
-    both dtypes and both reduction dtypes, and each unit plan every precision (pairwise:
-    strategy x plan and plan x precision in full, strategy x precision half)."""
+    """Every strategy with both unit plans; the reduction dtype alternates so that each strategy
+    and each unit plan meets both (pairwise: strategy x plan in full, each paired with both
+    reduction dtypes). Every case runs each low-precision dtype the backend has."""
     cases = []
     for (s, strategy), (w, wrap) in itertools.product(enumerate(STRATEGIES), enumerate(WRAPS)):
-        dtype_name, reduce_dtype = PRECISIONS[(s + 2 * w) % len(PRECISIONS)]
-        reduce_name = "fp32" if reduce_dtype is torch.float32 else dtype_name
-        cases.append(
-            pytest.param(
-                wrap,
-                strategy,
-                dtype_name,
-                reduce_dtype,
-                id=f"{wrap}-{strategy.name}-{dtype_name}-reduce_{reduce_name}",
-            )
-        )
+        reduce_name = list(REDUCE_DTYPES)[(s + w) % len(REDUCE_DTYPES)]
+        cases.append(pytest.param(wrap, strategy, reduce_name, id=f"{wrap}-{strategy.name}-{reduce_name}"))
     return cases
 
 
@@ -239,10 +228,7 @@ def _compare_with_oracle(
             accumulate_without_sync=accumulate,
         )
         state = backend.state_dict(sharded, StateDictKind.FULL)
-        found = differences(state, oracle.state_dict, bounds.params)
-        if found:
-            what = f"{form.value} form: final parameters after {plan.iterations} steps"
-            problems.append(report(what, found, len(oracle.state_dict), bounds.params))
+        problems += _state_differences(backend, state, oracle.state_dict, spec.param_dtype, bounds.params, form, plan)
         actual = torch.tensor(losses)
         if not torch.allclose(actual, oracle_losses, rtol=bounds.loss_rtol, atol=bounds.loss_atol):
             largest = (actual.double() - oracle_losses.double()).abs().max().item()
@@ -251,6 +237,50 @@ def _compare_with_oracle(
                 f"(rtol {bounds.loss_rtol:g}, atol {bounds.loss_atol:g}):\n"
                 f"  sharded {actual.tolist()}\n  oracle  {oracle_losses.tolist()}"
             )
+    return problems
+
+
+def _state_differences(
+    backend: BackendAdapter,
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    compute_dtype: torch.dtype | None,
+    tolerance: Tolerance,
+    form: ApiForm,
+    plan: fixtures.TrainingPlan,
+) -> list[str]:
+    """The final full state dict against the oracle's float32 one.
+
+    A backend whose model parameters live in the compute dtype, float32 only as its optimizer's
+    master copy (``MIXED_PRECISION_UNSHARD.shows_compute_dtype`` with a state dict in that dtype:
+    DeepSpeed), is compared with the oracle's parameters rounded to that dtype, one ulp of it
+    allowed on top (the masters may straddle a rounding boundary); any other dtype is reported."""
+    rounded = {
+        name
+        for name, value in state.items()
+        if compute_dtype is not None
+        and backend.MIXED_PRECISION_UNSHARD.shows_compute_dtype
+        and value.dtype == compute_dtype
+        and name in expected
+        and expected[name].dtype == torch.float32
+    }
+    problems = []
+    what = f"{form.value} form: final parameters after {plan.iterations} steps"
+    kept = {name: value for name, value in state.items() if name not in rounded}
+    found = differences(kept, {k: v for k, v in expected.items() if k not in rounded}, tolerance)
+    if found:
+        problems.append(report(what, found, len(expected) - len(rounded), tolerance))
+    if rounded:
+        assert compute_dtype is not None
+        one_ulp = dataclasses.replace(tolerance, rtol=tolerance.rtol + torch.finfo(compute_dtype).eps)
+        found = differences(
+            {name: state[name] for name in rounded},
+            {name: expected[name].to(compute_dtype) for name in rounded},
+            one_ulp,
+        )
+        if found:
+            kept_in = f"{what} (in {compute_dtype}, as the backend keeps them)"
+            problems.append(report(kept_in, found, len(rounded), one_ulp))
     return problems
 
 
@@ -265,17 +295,6 @@ def _plan(steps: int, micro_batches: int = 1, zero_grad: bool = True) -> fixture
     )
 
 
-def _require_dtype(backend: BackendAdapter, dtype: torch.dtype) -> None:
-    """Skip unless ``backend`` computes in ``dtype`` here (after MIXED_PRECISION is required)."""
-    offered = backend.mixed_precision_dtypes()
-    if dtype not in offered:
-        names = ", ".join(str(d).removeprefix("torch.") for d in offered) or "none"
-        pytest.skip(
-            f"unsupported: {Capability.MIXED_PRECISION.value} {str(dtype).removeprefix('torch.')}: "
-            f"{backend.name} computes in {names} here (mixed_precision_dtypes())"
-        )
-
-
 def _units(wrap: str) -> tuple[type[nn.Module], ...]:
     return (fixtures.Unit,) if wrap == "auto" else ()
 
@@ -286,46 +305,59 @@ MIXED_PRECISION_STEPS = 2
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy", "dtype_name", "reduce_dtype"), MIXED_PRECISION_CASES)
+@pytest.mark.parametrize(("wrap", "strategy", "reduce_name"), MIXED_PRECISION_CASES)
 def test_mixed_precision_training(
     backend: BackendAdapter,
     wrap: str,
     strategy: ShardingStrategy,
-    dtype_name: str,
-    reduce_dtype: torch.dtype | None,
+    reduce_name: str,
     world_size: int,
     rank: int,
     device: torch.device,
 ) -> None:
-    """Two SGD steps computing in ``param_dtype``, gradients reduced in it or in float32, equal
-    the oracle running the same casts: losses, final float32 parameters and (``UNSHARD_WITH_GRADS``)
-    the full float32 gradients of each step, at the dtype's bounds (``MIXED_PRECISION_BOUNDS``).
-    A low-precision reduction doubled (or left unaveraged) fails them."""
-    param_dtype = LOW_PRECISION[dtype_name]
+    """For each low-precision dtype the backend computes in (``mixed_precision_dtypes()``):
+    two SGD steps computing in it, gradients reduced in it (``reduce_param_dtype``) or in
+    float32 (``reduce_fp32``), equal the oracle running the same casts: losses, final float32
+    parameters and (``UNSHARD_WITH_GRADS``) the full float32 gradients of each step, at the
+    dtype's bounds (``MIXED_PRECISION_BOUNDS``). A gradient doubled in low precision fails them."""
+    reduce_dtype = REDUCE_DTYPES[reduce_name]
     require(backend, Capability.FULL_STATE_DICT)
     require(backend, Capability.MIXED_PRECISION)
-    _require_dtype(backend, param_dtype)
+    dtypes = backend.mixed_precision_dtypes()
+    # Every dtype the backend offers needs what the first needs: the spec decides the skips.
     spec = spec_with_mesh(
         backend,
         world_size,
         device,
         strategy=strategy,
         auto_wrap_classes=_units(wrap),
-        param_dtype=param_dtype,
+        param_dtype=dtypes[0],
         reduce_dtype=reduce_dtype,
     )
     plan = _plan(MIXED_PRECISION_STEPS)
-    precision = fixtures.Precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
-    oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device, precision=precision)
-    problems = _compare_with_oracle(
-        backend, spec, plan, oracle, MIXED_PRECISION_BOUNDS[param_dtype], rank=rank, device=device
+    problems = []
+    for param_dtype in dtypes:
+        precision = fixtures.Precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+        oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device, precision=precision)
+        found = _compare_with_oracle(
+            backend,
+            dataclasses.replace(spec, param_dtype=param_dtype),
+            plan,
+            oracle,
+            MIXED_PRECISION_BOUNDS[param_dtype],
+            rank=rank,
+            device=device,
+        )
+        reduced_in = _dtype_name(reduce_dtype or param_dtype)
+        problems += [f"{_dtype_name(param_dtype)} compute, gradients reduced in {reduced_in}: {p}" for p in found]
+    assert not problems, f"rank {rank}: mixed-precision training differs from the single-process oracle:\n" + "\n".join(
+        problems
     )
-    reduced_in = dtype_name if reduce_dtype is None else "fp32"
-    assert not problems, (
-        f"rank {rank}: mixed-precision training ({dtype_name} compute, gradients reduced in {reduced_in}) "
-        "differs from the single-process oracle:\n" + "\n".join(problems)
-    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
