@@ -14,10 +14,10 @@ by parameter name with its size.
 * ``test_gradient_accumulation``: several backward passes per optimizer step, each reducing
   (``plain``); the first ones inside the backend's ``no_gradient_sync`` (``no_sync``,
   ``NO_SYNC``); or no ``zero_grad`` at all, a step after every backward (``no_zero_grad``, the
-  2-D seed's loop), so each step uses the sum of every gradient so far. A backend that
-  overwrites the stored gradient instead of adding to it fails all three.
+  2-D seed's loop), so each step uses the sum of every gradient so far. A gradient overwritten
+  instead of added fails them (tests/conformance/family_mutants.py, accumulation_overwrite).
 
-Unit plans: the whole model as one unit (``root``: no auto-wrap classes, no manual units) or
+Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
 every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
 every strategy the backend declares (HYBRID_SHARD on an explicit (replicate, shard) mesh).
 The axes are covered pairwise, not as full products (see ``MIXED_PRECISION_CASES`` and
@@ -45,6 +45,7 @@ from conformance.protocol import (
     StateDictKind,
     declared_fqn,
     require,
+    require_all,
 )
 from conformance.scenario_specs import hybrid_fits, spec_with_mesh
 from fixtures.compare import Tolerance, differences, report
@@ -52,14 +53,14 @@ from harness import current_seed
 
 WIDTH = 16  # CompositeModel(dim=WIDTH): small enough that float16 sums stay far from overflow
 LOCAL_BATCH = 2
-WRAPS = ("root", "auto")
 STRATEGIES = list(ShardingStrategy)
 
 # -- tolerances ------------------------------------------------------------------------------
-# Measured on CPU + gloo, torch 2.13, seed 1234, world size 2: every case of both scenarios on the
-# reference (both forms), torch-fsdp1 and torch-fsdp2 (FSDP1's HYBRID_SHARD, an expected failure,
-# left out), as the largest difference from the oracle of the losses (absolute), of the final
-# parameters (absolute) and of the full gradients (absolute, over the tensor's largest entry).
+# Measured on CPU + gloo, torch 2.13, seed 1234, world size 2: every strategy with both unit plans
+# (and both reduction dtypes, both low-precision dtypes) on the reference (both forms), torch-fsdp1
+# and torch-fsdp2 (FSDP1's HYBRID_SHARD, an expected failure, left out), as the largest difference
+# from the oracle of the losses (absolute), of the final parameters (absolute) and of the full
+# gradients (absolute, over the tensor's largest entry).
 #
 # Mixed precision: torch FSDP1 and FSDP2 equal the oracle bit for bit in every case (their
 # forward, backward and low-precision reduce-scatter / all-reduce are the oracle's operations on
@@ -123,14 +124,28 @@ SGD = functools.partial(torch.optim.SGD, lr=LEARNING_RATE)
 REDUCE_DTYPES: dict[str, torch.dtype | None] = {"reduce_param_dtype": None, "reduce_fp32": torch.float32}
 
 
+# Auto-wrapped units, beside the unit-less plan every strategy runs in: the strategies whose
+# units every backend with units has (a backend without units, or with units under some
+# strategies only, such as DeepSpeed's ZeRO-3, runs the unit-less cases of every strategy).
+MIXED_PRECISION_WITH_UNITS = (
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.HYBRID_SHARD,
+)
+
+
 def _mixed_precision_cases() -> list[object]:
-    """Every strategy with both unit plans; the reduction dtype alternates so that each strategy
-    and each unit plan meets both (pairwise: strategy x plan in full, each paired with both
-    reduction dtypes). Every case runs each low-precision dtype the backend has."""
+    """Every strategy without units, the reduction dtype alternating along the strategies; then
+    MIXED_PRECISION_WITH_UNITS with auto-wrapped units and the other reduction dtype, so those
+    meet both. Pairwise: plan x reduction dtype and strategy x plan where units exist; every
+    case runs each low-precision dtype the backend has (mixed_precision_dtypes())."""
+    names = list(REDUCE_DTYPES)
     cases = []
-    for (s, strategy), (w, wrap) in itertools.product(enumerate(STRATEGIES), enumerate(WRAPS)):
-        reduce_name = list(REDUCE_DTYPES)[(s + w) % len(REDUCE_DTYPES)]
-        cases.append(pytest.param(wrap, strategy, reduce_name, id=f"{wrap}-{strategy.name}-{reduce_name}"))
+    for s, strategy in enumerate(STRATEGIES):
+        cases.append(pytest.param("none", strategy, names[s % 2], id=f"none-{strategy.name}-{names[s % 2]}"))
+    for strategy in MIXED_PRECISION_WITH_UNITS:
+        other = names[(STRATEGIES.index(strategy) + 1) % 2]
+        cases.append(pytest.param("auto", strategy, other, id=f"auto-{strategy.name}-{other}"))
     return cases
 
 
@@ -159,13 +174,24 @@ ACCUMULATION = {
 }
 
 
+# One auto-wrapped case per mode, beside the unit-less cases: (mode, strategy) pairs that the
+# mixed-precision cases with units leave out (NO_SHARD units; no_sync across several units).
+ACCUMULATION_WITH_UNITS = {
+    "plain": ShardingStrategy.FULL_SHARD,
+    "no_sync": ShardingStrategy.HYBRID_SHARD,
+    "no_zero_grad": ShardingStrategy.NO_SHARD,
+}
+
+
 def _accumulation_cases() -> list[object]:
-    """Every mode with every strategy; the unit plan alternates so that each mode and each
-    strategy meets both plans (pairwise: mode x strategy in full, the plan paired with each)."""
+    """Every mode with every strategy, the whole model one unit (so a backend without units
+    runs every mode it has), and one case per mode with auto-wrapped units
+    (ACCUMULATION_WITH_UNITS). Pairwise: mode x strategy in full, mode x plan in full."""
     cases = []
-    for (m, mode), (s, strategy) in itertools.product(enumerate(ACCUMULATION), enumerate(STRATEGIES)):
-        wrap = WRAPS[(m + s) % len(WRAPS)]
-        cases.append(pytest.param(mode, wrap, strategy, id=f"{mode}-{wrap}-{strategy.name}"))
+    for mode, strategy in itertools.product(ACCUMULATION, STRATEGIES):
+        cases.append(pytest.param(mode, "none", strategy, id=f"{mode}-none-{strategy.name}"))
+    for mode, strategy in ACCUMULATION_WITH_UNITS.items():
+        cases.append(pytest.param(mode, "auto", strategy, id=f"{mode}-auto-{strategy.name}"))
     return cases
 
 
@@ -379,7 +405,10 @@ def test_gradient_accumulation(
     program = ACCUMULATION[mode]
     require(backend, Capability.FULL_STATE_DICT)
     if program.without_sync:
-        require(backend, Capability.NO_SYNC)
+        # Before any mesh exists, with what it is combined with: a backend may have the switch
+        # under some strategies only (UNSUPPORTED_COMBINATIONS).
+        units = {Capability.UNITS, Capability.AUTO_WRAP} if _units(wrap) else set()
+        require_all(backend, {Capability.NO_SYNC, Capability.for_strategy(strategy), *units})
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
     plan = _plan(program.steps, program.micro_batches, program.zero_grad)
     model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)

@@ -144,12 +144,12 @@ NAMED_DIFFERENCE = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-
 def test_mixed_precision_family_catches_a_doubled_low_precision_gradient(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
-    """test_mixed_precision_training[ws2-root-FULL_SHARD-reduce_param_dtype] passes with the
+    """test_mixed_precision_training[ws2-none-FULL_SHARD-reduce_param_dtype] passes with the
     backend and fails with every gradient computed in low precision doubled, naming the dtype
     and the parameters (or losses) that moved."""
     scenario = functools.partial(
         numerics.test_mixed_precision_training,
-        wrap="root",
+        wrap="none",
         strategy=ShardingStrategy.FULL_SHARD,
         reduce_name="reduce_param_dtype",
         world_size=world_size,
@@ -173,13 +173,13 @@ ACCUMULATION_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_O
 def test_accumulation_family_catches_an_overwritten_gradient(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
-    """test_gradient_accumulation[ws2-plain-root-<strategy>] (two backward passes per step, each
+    """test_gradient_accumulation[ws2-plain-none-<strategy>] (two backward passes per step, each
     reducing) passes with the backend and fails with each backward overwriting the stored
     gradients, naming the accumulation and the parameters that moved."""
     declared = registry.load(backend_name).CAPABILITIES
     strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
     scenario = functools.partial(
-        numerics.test_gradient_accumulation, mode="plain", wrap="root", strategy=strategy, world_size=world_size
+        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
     )
     clean = _clean_failures(backend_name, scenario, rank, world_size, device)
     assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
