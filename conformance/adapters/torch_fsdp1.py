@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -101,7 +101,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
@@ -109,8 +109,6 @@ class TorchFSDP1Adapter(TorchAdapter):
         Capability.COMPOSABLE,
         Capability.SHARD_OPTIM_STATE,
         Capability.SHARD_GRAD_AND_OPTIM_STATE,
-        Capability.REDUCE_DTYPE,
-        Capability.NO_SYNC,
     }
     WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
     # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDP1 is what the seeds
@@ -130,6 +128,13 @@ class TorchFSDP1Adapter(TorchAdapter):
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
             "parameters, and NO_SHARD replicates optimizer state too"
+        ),
+        Capability.SHARD_GRAD_AND_OPTIM_STATE: (
+            "FSDP1 has no strategy that keeps parameters whole and shards only gradients and "
+            "optimizer state: SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 reshard parameters after "
+            "backward (FlatParamHandle keeps only this rank's flat shard at rest; they skip the "
+            "reshard after forward only), FULL_SHARD and HYBRID_SHARD shard them throughout, and "
+            "NO_SHARD all-reduces whole gradients"
         ),
         Capability.CPU_OFFLOAD: (
             "FSDP1 pins every offloaded shard (FlatParamHandle.init_flat_param_attributes calls "
@@ -189,10 +194,26 @@ class TorchFSDP1Adapter(TorchAdapter):
         if spec.mesh is not None:
             kwargs["device_mesh"] = spec.mesh
         if spec.param_dtype is not None:
-            kwargs["mixed_precision"] = MixedPrecision(param_dtype=spec.param_dtype)
+            # reduce_dtype None: FSDP1 reduces in param_dtype (MixedPrecision's documented
+            # default), as ShardingSpec.reduce_dtype None means.
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
         if ignored:
             kwargs["ignored_modules"] = ignored
         return kwargs
+
+    # -- gradient accumulation (NO_SYNC) -----------------------------------------------------
+    @contextlib.contextmanager
+    def no_gradient_sync(self, model: nn.Module) -> Iterator[None]:
+        """FSDP1's ``no_sync()``, entered on every root FSDP instance: the module itself, or
+        under a plain root (shard_root=False) each outermost unit, since ``no_sync()`` refuses an
+        inner instance and reaches the units below the one it is called on."""
+        roots = FSDP.fsdp_modules(model, root_only=True)
+        if not roots:
+            raise ValueError(f"{type(model).__name__} holds no FSDP unit: nothing to keep from syncing")
+        with contextlib.ExitStack() as stack:
+            for root in roots:
+                stack.enter_context(root.no_sync())
+            yield
 
     # -- unshard ------------------------------------------------------------------------
     def _unshard(

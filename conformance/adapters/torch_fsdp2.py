@@ -75,13 +75,11 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 4  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
         Capability.SHARD_GRAD_AND_OPTIM_STATE,
-        Capability.REDUCE_DTYPE,
-        Capability.NO_SYNC,
         Capability.WRAPPER,
         Capability.FLAT_PARAMETERS,
         Capability.EXEC_ORDER_CHECK,
@@ -112,6 +110,12 @@ class TorchFSDP2Adapter(TorchAdapter):
         Capability.SHARD_OPTIM_STATE: (
             "FSDP has no optimizer-state-only strategy: every strategy but NO_SHARD shards "
             "parameters, and NO_SHARD replicates optimizer state too"
+        ),
+        Capability.SHARD_GRAD_AND_OPTIM_STATE: (
+            "fully_shard always shards parameters at rest (DTensor Shard(0) over the mesh's shard "
+            "dimension; reshard_after_forward only chooses whether they are resharded between "
+            "forward and backward), and a replicate-only mesh (NO_SHARD) all-reduces whole "
+            "gradients: no layout keeps parameters whole while sharding gradients"
         ),
         Capability.WRAPPER: "fully_shard has no wrapper form; it changes the module in place",
         Capability.FLAT_PARAMETERS: "fully_shard always exposes the original parameters (DTensor)",
@@ -164,7 +168,9 @@ class TorchFSDP2Adapter(TorchAdapter):
             "offload_policy": self._offload_policy(spec),
         }
         if spec.param_dtype is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype)
+            # reduce_dtype None: fully_shard reduces in param_dtype (MixedPrecisionPolicy's
+            # documented default), as ShardingSpec.reduce_dtype None means.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
         if ignored_params:
             kwargs["ignored_params"] = ignored_params
         return kwargs
@@ -197,6 +203,23 @@ class TorchFSDP2Adapter(TorchAdapter):
                 mesh_dim_names=("replicate", "shard"),
             )
         return self._replicate_mesh
+
+    # -- gradient accumulation (NO_SYNC) -----------------------------------------------------
+    @contextlib.contextmanager
+    def no_gradient_sync(self, model: nn.Module) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` on every unit (the root and, under a plain root,
+        each sharded submodule) for the duration, then True again: backward accumulates the
+        unsharded gradients meanwhile, and the next backward with sync reduces their sum."""
+        units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        if not units:
+            raise ValueError(f"{type(model).__name__} holds no fully_shard unit: nothing to keep from syncing")
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager

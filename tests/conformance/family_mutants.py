@@ -14,7 +14,15 @@ here belong to the other families and are injected the same way, from outside th
 * ``divergence`` -- the reference engine's forward-order validation is switched off (its
   ``check_exec_order`` option, on by default): ranks running equal-sized units in different
   orders then pair each other's collectives silently, which is what torch FSDP1 (without
-  TORCH_DISTRIBUTED_DEBUG=DETAIL) and FSDP2 do out of the box.
+  TORCH_DISTRIBUTED_DEBUG=DETAIL) and FSDP2 do out of the box;
+* ``lowp_double`` -- every gradient backward computes in low precision comes out doubled: the
+  loss is doubled before the backend's ``backward`` when it is float16 / bfloat16 (mixed
+  precision computes it in ``param_dtype``), so each reduced gradient is twice the average, as
+  from a low-precision reduction that sums without dividing at world size 2; float32 training
+  is untouched;
+* ``accumulation_overwrite`` -- each backward overwrites the stored gradients instead of adding
+  to them: the backend's own ``zero_grad`` runs before every ``backward``, so a step sees only
+  the last backward pass's gradients.
 
 ``tests/conformance/test_family_mutants.py`` runs each family's scenarios against the mutants.
 The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
@@ -48,6 +56,8 @@ MUTATIONS: dict[str, str] = {
     "two_d": "dimension 1 sharded over dp in the sharded 2-D state dict (Shard(1), not Shard(0))",
     "zero1": f"rank {DOUBLE_STEP_RANK}'s optimizer shard updated twice per step",
     "divergence": "forward-order validation switched off (reference engine: check_exec_order=False)",
+    "lowp_double": "gradients computed in low precision doubled (a low-precision reduction that does not average)",
+    "accumulation_overwrite": "each backward overwrites the stored gradients instead of adding to them",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -56,7 +66,11 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "two_d": ("reference", "torch-fsdp1", "torch-fsdp2"),  # TENSOR_PARALLEL + SHARDED_STATE_DICT
     "zero1": ("reference", "deepspeed"),  # SHARD_OPTIM_STATE
     "divergence": ("reference",),  # the only built-in whose order check is on by default
+    "lowp_double": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed"),  # MIXED_PRECISION
+    # Every backend trains; torch-zero (a torch ZeroRedundancyOptimizer backend) runs where registered.
+    "accumulation_overwrite": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
 }
+LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
 _original_warn = warnings.warn
 
@@ -108,13 +122,25 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
 
         def __init__(self, env: BackendEnv) -> None:
             super().__init__(env)
+            self._optimizer: Any = None  # what make_optimizer returned: zero_grad needs it
             if mutation == "exec_order":
                 warnings.warn = _warn_without_later_order_warning
 
         def make_optimizer(self, model: nn.Module, factory: Callable[..., Any]) -> Any:
             if mutation == "zero1" and self.env.rank == DOUBLE_STEP_RANK:
                 factory = _compose(_step_twice, factory)
-            return super().make_optimizer(model, factory)
+            self._optimizer = super().make_optimizer(model, factory)
+            return self._optimizer
+
+        def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+            if mutation == "lowp_double" and loss.dtype in LOW_PRECISION:
+                loss = loss * 2
+            if mutation == "accumulation_overwrite":
+                if self._optimizer is None:
+                    raise RuntimeError("the accumulation_overwrite mutant needs make_optimizer before backward")
+                # What earlier backward passes stored is dropped, by the backend's own means.
+                self.zero_grad(model, self._optimizer)
+            super().backward(model, loss)
 
         def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
             state = super()._state_dict(model, kind)
@@ -155,9 +181,12 @@ def _attribute(backend: str, mutation: str) -> str:
 
 
 def installed(backend: str) -> bool:
-    """Whether this installation can load the built-in ``backend`` (DeepSpeed is optional)."""
+    """Whether this installation can load the built-in ``backend`` (DeepSpeed is optional; a
+    name the registry does not know yet, a backend still being added, is not installed)."""
     if backend in registry.BUILTIN:
         return True
+    if backend not in registry.OPTIONAL_BUILTIN:
+        return False
     library, _target, _install = registry.OPTIONAL_BUILTIN[backend]
     return importlib.util.find_spec(library) is not None
 

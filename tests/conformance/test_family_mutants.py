@@ -1,4 +1,5 @@
-"""Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1 and divergence.
+"""Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1, divergence, mixed
+precision and gradient accumulation.
 
 For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
 scenario runs with the mutant adapter and must fail with the message that names the defect. The
@@ -25,7 +26,8 @@ from adapter_testing import run_inner_session
 import conformance.test_2d as two_d  # modules, so their tests are not collected here
 import conformance.test_exec_order as exec_order
 import conformance.test_runtime as runtime
-from conformance.protocol import BackendEnv, ShardingStrategy
+import conformance.test_training_numerics as numerics
+from conformance.protocol import BackendEnv, Capability, ShardingStrategy
 from conformance.suite import registry
 
 Scenario = Callable[..., None]
@@ -46,16 +48,29 @@ def _failures(mutation: str, backend_name: str, scenario: Scenario, rank: int, w
     return [text for text in per_rank if text is not None]
 
 
+def _clean_failures(backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device):
+    """Every rank's assertion message from ``scenario`` run with the unmutated backend."""
+    adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
+    failure = None
+    try:
+        scenario(backend=adapter, rank=rank, device=device)
+    except AssertionError as error:
+        failure = str(error)
+    per_rank: list[str | None] = [None] * world_size
+    dist.all_gather_object(per_rank, failure)
+    return [text for text in per_rank if text is not None]
+
+
 def _params(mutation: str) -> list[object]:
-    return [
-        pytest.param(
-            name,
-            marks=()
-            if family_mutants.installed(name)
-            else pytest.mark.skip(reason=f"{name}'s library is not installed: its mutant runs where it is"),
-        )
-        for name in family_mutants.APPLIES_TO[mutation]
-    ]
+    return [pytest.param(name, marks=_unavailable(name)) for name in family_mutants.APPLIES_TO[mutation]]
+
+
+def _unavailable(name: str) -> tuple[pytest.MarkDecorator, ...]:
+    if family_mutants.installed(name):
+        return ()
+    if name in registry.OPTIONAL_BUILTIN:
+        return (pytest.mark.skip(reason=f"{name}'s library is not installed: its mutant runs where it is"),)
+    return (pytest.mark.skip(reason=f"{name} is not a registered backend here: its mutant runs where it is"),)
 
 
 # Without the later-iteration warning the ranks go on to the mismatched (equal-sized)
@@ -118,6 +133,61 @@ def test_zero1_family_catches_an_optimizer_shard_updated_twice(
     assert texts, f"test_training[...SHARD_OPTIM_STATE-sgd] passed for {backend_name} with a shard stepped twice"
     named = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
     assert any(float(m["size"]) > 0 for t in texts for m in named.finditer(t)), texts
+
+
+# A parameter named with its difference, in the report of fixtures.compare.
+NAMED_DIFFERENCE = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("lowp_double"))
+def test_mixed_precision_family_catches_a_doubled_low_precision_gradient(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_mixed_precision_training[ws2-none-FULL_SHARD-reduce_param_dtype] passes with the
+    backend and fails with every gradient computed in low precision doubled, naming the dtype
+    and the parameters (or losses) that moved."""
+    scenario = functools.partial(
+        numerics.test_mixed_precision_training,
+        wrap="none",
+        strategy=ShardingStrategy.FULL_SHARD,
+        reduce_name="reduce_param_dtype",
+        world_size=world_size,
+    )
+    clean = _clean_failures(backend_name, scenario, rank, world_size, device)
+    assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
+    texts = _failures("lowp_double", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_mixed_precision_training passed on some rank for {backend_name}: {texts}"
+    assert all("mixed-precision training differs from the single-process oracle" in t for t in texts), texts
+    assert all(re.search(r"(fp16|bf16) compute, gradients reduced in (fp16|bf16)", t) for t in texts), texts
+    assert any(float(m["size"]) > 0 for t in texts for m in NAMED_DIFFERENCE.finditer(t)), texts
+
+
+# Most sharded first, among what can run an accumulation: FULL_SHARD where the backend has it
+# (DeepSpeed's ZeRO-1/2 fail plain accumulation themselves), else ZeRO-1 (torch-zero).
+ACCUMULATION_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.NO_SHARD)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("backend_name", _params("accumulation_overwrite"))
+def test_accumulation_family_catches_an_overwritten_gradient(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_gradient_accumulation[ws2-plain-none-<strategy>] (two backward passes per step, each
+    reducing) passes with the backend and fails with each backward overwriting the stored
+    gradients, naming the accumulation and the parameters that moved."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(
+        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+    )
+    clean = _clean_failures(backend_name, scenario, rank, world_size, device)
+    assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
+    texts = _failures("accumulation_overwrite", backend_name, scenario, rank, world_size, device)
+    assert len(texts) == world_size, f"test_gradient_accumulation passed on some rank for {backend_name}: {texts}"
+    expected = "gradient accumulation (plain: 2 steps of 2 backward passes) differs from the single-process oracle"
+    assert all(expected in t for t in texts), texts
+    assert any(float(m["size"]) > 0 for t in texts for m in NAMED_DIFFERENCE.finditer(t)), texts
 
 
 DIVERGENCE_INNER_TESTS = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -133,3 +134,117 @@ def test_differences_name_each_tensor_and_its_size() -> None:
     assert "dtype" not in describe_difference(torch.zeros(2), torch.zeros(3))
     with pytest.raises(AssertionError, match=r"what: 1 of 1 differ \(rtol 0, atol 0\):\n  a: max abs"):
         assert_tensors_close({"a": torch.ones(1)}, {"a": torch.zeros(1)}, EXACT, "what")
+
+
+# -- gradient accumulation and mixed precision in the oracle ------------------------------------
+
+FROZEN_SGD = functools.partial(torch.optim.SGD, lr=0.0)  # gradients without moving parameters
+
+
+def _frozen_plan(**fields: object) -> fixtures.TrainingPlan:
+    return fixtures.TrainingPlan(seed=5, batch_size=2, make_optimizer=FROZEN_SGD, **fields)
+
+
+def test_oracle_accumulates_micro_batches_and_keeps_gradients_without_zero_grad() -> None:
+    """A step's gradient is the sum over its micro-batches (data iterations step * k + i); without
+    zero_grad each step's gradient is the sum over every backward pass so far."""
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=8)
+    single = fixtures.train_oracle(model, _frozen_plan(iterations=4), world_size=2, device=CPU)
+    accumulated = fixtures.train_oracle(model, _frozen_plan(iterations=2, micro_batches=2), world_size=2, device=CPU)
+    kept = fixtures.train_oracle(model, _frozen_plan(iterations=3, zero_grad=False), world_size=2, device=CPU)
+    assert accumulated.rank_losses == single.rank_losses, "micro-batches must feed data iterations in order"
+    for name in single.grads[0]:
+        for step in range(2):
+            summed = single.grads[2 * step][name] + single.grads[2 * step + 1][name]
+            torch.testing.assert_close(accumulated.grads[step][name], summed, msg=name)
+        torch.testing.assert_close(kept.grads[2][name], sum(single.grads[i][name] for i in range(3)), msg=name)
+    assert len(accumulated.losses) == 4 and len(accumulated.grads) == 2
+
+
+def test_plan_refuses_a_step_without_backward() -> None:
+    with pytest.raises(ValueError, match="micro_batches is 0"):
+        _frozen_plan(iterations=1, micro_batches=0)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["reduce_param_dtype", "reduce_fp32"])
+def test_mixed_precision_oracle_runs_each_rank_in_low_precision(reduce_dtype: torch.dtype | None) -> None:
+    """Each rank's gradient is computed in bfloat16 on its own batch, the average is taken in the
+    reduction dtype (a bfloat16 sum rounds), and the float32 master takes the step."""
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=8)
+    plan = fixtures.TrainingPlan(
+        seed=5, iterations=1, batch_size=2, make_optimizer=functools.partial(torch.optim.SGD, lr=1.0)
+    )
+    precision = fixtures.Precision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    run = fixtures.train_oracle(model, plan, world_size=2, device=CPU, precision=precision)
+
+    rank_grads, rank_losses = [], []
+    for rank in range(2):
+        replica = copy.deepcopy(model).to(torch.bfloat16)
+        (inputs,) = fixtures.local_batch(replica, seed=5, iteration=0, rank=rank, batch_size=2, device=CPU)
+        loss = replica.loss(replica(inputs.to(torch.bfloat16)))
+        loss.backward()
+        rank_losses.append(loss.item())
+        rank_grads.append({name: p.grad for name, p in replica.named_parameters()})
+    reduction = reduce_dtype or torch.bfloat16
+    assert run.rank_losses[0] == rank_losses
+    for name, param in model.named_parameters():
+        average = ((rank_grads[0][name].to(reduction) + rank_grads[1][name].to(reduction)) / 2).float()
+        assert run.grads[0][name].dtype == torch.float32
+        assert torch.equal(run.grads[0][name], average), name
+        assert torch.equal(run.state_dict[name], param.detach() - average), name
+
+
+def test_mixed_precision_oracle_reduction_dtype_matters() -> None:
+    """Summing rank gradients in bfloat16 rounds where float32 does not: the two runs differ."""
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=8)
+    plan = fixtures.TrainingPlan(seed=5, iterations=1, batch_size=2, make_optimizer=FROZEN_SGD)
+    runs = [
+        fixtures.train_oracle(
+            model, plan, world_size=2, device=CPU, precision=fixtures.Precision(torch.bfloat16, dtype)
+        )
+        for dtype in (None, torch.float32)
+    ]
+    assert any(not torch.equal(runs[0].grads[0][name], runs[1].grads[0][name]) for name in runs[0].grads[0])
+
+
+class _RecordingLoop:
+    """A TrainingLoop on plain torch that records what train_sharded calls, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def make_optimizer(self, model, factory):
+        self.calls.append("make_optimizer")
+        return factory(model.parameters())
+
+    def zero_grad(self, model, optimizer) -> None:
+        self.calls.append("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, model, loss) -> None:
+        self.calls.append("backward")
+        loss.backward()
+
+    def step(self, model, optimizer) -> None:
+        self.calls.append("step")
+        optimizer.step()
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_train_sharded_runs_the_accumulation_program(zero_grad: bool) -> None:
+    """Per step: zero_grad (unless told not to), the first k - 1 backward passes inside the
+    accumulation context, the last outside it, then step; one loss per backward pass."""
+    loop = _RecordingLoop()
+
+    @contextlib.contextmanager
+    def without_sync():
+        loop.calls.append("enter")
+        yield
+        loop.calls.append("exit")
+
+    model = fixtures.build(fixtures.CompositeModel, 0, CPU, dim=8)
+    plan = _frozen_plan(iterations=2, micro_batches=3, zero_grad=zero_grad)
+    losses = fixtures.train_sharded(loop, model, model, plan, rank=0, device=CPU, accumulate_without_sync=without_sync)
+    step = ["enter", "backward", "exit", "enter", "backward", "exit", "backward", "step"]
+    assert loop.calls == ["make_optimizer", *((["zero_grad"] if zero_grad else []) + step) * 2]
+    assert len(losses) == 6

@@ -1,0 +1,441 @@
+"""Training numerics: mixed-precision training and gradient accumulation against the oracle.
+
+Both scenarios train ``fixtures.CompositeModel`` (width 16) with plain SGD, which moves each
+parameter by lr x gradient and so shows any wrong gradient scale, and compare the run with the
+single-process oracle (``fixtures.train_oracle``) running the same program: the local losses of
+every backward pass, the final full state dict and, where the backend shows full gradients
+(``UNSHARD_WITH_GRADS``), the gradients each optimizer step uses. Every difference is reported
+by parameter name with its size.
+
+* ``test_mixed_precision_training``: compute in ``param_dtype`` (float16 or bfloat16), reduce
+  gradients in it (``reduce_dtype`` None, the libraries' default) or in float32
+  (``REDUCE_DTYPE``), step float32 master parameters. The oracle runs the same casts per rank
+  (``fixtures.Precision``).
+* ``test_gradient_accumulation``: several backward passes per optimizer step, each reducing
+  (``plain``); the first ones inside the backend's ``no_gradient_sync`` (``no_sync``,
+  ``NO_SYNC``); or no ``zero_grad`` at all, a step after every backward (``no_zero_grad``, the
+  2-D seed's loop), so each step uses the sum of every gradient so far. A gradient overwritten
+  instead of added fails them (tests/conformance/family_mutants.py, accumulation_overwrite).
+
+Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
+every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
+every strategy the backend declares (HYBRID_SHARD on an explicit (replicate, shard) mesh).
+The axes are covered pairwise, not as full products (see ``MIXED_PRECISION_CASES`` and
+``ACCUMULATION_CASES``): world size 2 by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fixtures
+from conformance.protocol import (
+    ApiForm,
+    BackendAdapter,
+    Capability,
+    ShardingSpec,
+    ShardingStrategy,
+    StateDictKind,
+    declared_fqn,
+    require,
+    require_all,
+)
+from conformance.scenario_specs import hybrid_fits, spec_with_mesh
+from fixtures.compare import Tolerance, differences, report
+from harness import current_seed
+
+WIDTH = 16  # CompositeModel(dim=WIDTH): small enough that float16 sums stay far from overflow
+LOCAL_BATCH = 2
+STRATEGIES = list(ShardingStrategy)
+
+# -- tolerances ------------------------------------------------------------------------------
+# Measured on CPU + gloo, torch 2.13, seed 1234, world size 2: every strategy with both unit plans
+# (and both reduction dtypes, both low-precision dtypes) on the reference (both forms), torch-fsdp1
+# and torch-fsdp2 (FSDP1's HYBRID_SHARD, an expected failure, left out), as the largest difference
+# from the oracle of the losses (absolute), of the final parameters (absolute) and of the full
+# gradients (absolute, over the tensor's largest entry).
+#
+# Mixed precision: torch FSDP1 and FSDP2 equal the oracle bit for bit in every case (their
+# forward, backward and low-precision reduce-scatter / all-reduce are the oracle's operations on
+# the same values, ws2). The reference engine reduces in float32 even where reduce_dtype is None,
+# which moves each averaged gradient by up to half an ulp of the low-precision dtype: with fp16
+# losses 9.8e-4, parameters 3.9e-6, gradients 4.9e-4 of their scale; with bf16 1.6e-2, 3.1e-5,
+# 3.8e-3. DeepSpeed (bf16 only on CPU, measured too) keeps float32 masters one bf16 ulp off the
+# oracle's in some entries of `mix` and `proj` after a step, which moves one rank's next loss by
+# 0.10: the loss sums 32 outputs that largely cancel, so its rounding noise scales with the
+# outputs, not with the loss. That is the noise a correct backend may add (a reduction in higher
+# precision, a ring summing in another order at larger world sizes), so the bounds are a few
+# times it: losses rtol 2 eps of the dtype plus atol 16 eps (fp16, 1.6e-2) or 32 eps (bf16, 0.25,
+# 2.5 times DeepSpeed's), parameters 4x, gradients 2 eps of their scale (4x). A gradient doubled
+# in low precision (tests/conformance/family_mutants.py, lowp_double) moves losses by at least
+# 2.3, parameters by 3.8e-2 and gradients by 1.2x their scale: 9 to 300 times these bounds.
+#
+# Gradient accumulation (float32): losses 1.4e-6, parameters 3.0e-8 (one ulp), gradients 4.2e-7
+# of their scale, on every backend alike; the bounds are about four times that. A gradient
+# overwritten instead of added (accumulation_overwrite) moves losses by at least 2.3 and
+# parameters by 3.8e-2.
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far a run may be from the oracle: losses (``torch.allclose`` rtol / atol), final
+    parameters and full gradients (``fixtures.compare.Tolerance``)."""
+
+    loss_rtol: float
+    loss_atol: float
+    params: Tolerance
+    grads: Tolerance
+
+
+FULL_PRECISION_BOUNDS = Bounds(
+    loss_rtol=2e-6,
+    loss_atol=5e-6,
+    params=Tolerance(rtol=0.0, atol=1.2e-7),
+    grads=Tolerance(rtol=0.0, atol=0.0, scaled_atol=2e-6),
+)
+MIXED_PRECISION_BOUNDS = {
+    torch.float16: Bounds(
+        loss_rtol=2e-3,
+        loss_atol=1.6e-2,
+        params=Tolerance(rtol=0.0, atol=1.6e-5),
+        grads=Tolerance(rtol=0.0, atol=0.0, scaled_atol=2e-3),
+    ),
+    torch.bfloat16: Bounds(
+        loss_rtol=1.6e-2,
+        loss_atol=0.25,
+        params=Tolerance(rtol=0.0, atol=1.2e-4),
+        grads=Tolerance(rtol=0.0, atol=0.0, scaled_atol=1.6e-2),
+    ),
+}
+
+# Large enough that a doubled or dropped gradient moves parameters far beyond rounding noise
+# (3.8e-2 against bounds of 1e-4 and less), small enough that the width-16 sum loss stays in
+# float16 range over three steps.
+LEARNING_RATE = 1e-3
+SGD = functools.partial(torch.optim.SGD, lr=LEARNING_RATE)
+
+
+# -- cases -----------------------------------------------------------------------------------
+# Mixed precision: the reduction dtype by id part. None reduces in param_dtype.
+REDUCE_DTYPES: dict[str, torch.dtype | None] = {"reduce_param_dtype": None, "reduce_fp32": torch.float32}
+
+
+# Auto-wrapped units, beside the unit-less plan every strategy runs in: the strategies whose
+# units every backend with units has (a backend without units, or with units under some
+# strategies only, such as DeepSpeed's ZeRO-3, runs the unit-less cases of every strategy).
+MIXED_PRECISION_WITH_UNITS = (
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.HYBRID_SHARD,
+)
+
+
+def _mixed_precision_cases() -> list[object]:
+    """Every strategy without units, the reduction dtype alternating along the strategies; then
+    MIXED_PRECISION_WITH_UNITS with auto-wrapped units and the other reduction dtype, so those
+    meet both. Pairwise: plan x reduction dtype and strategy x plan where units exist; every
+    case runs each low-precision dtype the backend has (mixed_precision_dtypes())."""
+    names = list(REDUCE_DTYPES)
+    cases = []
+    for s, strategy in enumerate(STRATEGIES):
+        cases.append(pytest.param("none", strategy, names[s % 2], id=f"none-{strategy.name}-{names[s % 2]}"))
+    for strategy in MIXED_PRECISION_WITH_UNITS:
+        other = names[(STRATEGIES.index(strategy) + 1) % 2]
+        cases.append(pytest.param("auto", strategy, other, id=f"auto-{strategy.name}-{other}"))
+    return cases
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """A gradient-accumulation program: optimizer steps, backward passes per step, whether the
+    first ones run inside the backend's no_gradient_sync, whether gradients are dropped before
+    each step."""
+
+    steps: int
+    micro_batches: int
+    without_sync: bool = False
+    zero_grad: bool = True
+
+    def describe(self) -> str:
+        if not self.zero_grad:
+            return f"{self.steps} steps, one backward each, never zero_grad (gradients summed over steps)"
+        synced = f", the first {self.micro_batches - 1} inside no_gradient_sync" if self.without_sync else ""
+        return f"{self.steps} steps of {self.micro_batches} backward passes{synced}"
+
+
+ACCUMULATION = {
+    "plain": Accumulation(steps=2, micro_batches=2),
+    "no_sync": Accumulation(steps=2, micro_batches=3, without_sync=True),
+    "no_zero_grad": Accumulation(steps=3, micro_batches=1, zero_grad=False),
+}
+
+
+# One auto-wrapped case per mode, beside the unit-less cases: (mode, strategy) pairs that the
+# mixed-precision cases with units leave out (NO_SHARD units; no_sync across several units).
+ACCUMULATION_WITH_UNITS = {
+    "plain": ShardingStrategy.FULL_SHARD,
+    "no_sync": ShardingStrategy.HYBRID_SHARD,
+    "no_zero_grad": ShardingStrategy.NO_SHARD,
+}
+
+
+def _accumulation_cases() -> list[object]:
+    """Every mode with every strategy, the whole model one unit (so a backend without units
+    runs every mode it has), and one case per mode with auto-wrapped units
+    (ACCUMULATION_WITH_UNITS). Pairwise: mode x strategy in full, mode x plan in full."""
+    cases = []
+    for mode, strategy in itertools.product(ACCUMULATION, STRATEGIES):
+        cases.append(pytest.param(mode, "none", strategy, id=f"{mode}-none-{strategy.name}"))
+    for mode, strategy in ACCUMULATION_WITH_UNITS.items():
+        cases.append(pytest.param(mode, "auto", strategy, id=f"{mode}-auto-{strategy.name}"))
+    return cases
+
+
+MIXED_PRECISION_CASES = _mixed_precision_cases()
+ACCUMULATION_CASES = _accumulation_cases()
+
+
+# -- the shared run ----------------------------------------------------------------------------
+
+
+def _shown_grads(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """Full gradients by declared FQN; call inside ``unshard(with_grads=True)``."""
+    return {
+        declared_fqn(backend, name): param.grad.detach().clone()
+        for name, param in sharded.named_parameters()
+        if param.grad is not None
+    }
+
+
+def _compare_with_oracle(
+    backend: BackendAdapter,
+    spec: ShardingSpec,
+    plan: fixtures.TrainingPlan,
+    oracle: fixtures.OracleRun,
+    bounds: Bounds,
+    *,
+    rank: int,
+    device: torch.device,
+    without_sync: bool = False,
+) -> list[str]:
+    """Train ``plan`` with ``spec`` in every form the backend has; return what differs from
+    ``oracle`` (empty: nothing). Problems are collected, not raised, so a defect seen on one
+    rank only never leaves the others waiting in the next form's collectives."""
+    oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
+    shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
+    problems: list[str] = []
+    for form in backend.forms():
+        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+        sharded = backend.shard(model, spec, form)
+
+        def check_grads(step: int, sharded: nn.Module = sharded, form: ApiForm = form) -> None:
+            if not shows_grads:
+                return
+            with backend.unshard(sharded, writeback=False, with_grads=True):
+                grads = _shown_grads(backend, sharded)
+            found = differences(grads, oracle.grads[step], bounds.grads)
+            if found:
+                what = f"{form.value} form: gradients used by step {step}"
+                problems.append(report(what, found, len(oracle.grads[step]), bounds.grads))
+
+        accumulate = functools.partial(backend.no_gradient_sync, sharded) if without_sync else None
+        losses = fixtures.train_sharded(
+            backend,
+            sharded,
+            model,
+            plan,
+            rank=rank,
+            device=device,
+            after_backward=check_grads,
+            accumulate_without_sync=accumulate,
+        )
+        state = backend.state_dict(sharded, StateDictKind.FULL)
+        problems += _state_differences(backend, state, oracle.state_dict, spec.param_dtype, bounds.params, form, plan)
+        actual = torch.tensor(losses)
+        if not torch.allclose(actual, oracle_losses, rtol=bounds.loss_rtol, atol=bounds.loss_atol):
+            largest = (actual.double() - oracle_losses.double()).abs().max().item()
+            problems.append(
+                f"{form.value} form: local losses differ by up to {largest:.3g} "
+                f"(rtol {bounds.loss_rtol:g}, atol {bounds.loss_atol:g}):\n"
+                f"  sharded {actual.tolist()}\n  oracle  {oracle_losses.tolist()}"
+            )
+    return problems
+
+
+def _state_differences(
+    backend: BackendAdapter,
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    compute_dtype: torch.dtype | None,
+    tolerance: Tolerance,
+    form: ApiForm,
+    plan: fixtures.TrainingPlan,
+) -> list[str]:
+    """The final full state dict against the oracle's float32 one.
+
+    A backend whose model parameters live in the compute dtype, float32 only as its optimizer's
+    master copy (``MIXED_PRECISION_UNSHARD.shows_compute_dtype`` with a state dict in that dtype:
+    DeepSpeed), is compared with the oracle's parameters rounded to that dtype, one ulp of it
+    allowed on top (the masters may straddle a rounding boundary); any other dtype is reported."""
+    rounded = {
+        name
+        for name, value in state.items()
+        if compute_dtype is not None
+        and backend.MIXED_PRECISION_UNSHARD.shows_compute_dtype
+        and value.dtype == compute_dtype
+        and name in expected
+        and expected[name].dtype == torch.float32
+    }
+    problems = []
+    what = f"{form.value} form: final parameters after {plan.iterations} steps"
+    kept = {name: value for name, value in state.items() if name not in rounded}
+    found = differences(kept, {k: v for k, v in expected.items() if k not in rounded}, tolerance)
+    if found:
+        problems.append(report(what, found, len(expected) - len(rounded), tolerance))
+    if rounded:
+        assert compute_dtype is not None
+        one_ulp = dataclasses.replace(tolerance, rtol=tolerance.rtol + torch.finfo(compute_dtype).eps)
+        found = differences(
+            {name: state[name] for name in rounded},
+            {name: expected[name].to(compute_dtype) for name in rounded},
+            one_ulp,
+        )
+        if found:
+            kept_in = f"{what} (in {compute_dtype}, as the backend keeps them)"
+            problems.append(report(kept_in, found, len(rounded), one_ulp))
+    return problems
+
+
+def _plan(steps: int, micro_batches: int = 1, zero_grad: bool = True) -> fixtures.TrainingPlan:
+    return fixtures.TrainingPlan(
+        seed=current_seed(),
+        iterations=steps,
+        batch_size=LOCAL_BATCH,
+        make_optimizer=SGD,
+        micro_batches=micro_batches,
+        zero_grad=zero_grad,
+    )
+
+
+def _units(wrap: str) -> tuple[type[nn.Module], ...]:
+    return (fixtures.Unit,) if wrap == "auto" else ()
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+MIXED_PRECISION_STEPS = 2
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy", "reduce_name"), MIXED_PRECISION_CASES)
+def test_mixed_precision_training(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    reduce_name: str,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """For each low-precision dtype the backend computes in (``mixed_precision_dtypes()``):
+    two SGD steps computing in it, gradients reduced in it (``reduce_param_dtype``) or in
+    float32 (``reduce_fp32``), equal the oracle running the same casts: losses, final float32
+    parameters and (``UNSHARD_WITH_GRADS``) the full float32 gradients of each step, at the
+    dtype's bounds (``MIXED_PRECISION_BOUNDS``). A gradient doubled in low precision fails them."""
+    reduce_dtype = REDUCE_DTYPES[reduce_name]
+    require(backend, Capability.FULL_STATE_DICT)
+    require(backend, Capability.MIXED_PRECISION)
+    dtypes = backend.mixed_precision_dtypes()
+    # Every dtype the backend offers needs what the first needs: the spec decides the skips.
+    spec = spec_with_mesh(
+        backend,
+        world_size,
+        device,
+        strategy=strategy,
+        auto_wrap_classes=_units(wrap),
+        param_dtype=dtypes[0],
+        reduce_dtype=reduce_dtype,
+    )
+    plan = _plan(MIXED_PRECISION_STEPS)
+    problems = []
+    for param_dtype in dtypes:
+        precision = fixtures.Precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+        oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device, precision=precision)
+        found = _compare_with_oracle(
+            backend,
+            dataclasses.replace(spec, param_dtype=param_dtype),
+            plan,
+            oracle,
+            _mixed_precision_bounds(param_dtype),
+            rank=rank,
+            device=device,
+        )
+        reduced_in = _dtype_name(reduce_dtype or param_dtype)
+        problems += [f"{_dtype_name(param_dtype)} compute, gradients reduced in {reduced_in}: {p}" for p in found]
+    assert not problems, f"rank {rank}: mixed-precision training differs from the single-process oracle:\n" + "\n".join(
+        problems
+    )
+
+
+def _mixed_precision_bounds(dtype: torch.dtype) -> Bounds:
+    if dtype not in MIXED_PRECISION_BOUNDS:
+        raise ValueError(
+            f"mixed_precision_dtypes() offers {dtype}, for which MIXED_PRECISION_BOUNDS has no measured "
+            "bounds: measure this scenario's noise in it and add them"
+        )
+    return MIXED_PRECISION_BOUNDS[dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("mode", "wrap", "strategy"), ACCUMULATION_CASES)
+def test_gradient_accumulation(
+    backend: BackendAdapter,
+    mode: str,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Gradients of several backward passes add up (float32 SGD) as the oracle's do: ``plain``,
+    two backward passes per step, each reducing; ``no_sync``, three per step, the first two
+    inside ``no_gradient_sync`` (``NO_SYNC``); ``no_zero_grad``, three steps of one backward
+    each without ``zero_grad``. Losses of every backward pass, final parameters and
+    (``UNSHARD_WITH_GRADS``) the gradients each step uses equal the oracle's."""
+    program = ACCUMULATION[mode]
+    require(backend, Capability.FULL_STATE_DICT)
+    if program.without_sync:
+        # Before any mesh exists, with what it is combined with: a backend may have the switch
+        # under some strategies only (UNSUPPORTED_COMBINATIONS).
+        units = {Capability.UNITS, Capability.AUTO_WRAP} if _units(wrap) else set()
+        require_all(backend, {Capability.NO_SYNC, Capability.for_strategy(strategy), *units})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(program.steps, program.micro_batches, program.zero_grad)
+    model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+    oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device)
+    problems = _compare_with_oracle(
+        backend,
+        spec,
+        plan,
+        oracle,
+        FULL_PRECISION_BOUNDS,
+        rank=rank,
+        device=device,
+        without_sync=program.without_sync,
+    )
+    assert not problems, (
+        f"rank {rank}: gradient accumulation ({mode}: {program.describe()}) differs from the "
+        "single-process oracle:\n" + "\n".join(problems)
+    )
