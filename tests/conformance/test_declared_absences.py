@@ -811,6 +811,84 @@ for _combination, _proof in _DEEPSPEED_PROTOCOL5_COMBINATIONS.items():
     COMBINATION_PROOFS["deepspeed", _combination] = _proof
 
 
+# -- torch FSDP1 / FSDP2 have no ZeRO-2 layout (SHARD_GRAD_AND_OPTIM_STATE) ---------------------
+
+
+def _zero2_layout(stored: int, grads: int, full: int) -> bool:
+    """ZeRO-2 at rest: every parameter whole on this rank, its gradient only partly."""
+    return stored == full and grads < full
+
+
+@proves("torch-fsdp1", Capability.SHARD_GRAD_AND_OPTIM_STATE)
+def _fsdp1_has_no_zero2_layout(rank: int, world_size: int, device: torch.device) -> None:
+    """Every FSDP1 strategy, after one SGD step: parameters at rest either sharded (each original
+    parameter a view of this rank's flat shard, the unsharded flat buffer freed: SHARD_GRAD_OP and
+    _HYBRID_SHARD_ZERO2 skip only the reshard after forward) or whole beside whole gradients
+    (NO_SHARD); none keeps whole parameters beside a partial gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    observed = []
+    for name in sorted(_fsdp1_strategies()):
+        kwargs: dict[str, Any] = {"sharding_strategy": TorchStrategy[name]}
+        if "HYBRID" in name:  # (replicate, shard) with one group of every rank: sharding shows
+            kwargs["device_mesh"] = init_device_mesh(device.type, (1, world_size))
+        model = _two_linears(device)
+        full = sum(p.numel() for p in model.parameters())
+        sharded = FSDP(model, device_id=device, use_orig_params=True, **kwargs)
+        optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        sharded(torch.ones(2, 4, device=device)).sum().backward()
+        optimizer.step()
+        stored = sum(p.numel() for p in sharded.parameters())
+        grads = sum(p.grad.numel() for p in sharded.parameters() if p.grad is not None)
+        padded = sharded._handle.flat_param._full_param_padded if sharded._handle.uses_sharded_strategy else None
+        held = 0 if padded is None else padded.untyped_storage().size()
+        observed.append(f"{name}: parameters {stored}/{full} (unsharded buffer {held} bytes), gradients {grads}/{full}")
+        assert not _zero2_layout(stored, grads, full) and held == 0, f"FSDP1 {observed[-1]} is ZeRO-2"
+    print("; ".join(observed))
+
+
+@proves("torch-fsdp2", Capability.SHARD_GRAD_AND_OPTIM_STATE)
+def _fsdp2_has_no_zero2_layout(rank: int, world_size: int, device: torch.device) -> None:
+    """fully_shard's layouts (reshard_after_forward True / False on a 1-D mesh; a (world, 1)
+    replicate mesh, NO_SHARD), after one SGD step: parameters are DTensors holding a shard of
+    each parameter (Shard(0)), or whole beside whole gradients (replicate); none keeps whole
+    parameters beside a partial gradient. Its only placement hook, shard_placement_fn, picks a
+    Shard dimension: a parameter cannot be declared replicated on a shard mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    options = _fsdp2_strategies()
+    assert "reshard_after_forward" in options, options
+    placement_hook = inspect.signature(fully_shard).parameters.get("shard_placement_fn")  # torch >= 2.7
+    annotation = "" if placement_hook is None else str(placement_hook.annotation)
+    assert "Replicate" not in annotation, f"shard_placement_fn may return a Replicate now: {annotation}"
+    layouts: list[tuple[str, dict[str, Any]]] = [
+        ("reshard_after_forward=True", {"reshard_after_forward": True}),
+        ("reshard_after_forward=False", {"reshard_after_forward": False}),
+        (
+            "replicate mesh",
+            {"mesh": init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))},
+        ),
+    ]
+    observed = []
+    for name, kwargs in layouts:
+        model = _two_linears(device)
+        full = sum(p.numel() for p in model.parameters())
+        for layer in model:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4, device=device)).sum().backward()
+        optimizer.step()
+        stored = sum(_local_numel(p) for p in model.parameters())
+        grads = sum(_local_numel(p.grad) for p in model.parameters() if p.grad is not None)
+        observed.append(f"{name}: parameters {stored}/{full}, gradients {grads}/{full}")
+        assert not _zero2_layout(stored, grads, full), f"fully_shard {observed[-1]} is ZeRO-2"
+    print("; ".join(observed))
+
+
 # -- the tests -----------------------------------------------------------------------------------
 
 
@@ -910,101 +988,3 @@ def test_declared_absence_is_real(
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
     PROOFS[backend_name, capability](rank, world_size, device)
-
-
-# == lane-mpacc: torch FSDP1 / FSDP2 have no ZeRO-2 layout (SHARD_GRAD_AND_OPTIM_STATE) =========
-# Registered after test_declared_absence_is_real took its parameters (_proof_params() runs at
-# import, above), so these proofs run through a test of their own, below; the meta-tests above
-# see them in PROOFS.
-
-
-def _zero2_layout(stored: int, grads: int, full: int) -> bool:
-    """ZeRO-2 at rest: every parameter whole on this rank, its gradient only partly."""
-    return stored == full and grads < full
-
-
-@proves("torch-fsdp1", Capability.SHARD_GRAD_AND_OPTIM_STATE)
-def _fsdp1_has_no_zero2_layout(rank: int, world_size: int, device: torch.device) -> None:
-    """Every FSDP1 strategy, after one SGD step: parameters at rest either sharded (each original
-    parameter a view of this rank's flat shard, the unsharded flat buffer freed: SHARD_GRAD_OP and
-    _HYBRID_SHARD_ZERO2 skip only the reshard after forward) or whole beside whole gradients
-    (NO_SHARD); none keeps whole parameters beside a partial gradient."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
-
-    observed = []
-    for name in sorted(_fsdp1_strategies()):
-        kwargs: dict[str, Any] = {"sharding_strategy": TorchStrategy[name]}
-        if "HYBRID" in name:  # (replicate, shard) with one group of every rank: sharding shows
-            kwargs["device_mesh"] = init_device_mesh(device.type, (1, world_size))
-        model = _two_linears(device)
-        full = sum(p.numel() for p in model.parameters())
-        sharded = FSDP(model, device_id=device, use_orig_params=True, **kwargs)
-        optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
-        sharded(torch.ones(2, 4, device=device)).sum().backward()
-        optimizer.step()
-        stored = sum(p.numel() for p in sharded.parameters())
-        grads = sum(p.grad.numel() for p in sharded.parameters() if p.grad is not None)
-        padded = sharded._handle.flat_param._full_param_padded if sharded._handle.uses_sharded_strategy else None
-        held = 0 if padded is None else padded.untyped_storage().size()
-        observed.append(f"{name}: parameters {stored}/{full} (unsharded buffer {held} bytes), gradients {grads}/{full}")
-        assert not _zero2_layout(stored, grads, full) and held == 0, f"FSDP1 {observed[-1]} is ZeRO-2"
-    print("; ".join(observed))
-
-
-@proves("torch-fsdp2", Capability.SHARD_GRAD_AND_OPTIM_STATE)
-def _fsdp2_has_no_zero2_layout(rank: int, world_size: int, device: torch.device) -> None:
-    """fully_shard's layouts (reshard_after_forward True / False on a 1-D mesh; a (world, 1)
-    replicate mesh, NO_SHARD), after one SGD step: parameters are DTensors holding a shard of
-    each parameter (Shard(0)), or whole beside whole gradients (replicate); none keeps whole
-    parameters beside a partial gradient. Its only placement hook, shard_placement_fn, picks a
-    Shard dimension: a parameter cannot be declared replicated on a shard mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    options = _fsdp2_strategies()
-    assert "reshard_after_forward" in options, options
-    placement_hook = inspect.signature(fully_shard).parameters.get("shard_placement_fn")  # torch >= 2.7
-    annotation = "" if placement_hook is None else str(placement_hook.annotation)
-    assert "Replicate" not in annotation, f"shard_placement_fn may return a Replicate now: {annotation}"
-    layouts: list[tuple[str, dict[str, Any]]] = [
-        ("reshard_after_forward=True", {"reshard_after_forward": True}),
-        ("reshard_after_forward=False", {"reshard_after_forward": False}),
-        (
-            "replicate mesh",
-            {"mesh": init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replicate", "shard"))},
-        ),
-    ]
-    observed = []
-    for name, kwargs in layouts:
-        model = _two_linears(device)
-        full = sum(p.numel() for p in model.parameters())
-        for layer in model:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model(torch.ones(2, 4, device=device)).sum().backward()
-        optimizer.step()
-        stored = sum(_local_numel(p) for p in model.parameters())
-        grads = sum(_local_numel(p.grad) for p in model.parameters() if p.grad is not None)
-        observed.append(f"{name}: parameters {stored}/{full}, gradients {grads}/{full}")
-        assert not _zero2_layout(stored, grads, full), f"fully_shard {observed[-1]} is ZeRO-2"
-    print("; ".join(observed))
-
-
-ZERO2_PROOFS = (
-    ("torch-fsdp1", Capability.SHARD_GRAD_AND_OPTIM_STATE),
-    ("torch-fsdp2", Capability.SHARD_GRAD_AND_OPTIM_STATE),
-)
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize(("backend_name", "capability"), ZERO2_PROOFS, ids=lambda v: getattr(v, "name", v))
-def test_declared_zero2_absence_is_real(
-    backend_name: str, capability: Capability, rank: int, world_size: int, device: torch.device
-) -> None:
-    test_declared_absence_is_real(backend_name, capability, rank, world_size, device)
-
-
-# == end lane-mpacc ===============================================================================
