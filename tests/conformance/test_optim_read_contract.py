@@ -49,6 +49,7 @@ def _round_trip_failure(adapter: BackendAdapter, rank: int, world_size: int, dev
     try:
         checkpoint.test_optim_state_dict_round_trip(
             backend=adapter,
+            wrap="auto",
             kind=StateDictKind.FULL,
             param_offload=False,
             strategy=ShardingStrategy.FULL_SHARD,
