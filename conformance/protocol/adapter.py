@@ -288,11 +288,16 @@ def _implementation(adapter: BackendAdapter, public: str) -> Any:
     implementation (a current adapter's, or the protocol's own default). An old adapter's
     underscored names are its own helpers, never the implementation."""
     adopted, implementation = _adopted_name(public), TEMPLATE_METHODS[public]
+    if not _is_old(type(adapter)):
+        # A current adapter: plain attribute lookup, so a helper base class without a version of
+        # its own (the torch adapters' common base) and an instance attribute both count.
+        return getattr(adapter, implementation)
     for klass in type(adapter).__mro__:
         members = vars(klass)
         if adopted in members:
             return members[adopted].__get__(adapter, type(adapter))
-        if implementation in members and (klass is BackendAdapter or not _is_old(klass)):
+        declares_current = members.get("PROTOCOL_VERSION", 0) >= _TEMPLATE_METHODS_VERSION
+        if implementation in members and (klass is BackendAdapter or declares_current):
             return members[implementation].__get__(adapter, type(adapter))
     raise AssertionError(f"BackendAdapter defines {implementation}: unreachable")
 
