@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -29,8 +29,7 @@ from conformance.protocol import (
     ShardingStrategy,
     StateDictKind,
 )
-
-from . import zero2_lib
+from tests.conformance.zero2_from_docs import zero2_lib
 
 _ONE_MODE = "zero2_lib has ZeRO stage 2 (SHARD_GRAD_AND_OPTIM_STATE) and stage 0 (NO_SHARD) only"
 _NO_UNITS = "zero2_lib partitions the whole model as one flat space; it has no units"
@@ -52,7 +51,7 @@ class Zero2Adapter(BackendAdapter):
             Capability.NO_SYNC,
         }
     )
-    UNSUPPORTED_REASONS = {
+    UNSUPPORTED_REASONS: ClassVar[Mapping[Capability, str]] = {
         Capability.WRAPPER: "zero2_lib.wrap shards the model in place and returns it; it has no wrapper module",
         Capability.AUTO_WRAP: _NO_UNITS,
         Capability.UNITS: _NO_UNITS,
