@@ -5,7 +5,7 @@
 Run these first when writing an adapter (they are also marked ``smoke``, for ``-m smoke``).
 Each asks as little of the backend as the basics allow: one world of two ranks, the whole model
 as one unit (no ``UNITS``), every API form the backend has, and the most sharded strategy it
-declares (FULL_SHARD, else SHARD_GRAD_OP, SHARD_OPTIM_STATE, NO_SHARD). They check:
+declares (FULL_SHARD, else SHARD_GRAD_OP, SHARD_GRAD_AND_OPTIM_STATE, SHARD_OPTIM_STATE, NO_SHARD). They check:
 
 * training through the adapter's training-loop hooks (three plain-SGD steps, which show a wrong
   gradient scale or a missing reduction) matches the single-process oracle: losses and every
@@ -49,6 +49,7 @@ pytestmark = [pytest.mark.smoke, pytest.mark.world_size(2)]
 STRATEGY_PREFERENCE = (
     ShardingStrategy.FULL_SHARD,
     ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE,
     ShardingStrategy.SHARD_OPTIM_STATE,
     ShardingStrategy.NO_SHARD,
 )
@@ -60,9 +61,9 @@ def _spec(backend: BackendAdapter) -> ShardingSpec:
     for strategy in STRATEGY_PREFERENCE:
         if backend.supports(Capability.for_strategy(strategy)):
             return ShardingSpec(strategy=strategy)
+    reasons = dict.fromkeys(backend.unsupported_reason(Capability.for_strategy(s)) for s in STRATEGY_PREFERENCE)
     pytest.skip(
-        "unsupported: every strategy but HYBRID_SHARD: "
-        + "; ".join(backend.unsupported_reason(Capability.for_strategy(s)) for s in STRATEGY_PREFERENCE)
+        f"unsupported: none of the strategies {', '.join(s.name for s in STRATEGY_PREFERENCE)}: " + "; ".join(reasons)
     )
 
 

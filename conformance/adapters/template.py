@@ -56,8 +56,9 @@ class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
     PROTOCOL_VERSION = 5
-    # Test ids, reports and expectations use it; the expectations file is
-    # conformance/expectations/<name>.toml, or the file EXPECTATIONS names (next to your module).
+    # Test ids, reports and expectations use it. The expectations file is <name>.toml in
+    # --expectations-dir when given, else the file EXPECTATIONS names (next to your module), else
+    # conformance/expectations/<name>.toml (docs/writing-an-adapter.md, section 8).
     name = "template-ddp"
     # EXPECTATIONS = "expectations.toml"
     # Path components your *wrapper* inserts between the root you return and the user's model
