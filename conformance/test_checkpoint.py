@@ -39,7 +39,7 @@ from conformance.protocol import (
     require_all,
     storage_claim,
 )
-from conformance.scenario_specs import lean_unit_plans, spec_with_mesh, unit_plan_fields
+from conformance.scenario_specs import lean_round_trip_world_sizes, spec_with_mesh, unit_plan_fields
 from fixtures.compare import EXACT, Tolerance, describe_difference, differences
 from harness import current_seed
 
@@ -226,7 +226,7 @@ def test_save_load_flow(
         )
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_round_trip_world_sizes)
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 @param_offload_axis
 @pytest.mark.parametrize("kind", list(StateDictKind), ids=lambda k: k.value)

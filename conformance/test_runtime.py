@@ -24,7 +24,7 @@ from conformance.protocol import (
     require_all,
     unshard_capabilities,
 )
-from conformance.scenario_specs import lean_unit_plans, spec_with_mesh, unit_plan_fields
+from conformance.scenario_specs import lean_training_world_sizes, spec_with_mesh, unit_plan_fields
 from fixtures.compare import Tolerance, differences, report
 from harness import current_seed
 
@@ -132,7 +132,7 @@ def _oracle(plan: fixtures.TrainingPlan, world_size: int, device: torch.device) 
 TRAINING_CONFIGS = [("adam", False), ("sgd", False), ("sgd", True)]
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_training_world_sizes)
 @pytest.mark.parametrize(("optimizer", "param_offload"), TRAINING_CONFIGS, ids=["adam", "sgd", "sgd-param_offload"])
 @strategy_axis
 @plan_axis
@@ -237,7 +237,7 @@ def test_training(
 TRAINED_STEPS = 2
 
 
-@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_unit_plans)
+@pytest.mark.world_size(min=2, default=[2, 4], exclude=lean_training_world_sizes)
 @pytest.mark.parametrize("param_offload", [False, True], ids=["no_param_offload", "param_offload"])
 @strategy_axis
 @plan_axis
