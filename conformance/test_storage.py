@@ -107,6 +107,7 @@ class StorageProbe:
     ) -> None:
         self.backend = backend
         self.sharded = sharded
+        self.strategy = spec.strategy
         self.claim = storage_claim(spec.strategy)
         self.group_size = shard_group_size(spec, world_size)
         self.numels = numels
@@ -162,9 +163,8 @@ class StorageProbe:
                 )
 
     def claim_text(self, stored: Stored, holding: Holding) -> str:
-        strategy = self.where.split(" ", 1)[0]
         group = "" if self.group_size == self.world_size else f" within shard groups of {self.group_size}"
-        return f"{strategy} claims {stored.value} {holding.value}{group}"
+        return f"{self.strategy.name} claims {stored.value} {holding.value}{group}"
 
 
 @pytest.mark.world_size(min=2, default=[2, 4], exclude=_world_sizes)

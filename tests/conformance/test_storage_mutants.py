@@ -48,10 +48,10 @@ def test_storage_family_catches_ddp_declaring_a_sharding_strategy(
 ) -> None:
     missing = _loadable(backend_name)
     if missing:
-        pytest.skip(missing)
+        pytest.skip(reason=f"{backend_name} cannot be loaded here ({missing}): its mutant runs where it can")
     mutant = storage_mutants.replicating(registry.load(backend_name))(BackendEnv(rank, world_size, device, rank))
     if not mutant.supports(Capability.for_strategy(strategy)):
-        pytest.skip(f"{backend_name} does not declare {strategy.name}: no claim to fake")
+        pytest.skip(reason=f"{backend_name} does not declare {strategy.name}: no claim to fake")
     failure = None
     try:
         storage.test_storage_claim(
@@ -60,7 +60,7 @@ def test_storage_family_catches_ddp_declaring_a_sharding_strategy(
     except AssertionError as error:
         failure = str(error)
     except pytest.skip.Exception as skipped:  # a combination the backend lacks: same on every rank
-        pytest.skip(str(skipped))
+        pytest.skip(reason=f"the storage scenario skips {backend_name}'s {strategy.name} unit-less: {skipped}")
     per_rank: list[str | None] = [None] * world_size
     dist.all_gather_object(per_rank, failure)
     assert all(per_rank), f"the storage scenario passed plain DDP declaring {backend_name}'s {strategy.name}"

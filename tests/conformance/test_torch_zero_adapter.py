@@ -259,7 +259,7 @@ def test_unshard_shows_the_parameters_and_their_gradients(rank: int, world_size:
 def test_missing_features_skip_with_reason(rank: int, world_size: int, device: torch.device) -> None:
     adapter = _adapter(rank, world_size, device)
     model = _model(device)
-    for spec, reason in (
+    for spec, skip_text in (
         (ShardingSpec(), "unsupported: strategy FULL_SHARD: DistributedDataParallel replicates"),
         (
             ShardingSpec(strategy=ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE),
@@ -274,7 +274,7 @@ def test_missing_features_skip_with_reason(rank: int, world_size: int, device: t
             "unsupported: mixed precision param dtype: .*_MixedPrecision, a private",
         ),
     ):
-        with pytest.raises(pytest.skip.Exception, match=reason):
+        with pytest.raises(pytest.skip.Exception, match=skip_text):
             adapter.shard(model, spec, ApiForm.WRAPPER)
     sharded = adapter.shard(model, ShardingSpec(strategy=ShardingStrategy.NO_SHARD), ApiForm.WRAPPER)
     with pytest.raises(pytest.skip.Exception, match="unsupported: sharded state dict"):

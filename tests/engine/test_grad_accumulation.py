@@ -19,22 +19,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn as nn
+from two_linear_block import Block  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy, collectives
 
 MICRO_BATCHES = 4
 REDUCTIONS = ("reduce_scatter_flat", "all_reduce_sum")
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(10, 10)
-        self.out = nn.Linear(10, 10, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.fc(x)))
 
 
 class Net(nn.Module):

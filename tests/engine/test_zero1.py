@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
+from two_linear_block import Block  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy
@@ -20,16 +21,6 @@ OPTIMIZERS = {
     "adam": functools.partial(torch.optim.Adam, lr=1e-2),
 }
 PARAMS = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(10, 10)
-        self.out = nn.Linear(10, 10, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.fc(x)))
 
 
 class Net(nn.Module):

@@ -17,22 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from two_linear_block import Block  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy
 
 ZERO2 = ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(10, 10)
-        self.out = nn.Linear(10, 10, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.fc(x)))
 
 
 class Net(nn.Module):
