@@ -164,8 +164,8 @@ class TemplateAdapter(BackendAdapter):
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
-    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager

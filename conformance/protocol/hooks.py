@@ -61,10 +61,12 @@ class BackendHooks:
         """Apply one optimizer step with the current gradients. Default: ``optimizer.step()``."""
         optimizer.step()
 
-    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Drop the gradients before the next backward. Default:
-        ``optimizer.zero_grad(set_to_none=True)``."""
-        optimizer.zero_grad(set_to_none=True)
+        ``optimizer.zero_grad(set_to_none=set_to_none)``. ``set_to_none=False`` keeps zero-filled
+        gradients (an optimizer step then still moves Adam's moments); a hook without the keyword
+        is called without it, and generated programs never ask it for zeros."""
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- storage: what this rank holds of a parameter --------------------------------------
     # ``fqn`` names a parameter of the module shard() returned, as original_fqn() gives its

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
+
+import torch
 
 from conformance.protocol import BackendAdapter, BackendEnv
 from conformance.suite import registry
@@ -47,6 +50,35 @@ def skip_backend_call_sites(adapter_cls: type[BackendAdapter]) -> Callable[[], N
         ) from None
 
 
+@contextlib.contextmanager
+def opened_backend(
+    selection: str, *, rank: int, world_size: int, device: torch.device, local_rank: int
+) -> Iterator[tuple[BackendAdapter, ShardWatch]]:
+    """The adapter of ``selection`` for one test or one generated program, with what the suite
+    does around it: for its duration the adapter's ``collective_label`` names the collectives in
+    the harness's trace and the library packages it declares (``BACKEND_MODULES``) are left out
+    of their call sites; afterwards its ``close`` runs and both are taken back. The
+    :class:`ShardWatch` says whether what ran was vacuous (``finding``, before the exit)."""
+    adapter_cls = registry.load(selection)
+    _skip_adapter_call_sites(adapter_cls)
+    take_back_backend_sites = skip_backend_call_sites(adapter_cls)
+    try:
+        adapter = adapter_cls(BackendEnv(rank=rank, world_size=world_size, device=device, local_rank=local_rank))
+    except BaseException:
+        take_back_backend_sites()
+        raise
+    watch = ShardWatch(adapter)
+    unregister = register_label_provider(adapter.collective_label)
+    try:
+        yield adapter, watch
+    finally:
+        try:
+            adapter.close()
+        finally:
+            unregister()
+            take_back_backend_sites()
+
+
 @rank_fixture
 def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     """The adapter for this test's backend, built fresh for every test in every rank.
@@ -54,9 +86,10 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     For the test's duration the adapter's ``collective_label`` names the collectives in the
     harness's trace, and the library packages it declares (``BACKEND_MODULES``) are left out of
     their call sites; afterwards its ``close`` runs (before the harness destroys the test's
-    process groups), and the label provider and the packages are taken back. A test that passed without making the
-    adapter shard anything, or (world size > 1) without any sign that the backend sharded,
-    fails (``conformance.suite.vacuity``).
+    process groups), and the label provider and the packages are taken back
+    (:func:`opened_backend`). A test that passed without making the adapter shard anything, or
+    (world size > 1) without any sign that the backend sharded, fails
+    (``conformance.suite.vacuity``).
     """
     selection = ctx.params.get("backend")
     if selection is None:
@@ -64,28 +97,13 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
             "this test takes `backend` but was not parametrized with one: load "
             "conformance.suite.backend_plugin (root conftest pytest_plugins) so --backend applies"
         )
-    adapter_cls = registry.load(selection)
-    _skip_adapter_call_sites(adapter_cls)
-    take_back_backend_sites = skip_backend_call_sites(adapter_cls)
-    try:
-        adapter = adapter_cls(
-            BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
-        )
-    except BaseException:
-        take_back_backend_sites()
-        raise
-    watch = ShardWatch(adapter)
-    unregister = register_label_provider(adapter.collective_label)
-    try:
+    vacuous = None
+    with opened_backend(
+        selection, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank
+    ) as (adapter, watch):
         yield adapter
         # The runner finalises fixtures while the body's exception (a failure, a skip) is being
         # handled: none means the body passed.
         vacuous = watch.finding(body_passed=sys.exc_info()[1] is None)
-    finally:
-        try:
-            adapter.close()
-        finally:
-            unregister()
-            take_back_backend_sites()
     if vacuous is not None:
         raise vacuous

@@ -22,7 +22,7 @@ import shlex
 import sys
 import sysconfig
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from conformance.protocol import versions
 from conformance.report.html import render_html
 from conformance.report.matrix import Matrix, RunDetails, classify, classify_status, render_markdown
 from conformance.report.trace_view import TraceView
-from conformance.suite import expectations, gate, registry
+from conformance.suite import expectations, gate, generation, registry
 from harness import skip_reason as skip_reason_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
@@ -116,6 +116,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "or its test was skipped (default: stale entries are listed, the run does not fail)"
         ),
     )
+    generation.add_options(group)
 
 
 def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
@@ -128,6 +129,7 @@ def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
         "--strict-expectations": harness.NotCarried(
             "it judges the run's expectation entries as a whole (stale ones), not one test's verdict"
         ),
+        **generation.repro_options(),
     }
 
 
@@ -297,6 +299,15 @@ def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
         if "backend" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)):
             return True
     return False
+
+
+@pytest.fixture(name="generation")
+def generation_fixture(request: pytest.FixtureRequest, backend: str) -> Iterator[generation.Generation]:
+    """The session's side of ``conformance/test_generated.py`` for this backend: budget, seed,
+    known findings, REPRO lines, progress (``conformance.suite.generation``)."""
+    state = request.config.stash[_STATE]
+    name = state.name(backend)
+    yield from generation.backend_generation(request, backend, name, state.expected[name])
 
 
 def _selection(item: Any) -> str | None:

@@ -130,6 +130,25 @@ class ExpectedFailure:
 
 
 @dataclass(frozen=True)
+class GeneratedFinding:
+    """A known failure of generated programs (``[[generated_finding]]``): a failing example whose
+    program has ``pattern`` (``conformance.programs.patterns.PATTERNS``) and whose every finding
+    contains one of the ``failure`` texts shows this finding, and is set aside so that a
+    campaign goes on looking for others. ``program`` is the minimal program that shows it (the
+    readable lines a failure printed), kept for the record."""
+
+    pattern: str
+    failure: tuple[str, ...]
+    reason: str
+    program: str = ""
+    link: str | None = None
+    when: Condition = field(default_factory=Condition)
+
+    def explains(self, finding: str) -> bool:
+        return any(text in finding for text in self.failure)
+
+
+@dataclass(frozen=True)
 class Judgement:
     """What a report becomes: outcome plus the xfail reason or the failure message to show."""
 
@@ -142,9 +161,17 @@ class Expectations:
     """One backend's entries, looked up by scenario id and run context; ``source`` is the file
     they came from (None: the backend has none)."""
 
-    def __init__(self, backend: str, entries: list[ExpectedFailure] | None = None, source: Path | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        entries: list[ExpectedFailure] | None = None,
+        source: Path | None = None,
+        generated: list[GeneratedFinding] | None = None,
+    ) -> None:
         self.backend = backend
         self.entries = list(entries or [])
+        self.generated = list(generated or [])
+        """The known findings of generated programs (``[[generated_finding]]``)."""
         self.source = source
         self._by_scenario: dict[str, list[ExpectedFailure]] = {}
         for entry in self.entries:
@@ -230,9 +257,12 @@ def load_file(backend: str, path: Path) -> Expectations:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise ExpectationsError(f"{path}: not valid TOML ({error})") from None
-    unknown_tables = set(data) - {"expected_failure"}
+    unknown_tables = set(data) - {"expected_failure", "generated_finding"}
     if unknown_tables:
-        raise ExpectationsError(f"{path}: unknown keys {sorted(unknown_tables)}; entries go in [[expected_failure]]")
+        raise ExpectationsError(
+            f"{path}: unknown keys {sorted(unknown_tables)}; entries go in [[expected_failure]] "
+            "(scenarios) and [[generated_finding]] (generated programs)"
+        )
     entries: list[ExpectedFailure] = []
     seen: set[tuple[str, Condition]] = set()
     for index, raw in enumerate(data.get("expected_failure", [])):
@@ -256,12 +286,49 @@ def load_file(backend: str, path: Path) -> Expectations:
             )
         seen.add((entry.scenario, entry.when))
         entries.append(entry)
-    if entries and backend in NO_EXPECTATIONS_ALLOWED:
+    generated = [
+        _generated_finding(raw, f"{path}: generated_finding {index + 1}")
+        for index, raw in enumerate(data.get("generated_finding", []))
+    ]
+    if (entries or generated) and backend in NO_EXPECTATIONS_ALLOWED:
         raise ExpectationsError(
-            f"{path}: the {backend} backend may not have expected failures ({len(entries)} "
+            f"{path}: the {backend} backend may not have expected failures ({len(entries) + len(generated)} "
             "listed); fix the reference backend instead"
         )
-    return Expectations(backend, entries, source=path)
+    return Expectations(backend, entries, source=path, generated=generated)
+
+
+_GENERATED_KEYS = {"pattern", "failure", "reason", "program", "link", "when"}
+
+
+def _generated_finding(raw: Any, where: str) -> GeneratedFinding:
+    from conformance.programs.patterns import PATTERNS  # the suite's own program shapes
+
+    unknown = set(raw) - _GENERATED_KEYS
+    missing = {"pattern", "failure", "reason"} - set(raw)
+    if unknown or missing:
+        raise ExpectationsError(
+            f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}; a generated finding has pattern "
+            "(a name of conformance.programs.patterns.PATTERNS), failure (a text, or a list of texts, of its "
+            "findings), reason, and optional program, link and when"
+        )
+    if raw["pattern"] not in PATTERNS:
+        raise ExpectationsError(f"{where}: pattern {raw['pattern']!r} is not one of {sorted(PATTERNS)}")
+    failure = raw["failure"]
+    failures = (failure,) if isinstance(failure, str) else tuple(failure) if isinstance(failure, list) else ()
+    if not failures or not all(isinstance(text, str) and text.strip() for text in failures):
+        raise ExpectationsError(f"{where}: failure must be a non-empty text or a list of them")
+    for key in ("reason", "program", "link"):
+        if key in raw and not (isinstance(raw[key], str) and raw[key].strip()):
+            raise ExpectationsError(f"{where}: {key} must be a non-empty string")
+    return GeneratedFinding(
+        pattern=raw["pattern"],
+        failure=failures,
+        reason=raw["reason"],
+        program=raw.get("program", "").strip(),
+        link=raw.get("link"),
+        when=_condition(raw.get("when"), where),
+    )
 
 
 def _condition(raw: Any, where: str) -> Condition:

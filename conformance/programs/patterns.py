@@ -1,0 +1,62 @@
+"""Named shapes of programs: what a backend's recorded generated finding says its failures need.
+
+A ``[[generated_finding]]`` entry of a backend's expectations (``conformance.suite.expectations``)
+names one of these and a failure text: a failing example whose program has the pattern, and
+whose every finding contains one of the entry's texts, shows that known finding and is set
+aside, so the campaign goes on looking for others. A pattern is a predicate over the program
+alone (plain data), never over what the backend did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conformance.programs.program import Backward, Program, SaveLoad, Step, ZeroGrad
+from conformance.protocol import ShardingStrategy
+
+
+def gradients_kept_across_steps(program: Program) -> bool:
+    """A backward after a step with no ``zero_grad(set_to_none=True)`` between, then another step:
+    torch's optimizers keep the gradients a step used, so that second step sees their sum."""
+    after_step = False
+    pending = False
+    for op in program.operations:
+        if isinstance(op, Step):
+            if pending:
+                return True
+            after_step = True
+        elif isinstance(op, (ZeroGrad, SaveLoad)):  # zero-filled or dropped: nothing kept to sum
+            after_step = pending = False
+        elif isinstance(op, Backward) and after_step:
+            pending = True
+    return False
+
+
+def several_synced_backwards_per_step(program: Program) -> bool:
+    """A step that follows two or more backward passes that each reduce (outside the no-sync
+    switch) since the gradients were last dropped: the step must see their sum."""
+    synced = 0
+    for op in program.operations:
+        if isinstance(op, Backward):
+            synced += 1 if op.no_sync else op.micro_batches
+        elif isinstance(op, Step):
+            if synced >= 2:
+                return True
+            synced = 0
+        elif (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, SaveLoad):
+            synced = 0
+    return False
+
+
+def zero1_backward(program: Program) -> bool:
+    """A backward under SHARD_OPTIM_STATE (ZeRO-1 claims whole gradients after it)."""
+    return program.setup.strategy is ShardingStrategy.SHARD_OPTIM_STATE and any(
+        isinstance(op, Backward) for op in program.operations
+    )
+
+
+PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "gradients_kept_across_steps": gradients_kept_across_steps,
+    "several_synced_backwards_per_step": several_synced_backwards_per_step,
+    "zero1_backward": zero1_backward,
+}

@@ -1,0 +1,479 @@
+"""Rank side: run a generated program on a backend, next to its oracle, checking after each operation.
+
+:func:`run_program` is what the parent's SPMD call runs on every rank. It opens the backend as a
+scenario's ``backend`` fixture does (``conformance.suite.backend_fixture.opened_backend``: labels,
+call sites, vacuity), runs the operations through the adapter protocol and the same operations
+on the rank's :class:`~conformance.programs.shadow.Shadow`, and checks, after each operation:
+
+- the losses of every forward against the oracle's for this rank (per-dtype bounds);
+- the parameters (a full state dict, or an unshard where that is what the backend has) after
+  every step, load and write, and the gradients after backward where the backend shows them
+  (``UNSHARD_WITH_GRADS``), against the oracle's;
+- the storage claim of the strategy (``conformance.protocol.storage``) after backward and at rest
+  after a step (original parameters only: flat buffers are ``test_unshard_params``'s);
+- forward-order warnings where the backend declares ``EXEC_ORDER_CHECK`` and the program turns it
+  on: exactly one, in the first training pass whose order differs from the first iteration's;
+  none in eval forwards or anywhere else; and a first iteration whose order differs between ranks
+  refused.
+
+Every check that issues a collective runs on every rank in the same order, whatever the others
+found, so a finding never turns into a hang; findings are returned, not raised. What the backend
+raises is raised (the harness reports it with the rank's traceback). The cross-rank trace diff is
+the harness's (the parent asks for the trace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+import fixtures
+import harness
+from conformance.programs.model import Block, GeneratedModel, build_model
+from conformance.programs.program import (
+    Backward,
+    EvalForward,
+    Operation,
+    OptimRoundTrip,
+    Program,
+    SaveLoad,
+    SetMode,
+    Step,
+    SwapRoute,
+    Unshard,
+    ZeroGrad,
+)
+from conformance.programs.shadow import EVAL_ITERATIONS, FRESH_SEED_OFFSET, LOCAL_BATCH, Shadow, make_optimizer
+from conformance.programs.storage_probe import StorageProbe
+from conformance.programs.tolerances import bounds_for, dtype_named
+from conformance.protocol import (
+    BackendAdapter,
+    Capability,
+    Phase,
+    ShardingSpec,
+    StateDictKind,
+    Stored,
+    declared_fqn,
+)
+from conformance.suite.backend_fixture import opened_backend
+from fixtures.compare import Tolerance, differences, report
+
+ORDER_WARNING = "Forward order differs from that of the first iteration"
+"""The seed's later-iteration warning (FSDP1's), which a backend with EXEC_ORDER_CHECK issues."""
+
+
+@dataclass
+class ProgramReport:
+    """One rank's account of a program: what it found wrong, how far it got."""
+
+    rank: int
+    findings: list[str] = field(default_factory=list)
+    operations_run: int = 0
+    refused: str = ""
+    """The backend's error for a first iteration whose order differs between ranks (expected)."""
+    unsupported: str = ""
+    """The skip reason, when the adapter refused a program it declares support for."""
+    sharded: bool = False
+    """Whether the backend showed that it sharded anything (the vacuity evidence)."""
+
+
+def run_program(selection: str, program: Program) -> ProgramReport:
+    """Run ``program`` on this rank with the ``--backend`` ``selection`` (an SPMD call)."""
+    ctx = harness.call_context()
+    return program_report(selection, program, rank=ctx.rank, device=ctx.device, local_rank=ctx.local_rank)
+
+
+def program_report(
+    selection: str, program: Program, *, rank: int, device: torch.device, local_rank: int
+) -> ProgramReport:
+    """Run ``program`` on this rank of a world of ``program.world_size`` and say what it found."""
+    report = ProgramReport(rank=rank)
+    with opened_backend(selection, rank=rank, world_size=program.world_size, device=device, local_rank=local_rank) as (
+        adapter,
+        watch,
+    ):
+        try:
+            _ProgramRun(adapter, program, report, rank, device).run()
+        except pytest.skip.Exception as skipped:
+            report.unsupported = str(skipped.msg)
+            return report
+        if not report.refused:
+            vacuous = watch.finding(body_passed=True)
+            if vacuous is not None:
+                report.findings.append(f"end of program: {vacuous}")
+        report.sharded = bool(watch.backend_collectives) or any(m.storage_shrank for m in watch.sharded)
+    return report
+
+
+class _ProgramRun:
+    def __init__(
+        self, adapter: BackendAdapter, program: Program, report: ProgramReport, rank: int, device: torch.device
+    ):
+        self.adapter = adapter
+        self.program = program
+        self.report = report
+        self.rank = rank
+        self.world_size = program.world_size
+        self.device = device
+        self.setup = program.setup
+        self.bounds = bounds_for(self.setup.param_dtype)
+        self.shadow = Shadow(program)
+        self.iteration = 0
+        self.evals = 0
+        self.spec = self._spec()
+        self.frozen = frozenset(
+            f"blocks.{index}.linear.{name}" for index in program.model.frozen for name in ("weight", "bias")
+        )
+        self.order_checked = self.setup.check_exec_order and self.setup.unit_plan != "none" and program.model.depth >= 2
+        self._build(program.seed)
+        self.op_index = -1
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _spec(self) -> ShardingSpec:
+        setup = self.setup
+        fields: dict[str, Any] = {
+            "strategy": setup.strategy,
+            "param_dtype": dtype_named(setup.param_dtype),
+            "reduce_dtype": torch.float32 if setup.reduce_fp32 else None,
+            "offload_params": setup.offload_params,
+            "use_orig_params": setup.use_orig_params,
+            "check_exec_order": setup.check_exec_order,
+        }
+        if setup.unit_plan == "auto":
+            fields["auto_wrap_classes"] = (Block,)
+        elif setup.unit_plan != "none":
+            fields["manual_units"] = self.program.unit_fqns()
+        if setup.unit_plan == "mixed" and setup.other_strategy is not None:
+            fields["strategy_overrides"] = {"blocks.0": setup.other_strategy}
+        strategies = {setup.strategy, setup.other_strategy}
+        if any(s is not None and s.name == "HYBRID_SHARD" for s in strategies):
+            fields["mesh"] = fixtures.hybrid_mesh(self.world_size, self.device)
+        return ShardingSpec(**fields)
+
+    def _build(self, seed: int) -> None:
+        """Build and shard the model (values from ``seed``) and make its optimizer."""
+        model = build_model(self.program.model, seed, self.device)
+        self.numels = {name: param.numel() for name, param in model.named_parameters()}
+        self.model: GeneratedModel = model
+        self.sharded: nn.Module = self.adapter.shard(model, self.spec, self.setup.form)
+        self.optimizer = self._make_optimizer()
+        self.first_route: list[int] | None = None
+        self.order_warned = False
+        self.divergent_route = False
+        self.probe = (
+            StorageProbe(
+                self.adapter,
+                self.sharded,
+                self.spec,
+                self.numels,
+                rank=self.rank,
+                world_size=self.world_size,
+                where="storage",
+            )
+            if self.setup.use_orig_params and self.world_size > 1
+            else None
+        )
+
+    def _make_optimizer(self) -> Any:
+        kind = self.setup.optimizer
+        return self.adapter.make_optimizer(self.sharded, lambda params: make_optimizer(kind, params))
+
+    # -- the program ------------------------------------------------------------------------
+    def run(self) -> None:
+        self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
+        for index, op in enumerate(self.program.operations):
+            self.op_index = index
+            stop = self._apply(op)
+            self.report.operations_run = index + 1
+            if stop:
+                return
+        self._check_params("at the end")
+
+    def _where(self) -> str:
+        op = self.program.operations[self.op_index]
+        return f"op {self.op_index} ({op.describe()})"
+
+    def _find(self, text: str) -> None:
+        self.report.findings.append(f"rank {self.rank}, {self._where()}: {text}")
+
+    def _apply(self, op: Operation) -> bool:
+        """Run one operation and its checks; True when the program cannot go on."""
+        if isinstance(op, Backward):
+            return self._backward(op)
+        if isinstance(op, ZeroGrad):
+            self._zero_grad(op)
+        elif isinstance(op, Step):
+            self.adapter.step(self.sharded, self.optimizer)
+            self.shadow.step()
+            self._check_params("after the step")
+            for stored in Stored:
+                self._check_storage(stored, Phase.AT_REST)
+        elif isinstance(op, SetMode):
+            self.sharded.train(op.train)
+            self.shadow.set_mode(op.train)
+        elif isinstance(op, EvalForward):
+            self._eval_forward()
+        elif isinstance(op, SwapRoute):
+            if op.odd_ranks_only:
+                self.divergent_route = True
+                if self.rank % 2 == 1:
+                    self.model.swapped = not self.model.swapped
+            else:
+                self.model.swapped = not self.model.swapped
+                self.shadow.swap_route()
+        elif isinstance(op, Unshard):
+            self._unshard(op)
+        elif isinstance(op, SaveLoad):
+            self._save_load(op)
+        elif isinstance(op, OptimRoundTrip):
+            self._optim_round_trip(op)
+        return False
+
+    # -- operations -------------------------------------------------------------------------
+    def _backward(self, op: Backward) -> bool:
+        expected = [self.shadow.backward() for _ in range(op.micro_batches)] if not self.divergent_route else []
+        for micro_batch in range(op.micro_batches):
+            inputs = fixtures.local_batch(
+                self.model,
+                seed=self.program.seed,
+                iteration=self.iteration,
+                rank=self.rank,
+                batch_size=LOCAL_BATCH,
+                device=self.device,
+            )
+            self.iteration += 1
+            unsynced = op.no_sync and micro_batch < op.micro_batches - 1
+            route = self.model.route()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with self.adapter.no_gradient_sync(self.sharded) if unsynced else contextlib.nullcontext():
+                        loss = self.model.loss(self.sharded(*inputs))
+                        self.adapter.backward(self.sharded, loss)
+                except Exception as error:
+                    if self.divergent_route and self.first_route is None:
+                        self.report.refused = f"{type(error).__name__}: {error}"
+                        return True
+                    raise
+            if self.divergent_route:
+                self._find(
+                    "the ranks ran the first iteration in different forward orders (blocks 0 and 1 swapped on "
+                    "odd ranks) and the backend, which declares EXEC_ORDER_CHECK and was asked to check "
+                    "(check_exec_order=True), did not refuse it"
+                )
+                return True
+            self._check_order_warnings(caught, route, training=True)
+            if self.first_route is None:
+                self.first_route = route
+            want = expected[micro_batch][self.rank]
+            if not self.bounds.losses_close(loss.item(), want):
+                self._find(
+                    f"micro-batch {micro_batch}: loss {loss.item():.9g}, the oracle's {want:.9g} "
+                    f"(difference {abs(loss.item() - want):.3g}; bound {self.bounds.loss_atol:g} + "
+                    f"{self.bounds.loss_rtol:g} x |oracle|)"
+                )
+        self._check_grads()
+        self._check_storage(Stored.PARAMETERS, Phase.AFTER_BACKWARD)
+        self._check_storage(Stored.GRADIENTS, Phase.AFTER_BACKWARD)
+        return False
+
+    def _zero_grad(self, op: ZeroGrad) -> None:
+        if op.set_to_none:
+            self.adapter.zero_grad(self.sharded, self.optimizer)
+        else:
+            self.adapter.zero_grad(self.sharded, self.optimizer, set_to_none=False)  # type: ignore[call-arg]
+        self.shadow.zero_grad(op.set_to_none)
+
+    def _eval_forward(self) -> None:
+        (x,) = fixtures.local_batch(
+            self.model,
+            seed=self.program.seed,
+            iteration=EVAL_ITERATIONS + self.evals,
+            rank=self.rank,
+            batch_size=LOCAL_BATCH,
+            device=self.device,
+        )
+        self.evals += 1
+        expected = self.shadow.eval_losses()[self.rank]
+        route = self.model.route()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                loss = self.model.loss(self.sharded(x)).item()
+        self._check_order_warnings(caught, route, training=False)
+        if not self.bounds.losses_close(loss, expected):
+            mode = "training" if self.shadow.model.training else "eval"
+            self._find(
+                f"loss {loss:.9g} under no_grad in {mode} mode, the oracle's {expected:.9g} "
+                f"(difference {abs(loss - expected):.3g})"
+            )
+
+    def _unshard(self, op: Unshard) -> None:
+        expected = self.shadow.params()
+        expected_grads = self.shadow.grads()
+        with self.adapter.unshard(
+            self.sharded,
+            writeback=op.writeback,
+            rank0_only=op.rank0_only,
+            offload_to_cpu=op.offload_to_cpu,
+            with_grads=op.with_grads,
+        ):
+            if not op.rank0_only or self.rank == 0:
+                shown = self._shown(grads=False)
+                self._compare(shown, expected, self.bounds.params, "full parameters inside unshard")
+                if op.with_grads and expected_grads:
+                    shown_grads = self._shown(grads=True)
+                    self._compare(shown_grads, expected_grads, self.bounds.grads, "gradients inside unshard")
+            if op.write:
+                with torch.no_grad():
+                    for param in self.sharded.parameters():
+                        param.add_(0.01)
+        if op.write:
+            self.shadow.add_to_parameters(0.01)
+            self._check_params("after the write inside unshard(writeback=True)")
+
+    def _save_load(self, op: SaveLoad) -> None:
+        if op.kind == "native":
+            directory = self._shared_directory()
+            try:
+                self.adapter.save_checkpoint(self.sharded, self.optimizer, directory)
+                swapped, training = self.model.swapped, self.shadow.model.training
+                self._build(self.program.seed + FRESH_SEED_OFFSET)
+                self.adapter.load_checkpoint(self.sharded, self.optimizer, directory)
+            finally:
+                dist.barrier()
+                if self.rank == 0:
+                    shutil.rmtree(directory, ignore_errors=True)
+            self.shadow.reload(keep_optimizer=True)
+        else:
+            kind = StateDictKind(op.kind)
+            state = self.adapter.state_dict(self.sharded, kind)
+            if kind is StateDictKind.FULL:
+                self._compare(state, self.shadow.state(), self.bounds.params, "the full state dict saved")
+            else:
+                self._check_sharded_layout(state)
+            swapped, training = self.model.swapped, self.shadow.model.training
+            self._build(self.program.seed + FRESH_SEED_OFFSET)
+            self.adapter.load_state_dict(self.sharded, state, kind)
+            self.shadow.reload(keep_optimizer=False)
+        self.model.swapped = swapped
+        if not training:
+            self.sharded.train(False)
+        self._check_params("after loading into a freshly sharded model")
+
+    def _optim_round_trip(self, op: OptimRoundTrip) -> None:
+        kind = StateDictKind(op.kind)
+        state = self.adapter.optim_state_dict(self.sharded, self.optimizer, kind)
+        fresh = self._make_optimizer()
+        self.adapter.load_optim_state_dict(self.sharded, fresh, state, kind)
+        self.optimizer = fresh
+
+    # -- checks -------------------------------------------------------------------------------
+    def _shown(self, grads: bool) -> dict[str, torch.Tensor]:
+        shown = {}
+        for name, param in self.sharded.named_parameters():
+            value = param.grad if grads else param
+            if value is not None:
+                shown[declared_fqn(self.adapter, name)] = value.detach().float().cpu().clone()
+        return shown
+
+    def _compare(
+        self, actual: dict[str, Any], expected: dict[str, torch.Tensor], tolerance: Tolerance, what: str
+    ) -> None:
+        actual = {
+            name: value.detach().float().cpu()
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            else value
+            for name, value in actual.items()
+        }
+        found = differences(actual, expected, tolerance)
+        if found:
+            self._find(report(f"{what} differ from the oracle's", found, len(expected), tolerance))
+
+    def _check_params(self, when: str) -> None:
+        """The full parameters against the oracle's (collective: every rank, same order)."""
+        if self.adapter.supports(Capability.FULL_STATE_DICT):
+            state = self.adapter.state_dict(self.sharded, StateDictKind.FULL)
+            self._compare(state, self.shadow.state(), self.bounds.params, f"the full state dict {when}")
+        elif self.adapter.supports(Capability.UNSHARD) and self.setup.param_dtype is None:
+            with self.adapter.unshard(self.sharded, writeback=False):
+                shown = self._shown(grads=False)
+            self._compare(shown, self.shadow.params(), self.bounds.params, f"the full parameters {when}")
+
+    def _check_grads(self) -> None:
+        """The full gradients after a backward, where the backend shows them (collective)."""
+        if not (
+            self.adapter.supports(Capability.UNSHARD_WITH_GRADS)
+            and self.setup.param_dtype is None
+            and not self.setup.offload_params
+        ):
+            return
+        with self.adapter.unshard(self.sharded, writeback=False, with_grads=True):
+            shown = self._shown(grads=True)
+        expected = self.shadow.grads()
+        self._compare(shown, expected, self.bounds.grads, "the full gradients after backward")
+
+    def _check_storage(self, stored: Stored, phase: Phase) -> None:
+        if self.probe is None:
+            return
+        optimizer = self.optimizer if stored is Stored.OPTIMIZER_STATE else None
+        if stored is Stored.OPTIMIZER_STATE and not self.optimizer.state:
+            # Nothing stepped yet (or a fresh optimizer): there is no state to claim anything of.
+            return
+        before = len(self.probe.problems)
+        self.probe.check(stored, phase, optimizer=optimizer, exempt=self.frozen)
+        for problem in self.probe.problems[before:]:
+            self._find(problem)
+
+    def _check_order_warnings(self, caught: list[warnings.WarningMessage], route: list[int], training: bool) -> None:
+        issued = [str(w.message) for w in caught if ORDER_WARNING in str(w.message)]
+        expected = int(
+            training
+            and self.order_checked
+            and self.first_route is not None
+            and not self.order_warned
+            and route != self.first_route
+        )
+        if expected:
+            self.order_warned = True
+        if not self.setup.check_exec_order:
+            return
+        if len(issued) != expected:
+            what = "a training" if training else "an eval"
+            if expected:
+                self._find(
+                    f"{what} forward whose order differs from the first iteration's ({route} after "
+                    f"{self.first_route}) issued {len(issued)} forward-order warnings, not one: {issued}"
+                )
+            else:
+                self._find(f"{what} forward issued forward-order warnings it should not: {issued}")
+
+    def _check_sharded_layout(self, state: dict[str, Any]) -> None:
+        """A sharded state dict's DTensors shard dimension 0 over the (first) data-parallel mesh dim."""
+        for name, value in state.items():
+            if isinstance(value, DTensor) and value.dim() >= 1:
+                first = value.placements[0]
+                if isinstance(first, Shard) and first.dim != 0:
+                    self._find(
+                        f"sharded state dict entry {name!r} is laid out {value.placements} over its mesh: "
+                        f"dimension {first.dim} sharded over data parallelism, where rows (Shard(0)) are "
+                        "what every backend's sharded state dict holds"
+                    )
+
+    def _shared_directory(self) -> str:
+        """One new directory, the same on every rank (made by rank 0)."""
+        made = [tempfile.mkdtemp(prefix="generated-checkpoint-") if self.rank == 0 else ""]
+        dist.broadcast_object_list(made, src=0)
+        os.makedirs(made[0], exist_ok=True)
+        return made[0]

@@ -1,0 +1,123 @@
+"""The single-process oracle of a generated program: the same operations on one unsharded model.
+
+Data parallelism over N ranks optimises the mean of the ranks' local losses; the shadow runs
+each backward pass as ``fixtures.oracle_pass`` does (every rank's batch, the rank-averaged
+gradient added; under mixed precision each rank's pass in low precision, averaged in the
+reduction dtype), and every other operation as plain torch does it. Each rank runs its own
+shadow next to the backend (CPU, float32 masters), so the checks after each operation are local.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+import fixtures
+from conformance.programs.model import GeneratedModel, build_model
+from conformance.programs.program import Program
+from conformance.programs.tolerances import dtype_named
+
+LOCAL_BATCH = 2
+SGD_LR = 0.05
+ADAM_LR = 1e-2
+EVAL_ITERATIONS = 1_000_000
+"""Eval forwards read data iterations from here on, apart from the training passes' iterations."""
+FRESH_SEED_OFFSET = 7919
+"""A model built to load a checkpoint into starts from other values (seed + this)."""
+
+
+def make_optimizer(kind: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The program's optimizer: picklable by name, so the ranks and the oracle build the same."""
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=ADAM_LR)
+    return torch.optim.SGD(params, lr=SGD_LR)
+
+
+class Shadow:
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.device = torch.device("cpu")
+        self.model: GeneratedModel = build_model(program.model, program.seed, self.device)
+        self.optimizer = make_optimizer(program.setup.optimizer, self.model.parameters())
+        dtype = dtype_named(program.setup.param_dtype)
+        self.precision = (
+            None if dtype is None else fixtures.Precision(dtype, torch.float32 if program.setup.reduce_fp32 else None)
+        )
+        self.iteration = 0
+        self.evals = 0
+
+    def backward(self) -> list[float]:
+        """One forward + backward pass of every rank; returns the rank losses."""
+        losses = fixtures.oracle_pass(
+            self.model,
+            seed=self.program.seed,
+            iteration=self.iteration,
+            world_size=self.program.world_size,
+            batch_size=LOCAL_BATCH,
+            device=self.device,
+            precision=self.precision,
+        )
+        self.iteration += 1
+        return losses.tolist()
+
+    def eval_losses(self) -> list[float]:
+        """Every rank's loss of one forward under no_grad, in the model's current mode."""
+        compute = self.model
+        if self.precision is not None:
+            compute = copy.deepcopy(self.model)  # parameters in low precision, buffers kept, as the backends do
+            with torch.no_grad():
+                for param in compute.parameters():
+                    param.data = param.data.to(self.precision.param_dtype)
+        losses = []
+        with torch.no_grad():
+            for rank in range(self.program.world_size):
+                (x,) = fixtures.local_batch(
+                    compute,
+                    seed=self.program.seed,
+                    iteration=EVAL_ITERATIONS + self.evals,
+                    rank=rank,
+                    batch_size=LOCAL_BATCH,
+                    device=self.device,
+                )
+                if self.precision is not None:
+                    x = x.to(self.precision.param_dtype)
+                losses.append(compute.loss(compute(x)).item())
+        self.evals += 1
+        return losses
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def set_mode(self, train: bool) -> None:
+        self.model.train(train)
+
+    def swap_route(self) -> None:
+        self.model.swapped = not self.model.swapped
+
+    def add_to_parameters(self, value: float) -> None:
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.add_(value)
+
+    def reload(self, keep_optimizer: bool) -> None:
+        """A save and load into a fresh model: values kept, gradients gone, the optimizer's state
+        kept only with it (a native checkpoint)."""
+        for param in self.model.parameters():
+            param.grad = None
+        if not keep_optimizer:
+            self.optimizer = make_optimizer(self.program.setup.optimizer, self.model.parameters())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {name: value.detach().clone() for name, value in self.model.state_dict().items()}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}

@@ -1,0 +1,92 @@
+"""Parent side: what one generated example's SPMD call means, and the text a failure prints.
+
+Every rank ran :func:`conformance.programs.run.run_program`; the harness returns each rank's
+:class:`~conformance.programs.run.ProgramReport` or failure, and the trace diff. An example
+fails when a rank failed (raised, hung, died), the ranks issued divergent collectives, or a rank
+found something wrong, unless every finding is one the backend's expectations record for a
+program of this shape (:class:`KnownFinding`, from ``[[generated_finding]]``): then it is set
+aside as known. The text names the program, operation by operation, what each rank found at
+which operation, and how to replay exactly that program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from conformance.programs.patterns import PATTERNS
+from conformance.programs.program import Program
+from conformance.programs.run import ProgramReport
+
+
+class KnownFinding(Protocol):
+    """A recorded generated finding (``conformance.suite.expectations.GeneratedFinding``)."""
+
+    pattern: str
+    reason: str
+
+    def explains(self, finding: str) -> bool: ...
+
+
+class CallResult(Protocol):
+    """What the harness returns for one SPMD call (``harness.SpmdResult``)."""
+
+    ok: bool
+    values: dict[int, Any]
+    divergence: str | None
+
+    def describe(self) -> str: ...
+
+
+Kind = Literal["passed", "failed", "known"]
+
+
+@dataclass
+class ExampleVerdict:
+    kind: Kind
+    text: str = ""
+    known: list[KnownFinding] = field(default_factory=list)
+    sharded: bool = False
+    """Whether the backend showed it sharded something (vacuity evidence, over the whole run)."""
+
+
+class GeneratedProgramFailed(AssertionError):
+    """A generated program that a backend fails; its text is the whole report."""
+
+
+def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -> ExampleVerdict:
+    """The verdict of one example from its SPMD call's result."""
+    if not result.ok:
+        return ExampleVerdict("failed", f"the ranks did not all finish the program:\n{result.describe()}")
+    reports: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]
+    sharded = any(report.sharded for report in reports)
+    unsupported = sorted({report.unsupported for report in reports if report.unsupported})
+    if unsupported:
+        return ExampleVerdict(
+            "failed",
+            "the backend refused, as unsupported, a program drawn only from what it declares: "
+            + "; ".join(unsupported)
+            + "\nits CAPABILITIES / UNSUPPORTED_COMBINATIONS do not say what it refuses: declare it there",
+        )
+    if result.divergence:
+        return ExampleVerdict("failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded)
+    findings = [finding for report in reports for finding in report.findings]
+    if not findings:
+        return ExampleVerdict("passed", sharded=sharded)
+    applicable = [entry for entry in known if PATTERNS[entry.pattern](program)]
+    unexplained = [f for f in findings if not any(entry.explains(f) for entry in applicable)]
+    if not unexplained:
+        used = [entry for entry in applicable if any(entry.explains(f) for f in findings)]
+        return ExampleVerdict("known", known=used, sharded=sharded)
+    return ExampleVerdict("failed", "\n".join(unexplained), sharded=sharded)
+
+
+def failure_text(backend: str, program: Program, verdict: ExampleVerdict, repro: str) -> str:
+    """The report of a failing example: the program, what went wrong, the REPRO command."""
+    lines = [f"generated program fails on {backend}:"]
+    lines += [f"  {line}" for line in program.lines()]
+    lines += ["what went wrong:"]
+    lines += [f"  {line}" for line in verdict.text.splitlines()]
+    lines += [f"REPRO: {repro}"]
+    return "\n".join(lines)

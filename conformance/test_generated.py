@@ -1,0 +1,93 @@
+"""Generated conformance: programs drawn over every axis the backend declares, run on its ranks
+next to the single-process oracle, checked after every operation, shrunk to a minimal repro.
+
+Hypothesis runs here, in the pytest process: it draws each program
+(``conformance.programs.draw``: a model, a sharding setup, a sequence of operations), and the
+harness runs it on a warm pool's ranks in one SPMD call (``spmd_world``), with the collective
+trace on. Each rank runs the program through the adapter beside its oracle and checks losses,
+parameters, gradients, the storage claim and forward-order warnings after every operation
+(``conformance.programs.run``); the parent judges the ranks' reports and the trace diff
+(``conformance.programs.verdict``). A failing program (a finding, a rank that raised, hung or
+died, divergent collectives) fails the example; hypothesis shrinks it to the smallest program
+that still fails, and the report prints it operation by operation with a ``REPRO:`` command
+that replays exactly that program. A program whose every finding is a known one of the backend
+(``[[generated_finding]]`` in its expectations) is set aside and the search goes on.
+
+The budget is the session's (``conformance.suite.generation``): a fixed derandomized set per
+backend by default, campaigns with ``--generate-examples`` / ``--generate-seconds``.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import Phase as HypothesisPhase
+from hypothesis import seed as hypothesis_seed
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from conformance.programs import export
+from conformance.programs.declared import Declared, declared_axes
+from conformance.programs.draw import programs
+from conformance.programs.program import Program
+from conformance.programs.run import run_program
+from conformance.programs.verdict import ExampleVerdict, GeneratedProgramFailed, failure_text, judge
+
+CAMPAIGN_BATCH = 10
+"""A timed campaign runs hypothesis in batches of this many programs until its time is up."""
+
+
+def test_generated_programs(backend: str, generation, spmd_world) -> None:  # noqa: ANN001 - fixtures
+    """Programs drawn from what the backend declares pass every check after every operation
+    (see the module docstring); at least one of them shows the backend sharding something."""
+    declared: Declared = spmd_world(2).call(declared_axes, backend)[0]
+
+    def run_one(program: Program) -> ExampleVerdict:
+        result = spmd_world(program.world_size).run(
+            run_program, args=(backend, program), trace=True, isolate=True, timeout_s=generation.timeout_s
+        )
+        verdict = judge(program, result, generation.known(program.world_size))
+        generation.note(program, verdict.kind, verdict.sharded)
+        if verdict.kind == "failed":
+            text = failure_text(generation.name, program, verdict, generation.repro(program))
+            if generation.export_dir:
+                text += "\n" + export.export_repro(generation.name, program, generation.export_dir)
+            raise GeneratedProgramFailed(text)
+        return verdict
+
+    if generation.replay is not None:
+        verdict = run_one(generation.replay)
+        assert verdict.kind != "known" or not verdict.known, (
+            "the replayed program shows only known findings of the backend: "
+            + "; ".join(entry.reason for entry in verdict.known)
+        )
+        return
+
+    def example(program: Program) -> None:
+        if run_one(program).kind == "known":
+            reject()  # a recorded finding: look for others
+
+    strategy = programs(declared, generation.world_sizes)
+    common = {
+        "deadline": None,
+        "suppress_health_check": list(HealthCheck),
+        "print_blob": False,
+        "phases": (HypothesisPhase.explicit, HypothesisPhase.reuse, HypothesisPhase.generate, HypothesisPhase.shrink),
+    }
+    if not generation.campaign:
+        settings(max_examples=generation.ci_examples, derandomize=True, database=None, **common)(
+            given(strategy)(example)
+        )()
+    else:
+        database = DirectoryBasedExampleDatabase(str(generation.database_dir))
+        batch = 0
+        while True:
+            size = generation.examples if generation.examples is not None else CAMPAIGN_BATCH
+            test = settings(max_examples=size, database=database, **common)(given(strategy)(example))
+            hypothesis_seed(generation.seed + batch)(test)()
+            batch += 1
+            if generation.examples is not None or generation.out_of_time():
+                break
+    progress = generation.progress
+    assert progress.sharded, (
+        f"{progress.examples} generated programs ran ({progress.passed} passed, {progress.known} showed known "
+        f"findings) and none showed {generation.name} sharding anything: the run checked nothing of the backend"
+    )
