@@ -190,9 +190,12 @@ class ShardedUnit:
         padding = self.layout.padded_numel - self.layout.numel if not self.aliases_shard else 0
         self._split_sizes = [info.numel for info in params] + ([padding] if padding else [])
         self._grad_hook_registered = False
+        # A unit whose module holds no parameter of its own (all of them in nested units) has no
+        # flat parameter, as in torch FSDP1: an empty `_flat_param` would show in its module's
+        # state dict under flat parameters.
         self.exposure: ParamExposure = (
             OriginalParams(self.layout, self.shard)
-            if flat_param_owner is None
+            if flat_param_owner is None or not params
             else FlatParams(self.layout, self.shard, flat_param_owner, self._full)
         )
         # SHARD_OPTIM_STATE / SHARD_GRAD_AND_OPTIM_STATE: what this rank's optimizer steps

@@ -123,6 +123,11 @@ class TorchFSDP1Adapter(TorchAdapter):
             "summon_full_params refuses with_grads together with offload_to_cpu (NotImplementedError "
             "'... is not supported yet')"
         ),
+        frozenset({Capability.UNSHARD_WITH_GRADS, Capability.FLAT_PARAMETERS}): (
+            "summon_full_params refuses with_grads for a model wrapped with use_orig_params=False "
+            "(_validate_unshard_params_args: NotImplementedError '... use_orig_params=False ... is not "
+            "supported yet')"
+        ),
     }
     UNSUPPORTED_REASONS = {
         Capability.SHARD_OPTIM_STATE: (

@@ -38,7 +38,7 @@ from conformance.programs.program import (
     ZeroGrad,
     spec_requirements,
 )
-from conformance.protocol import ApiForm, Capability, Requirement, ShardingStrategy
+from conformance.protocol import ApiForm, Capability, Holding, Phase, Requirement, ShardingStrategy, storage_claim
 
 MAX_OPERATIONS = 8
 # Widths that no world size divides (3, 5, 7) beside ones that some do: uneven shards and
@@ -147,9 +147,15 @@ class _ProgramState:
         self.stepped = False
 
 
-def _unshard_options(declared: Declared, setup: Setup, base: set[Requirement]) -> list[Unshard]:
+def _unshard_options(declared: Declared, setup: Setup, base: set[Requirement], world_size: int) -> list[Unshard]:
     if setup.param_dtype is not None:
         return []  # what unshard shows under mixed precision is a backend fact of its own
+    # Units whose parameters are whole on every rank at rest: NO_SHARD and ZeRO-1/2, or
+    # HYBRID_SHARD with shard groups of one rank (a world of 2 on one host: a (2, 1) mesh).
+    strategies = {s for s in (setup.strategy, setup.other_strategy) if s is not None}
+    unsharded_units = any(storage_claim(s).parameters[Phase.AT_REST] is Holding.WHOLE for s in strategies) or (
+        ShardingStrategy.HYBRID_SHARD in strategies and fixtures.hybrid_shard_group_size(world_size, world_size) == 1
+    )
     options = []
     for writeback in (False, True):
         for rank0_only in (False, True):
@@ -159,6 +165,8 @@ def _unshard_options(declared: Declared, setup: Setup, base: set[Requirement]) -
                         continue  # a misuse the backends refuse (Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK)
                     if with_grads and (setup.offload_params or offload_to_cpu):
                         continue  # torch FSDP1 gathers offloaded gradients into device buffers only
+                    if offload_to_cpu and unsharded_units:
+                        continue  # a misuse the backends refuse (Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD)
                     for write in (False, True) if writeback else (False,):
                         op = Unshard(writeback, rank0_only, offload_to_cpu, with_grads, write)
                         if declared.admits(base | op.requirements()):
@@ -174,7 +182,7 @@ def operations(
     order_checked = setup.check_exec_order and setup.unit_plan != "none" and shape.depth >= 2 and world_size >= 2
     if order_checked and draw(st.integers(0, 9)) == 0:
         return (SwapRoute(odd_ranks_only=True), Backward())
-    unshards = _unshard_options(declared, setup, base)
+    unshards = _unshard_options(declared, setup, base, world_size)
     saves = [
         SaveLoad(kind)
         for kind in ("full", "sharded", "native")

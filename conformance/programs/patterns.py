@@ -32,9 +32,15 @@ def gradients_kept_across_steps(program: Program) -> bool:
     return False
 
 
-def several_synced_backwards_per_step(program: Program) -> bool:
-    """A step that follows two or more backward passes that each reduce (outside the no-sync
-    switch) since the gradients were last dropped: the step must see their sum."""
+def zero12_several_synced_backwards_per_step(program: Program) -> bool:
+    """Under ZeRO-1 or ZeRO-2 (SHARD_OPTIM_STATE, SHARD_GRAD_AND_OPTIM_STATE), a step that follows
+    two or more backward passes that each reduce (outside the no-sync switch) since the gradients
+    were last dropped: the step must see their sum."""
+    if program.setup.strategy not in (
+        ShardingStrategy.SHARD_OPTIM_STATE,
+        ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE,
+    ):
+        return False
     synced = 0
     for op in program.operations:
         if isinstance(op, Backward):
@@ -55,8 +61,40 @@ def zero1_backward(program: Program) -> bool:
     )
 
 
+def hybrid_shard_groups_of_one(program: Program) -> bool:
+    """HYBRID_SHARD at world size 2 on one host: a (2, 1) mesh, shard groups of one rank each,
+    so every gradient must be all-reduced across the replica dimension."""
+    return program.world_size == 2 and ShardingStrategy.HYBRID_SHARD in (
+        program.setup.strategy,
+        program.setup.other_strategy,
+    )
+
+
+def native_checkpoint_before_first_step(program: Program) -> bool:
+    """A native checkpoint saved while the optimizer holds no state yet (no step since it was
+    made), then loaded into a fresh model and optimizer."""
+    stepped = False
+    for op in program.operations:
+        if isinstance(op, Step):
+            stepped = True
+        elif isinstance(op, SaveLoad):
+            if op.kind == "native" and not stepped:
+                return True
+            if op.kind != "native":
+                stepped = False  # a new optimizer
+    return False
+
+
+def frozen_parameters(program: Program) -> bool:
+    """A model with frozen blocks (parameters with requires_grad=False) and a backward."""
+    return bool(program.model.frozen) and any(isinstance(op, Backward) for op in program.operations)
+
+
 PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "frozen_parameters": frozen_parameters,
+    "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
+    "native_checkpoint_before_first_step": native_checkpoint_before_first_step,
     "gradients_kept_across_steps": gradients_kept_across_steps,
-    "several_synced_backwards_per_step": several_synced_backwards_per_step,
+    "zero12_several_synced_backwards_per_step": zero12_several_synced_backwards_per_step,
     "zero1_backward": zero1_backward,
 }

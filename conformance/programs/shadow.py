@@ -21,8 +21,10 @@ from conformance.programs.program import Program
 from conformance.programs.tolerances import dtype_named
 
 LOCAL_BATCH = 2
-SGD_LR = 0.05
-ADAM_LR = 1e-2
+# The learning rate the per-dtype bounds were measured with (conformance/test_training_numerics.py):
+# a doubled, dropped or overwritten gradient moves parameters far beyond them.
+SGD_LR = 1e-3
+ADAM_LR = 1e-3
 EVAL_ITERATIONS = 1_000_000
 """Eval forwards read data iterations from here on, apart from the training passes' iterations."""
 FRESH_SEED_OFFSET = 7919
@@ -112,6 +114,15 @@ class Shadow:
             param.grad = None
         if not keep_optimizer:
             self.optimizer = make_optimizer(self.program.setup.optimizer, self.model.parameters())
+
+    def round_to(self, names: set[str], dtype: torch.dtype | None) -> None:
+        """Round the named parameters to ``dtype`` (what a state dict in that dtype restores)."""
+        if dtype is None or not names:
+            return
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in names:
+                    param.copy_(param.to(dtype).float())
 
     def state(self) -> dict[str, torch.Tensor]:
         return {name: value.detach().clone() for name, value in self.model.state_dict().items()}

@@ -34,6 +34,7 @@ class CallResult(Protocol):
 
     ok: bool
     values: dict[int, Any]
+    failures: dict[int, str]
     divergence: str | None
 
     def describe(self) -> str: ...
@@ -57,7 +58,13 @@ class GeneratedProgramFailed(AssertionError):
 
 def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -> ExampleVerdict:
     """The verdict of one example from its SPMD call's result."""
+    applicable = [entry for entry in known if PATTERNS[entry.pattern](program)]
     if not result.ok:
+        # Every rank raised what a recorded finding says (a library error of this program shape).
+        failures = list(result.failures.values())
+        used = [entry for entry in applicable if any(entry.explains(text) for text in failures)]
+        if failures and all(any(entry.explains(text) for entry in applicable) for text in failures):
+            return ExampleVerdict("known", known=used)
         return ExampleVerdict("failed", f"the ranks did not all finish the program:\n{result.describe()}")
     reports: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]
     sharded = any(report.sharded for report in reports)
@@ -70,11 +77,12 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
             + "\nits CAPABILITIES / UNSUPPORTED_COMBINATIONS do not say what it refuses: declare it there",
         )
     if result.divergence:
-        return ExampleVerdict("failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded)
+        return ExampleVerdict(
+            "failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded
+        )
     findings = [finding for report in reports for finding in report.findings]
     if not findings:
         return ExampleVerdict("passed", sharded=sharded)
-    applicable = [entry for entry in known if PATTERNS[entry.pattern](program)]
     unexplained = [f for f in findings if not any(entry.explains(f) for entry in applicable)]
     if not unexplained:
         used = [entry for entry in applicable if any(entry.explains(f) for f in findings)]

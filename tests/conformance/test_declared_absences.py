@@ -345,6 +345,22 @@ COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capa
 )
 
 
+def _fsdp1_refuses_grads_with_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), device_id=device, use_orig_params=False)
+    with (
+        pytest.raises(NotImplementedError, match="use_orig_params=False"),
+        FSDP.summon_full_params(model, with_grads=True),
+    ):
+        pass
+
+
+COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capability.FLAT_PARAMETERS})] = (
+    _fsdp1_refuses_grads_with_flat_parameters
+)
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 

@@ -197,3 +197,23 @@ def test_offloaded_flat_parameters_and_gradients_stay_on_cpu(device):
     model(torch.randn(2, 5, device=device)).sum().backward()
     for param in model.parameters():
         assert param.device.type == "cpu" and param.grad.device.type == "cpu"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
+def test_unit_without_parameters_of_its_own_has_no_flat_parameter(rank, world_size, device, strategy):
+    """A unit whose parameters all belong to units nested in it (each Block over two Linear
+    units) holds no ``_flat_param``, as in torch FSDP1: an empty one showed in its full state
+    dict (found by a generated program: nested units, flat parameters)."""
+    torch.manual_seed(0)
+    local = Net().to(device)
+    model = engine.ShardedModule(
+        copy.deepcopy(local), auto_wrap_classes={Block, nn.Linear}, use_orig_params=False, strategy=strategy
+    )
+    names = [name for name, _ in model.named_parameters()]
+    assert "b1._flat_param" not in names and "b2._flat_param" not in names, names
+    assert "b1.inp._flat_param" in names
+    state = model.state_dict()
+    assert sorted(state) == sorted(local.state_dict()), sorted(set(state) ^ set(local.state_dict()))
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(state[name].detach(), value, rtol=0, atol=0, msg=name)
