@@ -19,7 +19,7 @@ backend by default, campaigns with ``--generate-examples`` / ``--generate-second
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import Phase as HypothesisPhase
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -29,6 +29,7 @@ from conformance.programs.declared import Declared, declared_axes
 from conformance.programs.draw import programs
 from conformance.programs.program import Program
 from conformance.programs.run import run_program
+from conformance.programs.seeds import seed_programs
 from conformance.programs.verdict import ExampleVerdict, GeneratedProgramFailed, failure_text, judge
 
 CAMPAIGN_BATCH = 10
@@ -61,11 +62,18 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
         )
         return
 
-    def example(program: Program) -> None:
+    def run_example(program: Program) -> None:
         if run_one(program).kind == "known":
             reject()  # a recorded finding: look for others
 
     strategy = programs(declared, generation.world_sizes)
+    seeds = [program for size in generation.world_sizes for program in seed_programs(declared, size)]
+
+    def with_seeds(test):
+        for program in reversed(seeds):  # decorators apply inside out: the first seed runs first
+            test = example(program)(test)
+        return test
+
     common = {
         "deadline": None,
         "suppress_health_check": list(HealthCheck),
@@ -74,14 +82,14 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
     }
     if not generation.campaign:
         settings(max_examples=generation.ci_examples, derandomize=True, database=None, **common)(
-            given(strategy)(example)
+            with_seeds(given(strategy)(run_example))
         )()
     else:
         database = DirectoryBasedExampleDatabase(str(generation.database_dir))
         batch = 0
         while True:
             size = generation.examples if generation.examples is not None else CAMPAIGN_BATCH
-            test = settings(max_examples=size, database=database, **common)(given(strategy)(example))
+            test = settings(max_examples=size, database=database, **common)(with_seeds(given(strategy)(run_example)))
             hypothesis_seed(generation.seed + batch)(test)()
             batch += 1
             if generation.examples is not None or generation.out_of_time():

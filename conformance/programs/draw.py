@@ -232,6 +232,8 @@ def operations(
             state.grads_exist = state.backward_since_step = False
             if op.kind != "native":
                 state.stepped = False
+        elif isinstance(op, OptimRoundTrip):
+            state.grads_exist = state.backward_since_step = False
     return tuple(ops)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conformance.programs.program import Backward, Program, SaveLoad, Step, ZeroGrad
+from conformance.programs.program import Backward, OptimRoundTrip, Program, SaveLoad, Step, ZeroGrad
 from conformance.protocol import ShardingStrategy
 
 
@@ -25,7 +25,7 @@ def gradients_kept_across_steps(program: Program) -> bool:
             if pending:
                 return True
             after_step = True
-        elif isinstance(op, (ZeroGrad, SaveLoad)):  # zero-filled or dropped: nothing kept to sum
+        elif isinstance(op, (ZeroGrad, SaveLoad, OptimRoundTrip)):  # zero-filled or dropped: nothing to sum
             after_step = pending = False
         elif isinstance(op, Backward) and after_step:
             pending = True
@@ -49,7 +49,7 @@ def zero12_several_synced_backwards_per_step(program: Program) -> bool:
             if synced >= 2:
                 return True
             synced = 0
-        elif (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, SaveLoad):
+        elif (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, (SaveLoad, OptimRoundTrip)):
             synced = 0
     return False
 
@@ -90,7 +90,13 @@ def frozen_parameters(program: Program) -> bool:
     return bool(program.model.frozen) and any(isinstance(op, Backward) for op in program.operations)
 
 
+def adam_state_loaded(program: Program) -> bool:
+    """Adam's state (moments) loaded into a freshly sharded model's new optimizer."""
+    return program.setup.optimizer == "adam" and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+
+
 PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "adam_state_loaded": adam_state_loaded,
     "frozen_parameters": frozen_parameters,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
     "native_checkpoint_before_first_step": native_checkpoint_before_first_step,

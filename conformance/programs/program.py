@@ -213,13 +213,13 @@ class SaveLoad:
 
 @dataclass(frozen=True)
 class OptimRoundTrip:
-    """Save the optimizer state dict (``full`` / ``sharded``), make a new optimizer for the same
-    model, load it there and go on with it."""
+    """Save the model's and the optimizer's state dicts (``full`` / ``sharded``), load both into
+    a freshly sharded model and its new optimizer, and go on with those (a resumed job)."""
 
     kind: str  # "full", "sharded"
 
     def describe(self) -> str:
-        return f"optimizer state dict ({self.kind}) into a new optimizer"
+        return f"model and optimizer state dicts ({self.kind}) into a freshly sharded model and optimizer"
 
     def requirements(self) -> set[Requirement]:
         return {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(StateDictKind(self.kind))}

@@ -26,6 +26,7 @@ the harness's (the parent asks for the trace).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import shutil
@@ -389,11 +390,22 @@ class _ProgramRun:
         self._check_params("after loading into a freshly sharded model")
 
     def _optim_round_trip(self, op: OptimRoundTrip) -> None:
+        """As a resumed job does (and ``test_optim_state_dict_round_trip``): the model's and the
+        optimizer's state dicts (copies) into a freshly sharded model and its new optimizer."""
         kind = StateDictKind(op.kind)
-        state = self.adapter.optim_state_dict(self.sharded, self.optimizer, kind)
-        fresh = self._make_optimizer()
-        self.adapter.load_optim_state_dict(self.sharded, fresh, state, kind)
-        self.optimizer = fresh
+        model_state = copy.deepcopy(self.adapter.state_dict(self.sharded, kind))
+        optim_state = copy.deepcopy(self.adapter.optim_state_dict(self.sharded, self.optimizer, kind))
+        swapped, training = self.model.swapped, self.shadow.model.training
+        self._build(self.program.seed + FRESH_SEED_OFFSET)
+        self.adapter.load_state_dict(self.sharded, model_state, kind)
+        self.adapter.load_optim_state_dict(self.sharded, self.optimizer, optim_state, kind)
+        self.model.swapped = swapped
+        if not training:
+            self.sharded.train(False)
+        # Gradients do not travel in state dicts: the oracle drops its own, keeps its optimizer.
+        for param in self.shadow.model.parameters():
+            param.grad = None
+        self._check_params("after loading model and optimizer state into a freshly sharded model")
 
     # -- checks -------------------------------------------------------------------------------
     def _shown(self, grads: bool) -> dict[str, torch.Tensor]:
@@ -493,8 +505,8 @@ class _ProgramRun:
 
     def _check_storage(self, stored: Stored, phase: Phase) -> None:
         """The strategy's storage claim for ``stored`` at ``phase`` (collective: every rank)."""
-        if stored is Stored.OPTIMIZER_STATE and not _has_state(self.optimizer):
-            return  # nothing stepped yet (or a fresh optimizer): no state to claim anything of
+        if stored is Stored.OPTIMIZER_STATE and (self.setup.optimizer != "adam" or not _has_state(self.optimizer)):
+            return  # plain SGD keeps none; nothing stepped yet (or a fresh optimizer): none yet
         for probe, left_to_others in self.probes:
             if stored is not Stored.PARAMETERS and not set(self.numels) - left_to_others - self.frozen:
                 continue  # every parameter this claim covers is frozen: no gradient, no state

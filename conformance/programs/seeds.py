@@ -1,0 +1,95 @@
+"""The programs every generated run starts with: one per family of the fixed scenarios.
+
+Hypothesis runs these first (its explicit examples), then the programs it draws. Each is the
+smallest program that exercises one family's check, built only from what the backend admits, so
+that the derandomized CI budget meets every family whatever the draws are: training against the
+oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
+no-sync switch and across steps, eval mode, the forward-order check and its refusal of
+rank-divergent orders, state dict and optimizer round trips, and each strategy's storage claim.
+"""
+
+from __future__ import annotations
+
+from conformance.programs.declared import Declared
+from conformance.programs.draw import base_setups
+from conformance.programs.program import (
+    Backward,
+    EvalForward,
+    ModelShape,
+    Operation,
+    OptimRoundTrip,
+    Program,
+    SaveLoad,
+    SetMode,
+    Setup,
+    Step,
+    SwapRoute,
+    ZeroGrad,
+    spec_requirements,
+)
+from conformance.protocol import Capability, ShardingStrategy
+
+# Widths no world size divides: uneven shards in every seed program.
+SHAPE = ModelShape(in_width=3, width=5, out_width=3, depth=2, buffers=True)
+SEED = 7
+
+
+def seed_programs(declared: Declared, world_size: int) -> list[Program]:
+    """The family programs ``declared`` admits at ``world_size``, simplest first."""
+    setups = base_setups(declared, world_size)
+    if not setups:
+        return []
+    programs: list[Program] = []
+
+    def add(setup: Setup, *ops: Operation, shape: ModelShape = SHAPE) -> None:
+        program = Program(world_size, shape, setup, tuple(ops), SEED)
+        needed = spec_requirements(setup) | program.requirements()
+        if declared.admits(needed) and program not in programs:
+            programs.append(program)
+
+    def first(predicate: object = None, **fields: object) -> Setup | None:
+        for setup in setups:
+            candidate = Setup(**{**setup.__dict__, **fields})
+            if (predicate is None or predicate(candidate)) and declared.admits(
+                spec_requirements(candidate) | {Capability.for_form(candidate.form)}
+            ):
+                return candidate
+        return None
+
+    train = (ZeroGrad(), Backward(), Step(), ZeroGrad(), Backward(), Step())
+    # Every strategy: SGD training against the oracle, then Adam steps (the storage claim of
+    # optimizer state, ZeRO's partitioned step).
+    for strategy in ShardingStrategy:
+        setup = first(lambda s, strategy=strategy: s.strategy is strategy and s.unit_plan == "none")
+        setup = setup or first(lambda s, strategy=strategy: s.strategy is strategy)
+        if setup is not None:
+            add(setup, *train)
+            add(Setup(**{**setup.__dict__, "optimizer": "adam"}), *train)
+    plain = first()
+    if plain is None:
+        return programs
+    # Mixed precision, every low-precision dtype the backend has: SGD steps, so a gradient that
+    # is off by a factor shows in the parameters and the next loss.
+    for dtype in declared.low_precision_dtypes:
+        setup = first(param_dtype=dtype)
+        if setup is not None:
+            add(setup, *train)
+    # Gradient accumulation: micro-batches, the no-sync switch, and steps without zero_grad.
+    add(plain, ZeroGrad(), Backward(micro_batches=2), Step(), Backward(), Step())
+    add(plain, ZeroGrad(), Backward(micro_batches=3, no_sync=True), Step())
+    # Eval mode: its forwards differ from training ones.
+    add(plain, ZeroGrad(), Backward(), Step(), SetMode(False), EvalForward())
+    # The forward-order check: a later change of order warns; a first iteration whose order
+    # differs between ranks is refused.
+    ordered = first(lambda s: s.unit_plan in ("leaves", "auto"), check_exec_order=True)
+    if ordered is not None:
+        add(ordered, Backward(), SwapRoute(), Backward(), SetMode(False), EvalForward())
+        if world_size >= 2:
+            add(ordered, SwapRoute(odd_ranks_only=True), Backward())
+    # State dicts: sharded, full and native round trips, the optimizer's, then more training.
+    for kind in ("sharded", "full", "native"):
+        add(plain, ZeroGrad(), Backward(), Step(), SaveLoad(kind), ZeroGrad(), Backward(), Step())
+    adam = Setup(**{**plain.__dict__, "optimizer": "adam"})
+    for kind in ("full", "sharded"):
+        add(adam, ZeroGrad(), Backward(), Step(), OptimRoundTrip(kind), ZeroGrad(), Backward(), Step())
+    return programs
