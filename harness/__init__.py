@@ -11,6 +11,17 @@ what a rank issued so far in the test; `set_interceptor` sees (or replaces) each
 (a `CollectiveRecord`) as a rank issues it; `strip_path_components` sees a name through the path
 components wrappers insert. Report formats plug in through the hooks of `harness.hookspecs`.
 
+Public API for parent-side SPMD calls (a test that runs in the pytest process, e.g. a Hypothesis
+test, running a function on the ranks): the `spmd_world` fixture gives `spmd_world(n)`, an
+`SpmdWorld` of n ranks on the session's device, served by the same warm pool as the distributed
+tests of that size. `SpmdWorld.run(fn, args, kwargs, timeout_s=, trace=, isolate=, seed=)` calls a
+module-level function on every rank and returns an `SpmdResult` (each rank's value or failure
+text, the rank that failed first, the first divergent collective, whether the pool was restarted);
+`SpmdWorld.call(fn, *args, **kwargs)` returns the values in rank order or raises `SpmdCallFailed`.
+Inside the function, `call_context()` is the rank's `RankContext`. A call that fails, hangs or
+kills a rank fails only that call, and the next call gets fresh ranks (docs/harness.md,
+"Parent-side SPMD calls").
+
 Public API for other pytest plugins (the conformance suite uses nothing else of the harness):
 `run_context(item)` (the world size and device the harness chose for a test, a `RunContext`),
 `world_device(config, world_size)` and `device_kinds(config)` (the same decision before any test
@@ -34,7 +45,7 @@ from harness.config.preflight import require_writable
 from harness.config.repro import Carried, NotCarried, ReproPolicy
 from harness.config.world_sizes import WorldShape, world_size_of
 from harness.rank.call_sites import asymmetric, skip_call_sites_in
-from harness.rank.fixtures import RankContext, rank_fixture
+from harness.rank.fixtures import RankContext, call_context, rank_fixture
 from harness.rank.isolation import current_seed, seed_everything
 from harness.rank.labels import register_label_provider
 from harness.rank.tensor_names import name_tensor, strip_path_components
@@ -58,6 +69,10 @@ if TYPE_CHECKING:
     import pytest
 
     from harness.rank.tracing import Interceptor
+    from harness.session.spmd import SpmdCallFailed, SpmdResult, SpmdWorld
+
+# Parent-side names reached lazily (`__getattr__`): ranks import this package, and never load the pool.
+_SPMD_NAMES = ("SpmdCallFailed", "SpmdResult", "SpmdWorld")
 
 
 # The plugin functions are reached lazily: ranks import this package, and never need the parent's
@@ -102,14 +117,20 @@ def set_interceptor(interceptor: Interceptor | None) -> None:
     tracing.set_interceptor(interceptor)
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> ModuleType | type:
     """`from harness import faults`: fault injection for scenarios and users (`harness.rank.faults`),
     imported on first use because it sits in the rank-side trace wrapper, which the pytest
-    process never loads."""
+    process never loads. `SpmdWorld`, `SpmdResult`, `SpmdCallFailed` (`harness.session.spmd`):
+    imported on first use because they bring the parent's pool along, which ranks never load."""
     if name == "faults":
         from harness.rank import faults
 
         return faults
+    if name in _SPMD_NAMES:
+        from harness.session import spmd
+
+        found: type = getattr(spmd, name)
+        return found
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
@@ -135,8 +156,12 @@ __all__ = [
     "RankContext",
     "ReproPolicy",
     "RunContext",
+    "SpmdCallFailed",
+    "SpmdResult",
+    "SpmdWorld",
     "WorldShape",
     "asymmetric",
+    "call_context",
     "collectives_issued",
     "current_seed",
     "device_kinds",

@@ -2,7 +2,8 @@
 
 A warm worker and the parent talk over a pair of pipes with pickled instances of the message
 classes here and nothing else (`WorkerConfig` -> `WorkerReady`, then `TestTask` -> `RankOutcome`
-per test, `Shutdown` at the end). Under torchrun the ranks exchange `RankOutcome`s among
+per test, or `SpmdCall` -> `RankOutcome` with its `value` per parent-side SPMD call, `Shutdown` at
+the end). Under torchrun the ranks exchange `RankOutcome`s among
 themselves instead. A rank that gives no outcome at all (died, hung, unreachable) is a
 `RankLoss`, made by whoever noticed; `RankResult` is either. Every verdict, rank-side or
 parent-side, is spelled with `Status`.
@@ -10,9 +11,10 @@ parent-side, is spelled with `Status`.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 DeviceKind = Literal["cpu", "cuda"]
@@ -70,6 +72,36 @@ class TestTask:
     sys_path: list[str]
 
 
+@dataclass(frozen=True)
+class SpmdCall:
+    """One parent-side call of a module-level function on every rank of a warm pool
+    (`harness.session.spmd.SpmdWorld.run`; run by `harness.rank.call_runner`).
+
+    The function travels by name, never by value, so that its module is imported on the rank the
+    way the parent imported it; its arguments travel pickled once by the parent (`arguments`),
+    so that a rank that cannot unpickle them reports it as the call's failure instead of failing
+    to read the message.
+    """
+
+    module_name: str
+    qualname: str
+    module_file: str | None
+    """The module's file when pytest's assertion rewriting imported it (a test module, a conftest):
+    the rank imports it the same way (`harness.rank.runner.import_test_module`); None for a
+    module the rank imports by name."""
+    arguments: bytes
+    """`pickle.dumps((args, kwargs))`."""
+    seed: int
+    trace: bool
+    """Record the call's collectives into the rank's trace file, as for a test."""
+    isolate: bool
+    """Bracket the call as a test is bracketed (`harness.rank.isolation`); False: the light path."""
+    context: bytes
+    """`pickle.dumps((options, sys_path))`: the forwarded pytest options (`RankContext.options`) and
+    the session's sys.path. The same bytes call after call, so a rank unpickles them only when
+    they change (a few kilobytes: most of a call's message, and of a rank's cost to read it)."""
+
+
 @dataclass
 class RankOutcome:
     """What one rank reports after running a task.
@@ -97,6 +129,17 @@ class RankOutcome:
     """How far `failed_at` may be from the reference clock: 0 where all ranks share one clock
     (a pool: one host), the uncertainty of the measured offset under torchrun. The verdict trusts
     only time differences larger than it (`harness.session.verdict.first_failure`)."""
+    value: bytes | None = None
+    """For an `SpmdCall` that returned on this rank: its return value, pickled by the rank (the
+    parent unpickles it); None for a test, and for a call that failed."""
+
+    def __reduce__(self) -> tuple[type[RankOutcome], tuple[object, ...]]:
+        # Pickled as its constructor's arguments, without the field names: a fifth of the
+        # default's cost to unpickle, which the parent pays for every rank of every test and call.
+        return RankOutcome, _outcome_fields(self)
+
+
+_outcome_fields = operator.attrgetter(*(item.name for item in fields(RankOutcome)))
 
 
 @dataclass

@@ -8,6 +8,9 @@ such a test becomes its ranks' deadline: `harness.config.deadlines`).
 Every distributed test pytest reports is published to the report hooks once its report is final
 (`pytest_runtest_protocol` below), whatever decided it. SIGTERM ends the session like Ctrl-C
 (`harness.config.signals`).
+
+A test without the marker runs here, in the parent, and may still run functions on ranks: the
+`spmd_world` fixture gives it parent-side SPMD calls on the same warm pools (`harness.session.spmd`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import atexit
 import importlib
 import os
 import types
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -34,6 +37,7 @@ from harness.report.run_summary import RunSummary
 from harness.report.trace_tables import TraceFiles
 from harness.session.flow import HarnessSession, session_properties, verdict_reason
 from harness.session.pool_session import PoolSession
+from harness.session.spmd import SpmdWorld, open_world
 
 _SESSION = pytest.StashKey["HarnessSession"]()
 _SIGNALS = pytest.StashKey[SignalGuard]()
@@ -235,6 +239,22 @@ def world_device(config: pytest.Config, world_size: int | None = None) -> str | 
 def device_kinds(config: pytest.Config) -> tuple[str, ...]:
     """Every device kind this session's worlds may get (`--device auto` with GPUs: cuda and cpu)."""
     return devices.device_kinds(config.option.device, torchrun_world())
+
+
+@pytest.fixture(scope="session")
+def spmd_world(request: pytest.FixtureRequest) -> Callable[[int], SpmdWorld]:
+    """`spmd_world(n)`: the `harness.SpmdWorld` of n ranks on this session's device, for a test that
+    runs in the pytest process (no world_size marker) and calls functions on the ranks.
+
+    Session-scoped (a factory: it holds no ranks), so Hypothesis tests may use it. A world that
+    cannot be had skips the calling test: under torchrun, or where the device lacks (its reason)."""
+    config = request.config
+
+    def world(world_size: int) -> SpmdWorld:
+        # Noted like a distributed test's plan: a session whose worlds all lacked their device fails.
+        return open_world(config.stash.get(_SESSION, None), world_size, config.stash[_DEVICES].note)
+
+    return world
 
 
 def _plan(item: pytest.Item, world_size: int) -> DevicePlan:

@@ -123,9 +123,11 @@ HARNESS_SIDES = {
     "harness.hookspecs": PARENT,
     "harness.config": PARENT,
     "harness.session": PARENT,
+    "harness.session.spmd": PARENT,  # parent-side SPMD calls: the pool, as a session's tests use it
     "harness.report": PARENT,
     "harness.process": PARENT,
     "harness.rank": RANK,
+    "harness.rank.call_runner": RANK,  # runs an SpmdCall in a rank, beside the test runner
     "harness.trace": SHARED,
     "harness.messages": SHARED,
     "harness.text": SHARED,

@@ -36,8 +36,9 @@ LOG_TAIL_BYTES = 4000
 """How much of a worker's or the zygote's start-up log an error quotes."""
 
 
-def describe_exit(returncode: int | None) -> str:
-    """How a worker ended, as the clause after "rank N" (`returncode` as `WorkerProcess.exit_code`)."""
+def describe_exit(returncode: int | None, work: str = "test") -> str:
+    """How a worker ended, as the clause after "rank N" (`returncode` as `WorkerProcess.exit_code`;
+    `work`: what it was running, "test" or "SPMD call")."""
     if returncode is None:
         return "closed its pipe to the parent but kept running"
     if returncode < 0:
@@ -46,7 +47,7 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"was killed by {name} ({-returncode})"
-    return f"exited with code {returncode} while running the test"
+    return f"exited with code {returncode} while running the {work}"
 
 
 # [Note: a rank's death]

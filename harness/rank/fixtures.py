@@ -2,6 +2,9 @@
 
 The parent only knows the names (it registers placeholders so pytest's fixture resolution is
 satisfied); the values are built in the rank, where the device and process group live.
+
+A parent-side SPMD call (`harness.SpmdWorld.run`) has no fixtures: the function it runs asks
+`call_context()` for the same `RankContext` a rank fixture would receive.
 """
 
 from __future__ import annotations
@@ -29,6 +32,26 @@ class RankContext:
 
 RankFixture = Callable[[RankContext], Any]
 _REGISTRY: dict[str, RankFixture] = {}
+_active_call: RankContext | None = None
+
+
+def call_context() -> RankContext:
+    """The `RankContext` of the parent-side SPMD call running on this rank (`harness.SpmdWorld.run`):
+    its rank, world size, device and the forwarded pytest options. Rank side, during a call only."""
+    if _active_call is None:
+        raise RuntimeError(
+            "harness.call_context() was called outside a parent-side SPMD call: it answers only inside "
+            "a function that SpmdWorld.run (or .call) is running on the ranks. A distributed test "
+            "(@pytest.mark.world_size) takes the same values from its rank, world_size and device fixtures "
+            "(or a harness.rank_fixture of its own)"
+        )
+    return _active_call
+
+
+def enter_call(context: RankContext | None) -> None:
+    """Make `context` what `call_context()` returns, until `enter_call(None)` (`harness.rank.call_runner`)."""
+    global _active_call
+    _active_call = context
 
 
 def rank_fixture(fn: RankFixture | None = None, *, name: str | None = None) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import operator
 import os
 import random
 import signal
@@ -45,15 +46,53 @@ def current_seed() -> int:
     return _current_seed
 
 
+# MPS is seeded at once wherever it exists, and so is a custom device backend (privateuse1).
+_SEEDED_AT_ONCE = torch.backends.mps.is_available() or torch._C._get_privateuse1_backend_name() != "privateuseone"
+# The devices `torch.manual_seed` seeds lazily (queued until initialized), by their `is_initialized`
+# (each where this torch has it).
+_LAZY_DEVICE_CHECKS = tuple(
+    check
+    for name in ("cuda", "xpu", "mtia")
+    if (check := getattr(getattr(torch, name, None), "is_initialized", None)) is not None
+)
+_lazily_seeded: int | None = None
+"""The seed `torch.manual_seed` last queued for the accelerators not initialized yet (see `seed_everything`)."""
+
+
 def seed_everything(seed: int) -> None:
     """Same seed on every rank: ranks build identical models unless a test asks otherwise."""
-    global _current_seed
+    global _current_seed, _lazily_seeded
     _current_seed = seed
     random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    if seed == _lazily_seeded and not _accelerator_initialized():
+        # `torch.manual_seed` also queues the seed for every accelerator that is not initialized
+        # yet, capturing the Python stack each time (`traceback.format_stack`: ~0.3 ms, most of a
+        # parent-side SPMD call's cost). That queued seed is still this one and still pending, and
+        # no uninitialized accelerator has drawn a number: seeding the CPU generator is all that is left.
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)  # also seeds every CUDA device
+        _lazily_seeded = seed
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
+
+
+def _accelerator_initialized() -> bool:
+    """Whether a device `torch.manual_seed` seeds besides the CPU has been initialized (then it is
+    seeded at once, each time), or one that is always seeded at once exists (MPS, a custom backend)."""
+    return _SEEDED_AT_ONCE or any(is_initialized() for is_initialized in _LAZY_DEVICE_CHECKS)
+
+
+def sync_state() -> tuple[int, int]:
+    """(default-group collective sequence number, process groups created so far) of this rank.
+
+    Both counters only grow over the worker's life, so ranks that report equal values have issued
+    as many default-group collectives and created as many groups as each other
+    (`harness.messages.RankOutcome.sync_state`). Costs two reads: a call on the light path of a
+    parent-side SPMD call reports it too."""
+    default_group = c10d._get_default_group()
+    return (default_group._get_sequence_number_for_group(), c10d._world.group_count)
 
 
 def _clear_dtensor_caches() -> None:
@@ -114,20 +153,35 @@ class _ModuleFunctions:
     """
 
     def __init__(self, modules: tuple[types.ModuleType, ...]) -> None:
-        self._snapshot = [
-            (module, {name: value for name, value in vars(module).items() if _is_function_like(value)})
-            for module in modules
-        ]
+        self._snapshot = []
+        for module in modules:
+            functions = {name: value for name, value in vars(module).items() if _is_function_like(value)}
+            # Read back all at once (C speed) after each test: hundreds of names, compared one by
+            # one in Python only when one changed (a tenth of a millisecond per test otherwise).
+            current = operator.itemgetter(*functions) if len(functions) > 1 else None
+            self._snapshot.append((module, functions, tuple(functions.values()), current))
 
     def restore(self) -> list[str]:
         restored = []
-        for module, functions in self._snapshot:
+        for module, functions, values, current in self._snapshot:
             namespace = vars(module)
+            if current is not None:
+                try:
+                    if not any(map(operator.is_not, current(namespace), values)):
+                        continue
+                except KeyError:
+                    pass  # a test deleted one: put back below
             for name, value in functions.items():
                 if namespace.get(name) is not value:
                     setattr(module, name, value)
                     restored.append(f"{module.__name__}.{name}")
         return restored
+
+
+def _encoded_environ() -> dict[Any, Any] | None:
+    """A copy of os.environ's encoded mapping (CPython's `os._Environ._data`), None without one."""
+    data = getattr(os.environ, "_data", None)
+    return dict(data) if isinstance(data, dict) else None
 
 
 def _is_function_like(value: object) -> bool:
@@ -141,6 +195,9 @@ class TestIsolation:
     def __init__(self) -> None:
         self._debug_level = dist.get_debug_level()
         self._environ = dict(os.environ)
+        # The environment as os.environ keeps it (encoded), compared after each test without
+        # decoding every variable; None where this Python keeps it otherwise.
+        self._environ_data = _encoded_environ()
         self._cwd = os.getcwd()
         self._default_dtype = torch.get_default_dtype()
         self._groups_before: set[Any] = set()
@@ -196,15 +253,13 @@ class TestIsolation:
                 mapping.clear()
         self._collect_garbage()
         self._leaked_groups = [ref for ref in [*self._leaked_groups, *destroyed] if ref() is not None]
-        if os.environ != self._environ:
+        data = _encoded_environ()
+        if (data != self._environ_data) if data is not None else (os.environ != self._environ):
             os.environ.clear()
             os.environ.update(self._environ)
         if os.getcwd() != self._cwd:
             os.chdir(self._cwd)
-        # Both counters only grow over the worker's life, so ranks that report equal values have
-        # issued as many default-group collectives and created as many groups as each other.
-        default_group = c10d._get_default_group()
-        return (default_group._get_sequence_number_for_group(), c10d._world.group_count), ""
+        return sync_state(), ""
 
     def leaked_groups(self) -> list[str]:
         """Names of destroyed process groups that something still references: an object of a

@@ -71,10 +71,11 @@ def resolve_callable(task: TestTask) -> Callable[..., Any]:
     return obj
 
 
-def format_failure(error: BaseException) -> str:
-    """Traceback without the runner's own frames: the user's code is what matters."""
+def format_failure(error: BaseException, runner_file: str = __file__) -> str:
+    """Traceback without the leading frames of the runner that caught it (`runner_file`: this
+    module, or `harness.rank.call_runner`): the user's code is what matters."""
     tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename == runner_file:
         tb = tb.tb_next
     try:
         text = "".join(traceback.format_exception(type(error), error, tb))
@@ -113,16 +114,7 @@ class TestRunner:
         try:
             return self._run(task, started)
         except BaseException as error:  # noqa: BLE001 - the harness's own steps failed, not the body
-            summary = f"harness error on rank {self.rank}: {describe_exception(error)}"
-            return RankOutcome(
-                rank=self.rank,
-                status="failed",
-                duration_s=time.perf_counter() - started,
-                summary=summary,
-                traceback=format_failure(error),
-                replace_reason=summary,
-                failed_at=time.time(),
-            )
+            return harness_failure(self.rank, started, error)
 
     def _run(self, task: TestTask, started: float) -> RankOutcome:
         # Order matters. Isolation brackets everything; the trace brackets the body and the rank
@@ -138,8 +130,7 @@ class TestRunner:
             status, summary, failure, failed_at = self._execute(task)
         finally:
             tracing.end_test()
-            injected = faults.active_faults()
-            faults.clear()
+            injected = take_injected_faults()
         sync_state, replace_reason = self.isolation.exit()
         return RankOutcome(
             rank=self.rank,
@@ -191,10 +182,41 @@ class TestRunner:
         return "passed", "", "", None
 
     def _note_raised(self, error: BaseException) -> None:
-        if self.raised_path is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
-            return
-        try:
-            with open(self.raised_path, "w", encoding="utf-8", errors="replace") as handle:
-                handle.write(f"{describe_exception(error)}\n{format_failure(error)}")
-        except OSError:
-            pass  # the outcome still carries the failure if the rank survives
+        if not isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
+            note_raised(self.raised_path, describe_exception(error), format_failure(error))
+
+
+def note_raised(raised_path: str | None, summary: str, failure: str) -> None:
+    """Write what a body raised to the rank's raised file (`RankFiles.raised`) at once, before
+    any teardown: if the rank dies afterwards (gloo's SIGABRT on a mismatched collective), the
+    parent still knows what it raised (`RankLoss.raised`)."""
+    if raised_path is None:
+        return
+    try:
+        with open(raised_path, "w", encoding="utf-8", errors="replace") as handle:
+            handle.write(f"{summary}\n{failure}")
+    except OSError:
+        pass  # the outcome still carries the failure if the rank survives
+
+
+def harness_failure(rank: int, started: float, error: BaseException) -> RankOutcome:
+    """The outcome of a task or call whose harness steps failed (not the user's code): failed, and
+    the rank asks to be replaced, since its state is unknown."""
+    summary = f"harness error on rank {rank}: {describe_exception(error)}"
+    return RankOutcome(
+        rank=rank,
+        status="failed",
+        duration_s=time.perf_counter() - started,
+        summary=summary,
+        traceback=format_failure(error),
+        replace_reason=summary,
+        failed_at=time.time(),
+    )
+
+
+def take_injected_faults() -> list[str]:
+    """The faults injected since the last call, disarmed: a fault armed but not fired must never
+    reach the next test or call."""
+    injected = faults.active_faults()
+    faults.clear()
+    return injected

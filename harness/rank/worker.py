@@ -1,10 +1,17 @@
-"""Rank worker: joins the world once, then runs the test bodies the parent sends until told to stop.
+"""Rank worker: joins the world once, then runs the test bodies and parent-side SPMD calls the
+parent sends until told to stop.
 
 Forked by the session's zygote (`harness.rank.zygote`), or spawned by `harness.process.launcher` as
 `python -m harness.rank.worker FD_IN FD_OUT PARENT_PID`, in its own session either way (so the pool can
 kill it with everything it started). It has imported torch before it is told which rank it is
 (`serve` waits for its `WorkerConfig`). Once configured, its stdout/stderr go to per-rank files the
 parent reads after each test, so output survives even a rank that dies.
+
+`serve` dispatches on the message's type: a `TestTask` runs in `harness.rank.runner`, an `SpmdCall`
+in `harness.rank.call_runner`; a call with `isolate=True` is bracketed like a test (output reset,
+process state restored), the light path only keeps the output files from growing without bound.
+Outcomes are pickled once with the plain pickler and sent as bytes (`Connection.send` would build
+a `ForkingPickler`, with torch's shared-memory reducers, for every message).
 """
 
 from __future__ import annotations
@@ -12,16 +19,19 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import pickle
 import signal
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
 import torch.distributed as dist
 
-from harness.messages import RankOutcome, Shutdown, TestTask, WorkerConfig, WorkerReady
+from harness.messages import RankOutcome, Shutdown, SpmdCall, TestTask, WorkerConfig, WorkerReady
 from harness.process import procfs
 from harness.process.rank_files import RankFiles
+from harness.rank.call_runner import CallRunner
 from harness.rank.isolation import ProcessIsolation
 from harness.rank.runner import TestRunner
 from harness.rank.world import join_world, rank_device
@@ -36,6 +46,9 @@ _PR_SET_PDEATHSIG = 1
 # nothing bounded it made the whole run ~1.6x slower. A replacement costs a fork, a rendezvous and
 # the first test's imports again (seconds for DeepSpeed, whose ZeRO-3 engines leak a group each).
 LEAKED_GROUP_LIMIT = 16
+# How large a capture file may grow on the light path of SPMD calls (which does not reset the
+# capture per call) before it is emptied: the parent reads only its tail, for a rank it lost.
+LIGHT_CAPTURE_LIMIT_BYTES = 1 << 20
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -70,6 +83,11 @@ class _OutputCapture:
         os.ftruncate(1, 0)
         os.ftruncate(2, 0)
 
+    def bound(self) -> None:
+        """Empty the files once either has grown past `LIGHT_CAPTURE_LIMIT_BYTES` (two fstat calls)."""
+        if os.fstat(1).st_size > LIGHT_CAPTURE_LIMIT_BYTES or os.fstat(2).st_size > LIGHT_CAPTURE_LIMIT_BYTES:
+            self.reset()
+
 
 class RankWorker:
     def __init__(self, config: WorkerConfig) -> None:
@@ -91,6 +109,7 @@ class RankWorker:
             self.files.trace,
             self.files.raised,
         )
+        self.calls = CallRunner(self.runner)
 
     def _join_world(self) -> None:
         # A FileStore, not a TCP one: no socket, so no name lookup can slow the rendezvous
@@ -100,10 +119,27 @@ class RankWorker:
         join_world(self.device, cfg.collective_timeout_s, store=store, rank=cfg.rank, world_size=cfg.world_size)
 
     def run(self, task: TestTask) -> RankOutcome:
-        if sys.path != task.sys_path:
-            sys.path[:] = task.sys_path
+        return self._bracketed(task.sys_path, lambda: self.runner.run(task))
+
+    def call(self, call: SpmdCall) -> RankOutcome:
+        """One parent-side SPMD call: bracketed like a test with `isolate`, else the light path."""
+        sys_path = self.calls.sys_path(call)
+        if call.isolate:
+            return self._bracketed(sys_path, lambda: self.calls.run(call))
+        if sys.path != sys_path:
+            sys.path[:] = sys_path
+        self.capture.bound()
+        outcome = self.calls.run(call)
+        self.capture.flush()
+        return outcome
+
+    def _bracketed(self, sys_path: list[str], body: Callable[[], RankOutcome]) -> RankOutcome:
+        """Run `body` (a test or an isolated call) from fresh output files, then put the process's
+        state back and decide whether this rank may go on."""
+        if sys.path != sys_path:
+            sys.path[:] = sys_path
         self.capture.reset()
-        outcome = self.runner.run(task)
+        outcome = body()
         # Before the outcome leaves: the parent reads the output files once it has every outcome,
         # so notes about what the test left behind belong to this test's stderr.
         notes, replace_reason = self.process_isolation.restore()
@@ -151,10 +187,10 @@ def serve(tasks: Connection, results: Connection) -> NoReturn:
         if isinstance(message, Shutdown):
             break
         try:
-            outcome = worker.run(message)
+            outcome = worker.call(message) if type(message) is SpmdCall else worker.run(message)
         except Exception as error:  # noqa: BLE001 - a harness bug fails the test, not the whole pool silently
             outcome = worker.harness_error(error)
-        results.send(outcome)
+        results.send_bytes(pickle.dumps(outcome, pickle.HIGHEST_PROTOCOL))
     # Teardown, in this order: leave the process group while every peer is still there to
     # leave it too (the parent sent Shutdown to all ranks); flush Python's buffers into the
     # captured fds, since os._exit skips that; then leave without interpreter teardown, where

@@ -52,6 +52,8 @@ class PoolSession(HarnessSession):
         self._owner = hold_run_dir(self.run_dir)
         self.pools: dict[PoolKey, WorkerPool] = {}
         self.pool_starts = 0
+        self.spmd_calls = 0
+        """Parent-side SPMD calls run on this session's pools (`harness.session.spmd`)."""
         self.interrupted = False
         self._reaper: Reaper | None = None
         # Imported once, by the zygote. See [Note: zygote preload] in harness.rank.zygote.
@@ -124,6 +126,8 @@ class PoolSession(HarnessSession):
             f"{self.dispatched} distributed tests, {self.pool_starts} pool starts, "
             f"{self.launcher.spawned} rank processes"
         )
+        if self.spmd_calls:
+            text += f", {self.spmd_calls} parent-side SPMD calls"
         if self.launcher.zygote_unavailable:
             text += f" (spawned, not forked: {self.launcher.zygote_unavailable.splitlines()[0]})"
         return text
