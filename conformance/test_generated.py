@@ -24,7 +24,6 @@ from hypothesis import Phase as HypothesisPhase
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from conformance.programs import export
 from conformance.programs.declared import Declared, declared_axes
 from conformance.programs.draw import programs
 from conformance.programs.program import Program
@@ -50,7 +49,9 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
         if verdict.kind == "failed":
             text = failure_text(generation.name, program, verdict, generation.repro(program))
             if generation.export_dir:
-                text += "\n" + export.export_repro(generation.name, program, generation.export_dir)
+                from conformance.programs.export import export_repro  # only with --export-repro
+
+                text += "\n" + export_repro(generation.name, program, generation.export_dir)
             raise GeneratedProgramFailed(text)
         return verdict
 
