@@ -139,6 +139,7 @@ CONFORMANCE_PACKAGES = (
     "conformance.suite",
     "conformance.report",
     "conformance.adapters",
+    "conformance.programs",  # generated programs: drawn in the parent, run in the ranks
     "conformance.test_*",  # the scenarios (expectation ids embed their paths: they stay at the top)
     "conformance.scenario_specs",
 )
@@ -221,10 +222,19 @@ PACKAGE_RULES = (
             "conformance.suite",
             "conformance.report",
             "conformance.adapters",
+            "conformance.programs",
             "conformance.test_*",
             "conformance.scenario_specs",
         ),
         why="adapters written out of tree import only the protocol; it must not drag in the suite's machinery",
+    ),
+    LayerRule(
+        "programs-open-a-backend-as-the-fixture-does",
+        importers=("conformance.programs",),
+        forbidden=("conformance.report", "conformance.test_*", "conformance.scenario_specs"),
+        why="a generated program runs a backend exactly as a scenario's backend fixture opens it "
+        "(conformance.suite.backend_fixture) and judges through the protocol; it renders nothing and "
+        "borrows no scenario's code",
     ),
     LayerRule(
         "conformance-reports-only-render",

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import fixtures
 from conformance.programs.declared import Declared
 from conformance.programs.program import (
+    TENSOR_PARALLEL_DEGREE,
     UNIT_PLANS,
     Backward,
     EvalForward,
@@ -84,6 +85,17 @@ def base_setups(declared: Declared, world_size: int) -> list[Setup]:
     return setups
 
 
+def tensor_parallel_possible(declared: Declared, setup: Setup, world_size: int) -> bool:
+    """Whether ``setup`` may be drawn 2-D: the backend declares TENSOR_PARALLEL with it, the world
+    splits into (dp, tp=2) with dp >= 2, and its units are the blocks or none (a tensor-parallel
+    linear nested as a unit of its own is left to test_2d's plans)."""
+    if world_size < 2 * TENSOR_PARALLEL_DEGREE or world_size % TENSOR_PARALLEL_DEGREE:
+        return False
+    if setup.unit_plan not in ("none", "auto", "leaves") or setup.strategy is ShardingStrategy.HYBRID_SHARD:
+        return False
+    return _admitted(declared, Setup(**{**setup.__dict__, "tensor_parallel": True}))
+
+
 def _admitted(declared: Declared, setup: Setup) -> bool:
     return declared.admits(spec_requirements(setup) | {Capability.for_form(setup.form)})
 
@@ -99,6 +111,9 @@ def setups(draw: st.DrawFn, declared: Declared, world_size: int) -> Setup:
     setup = draw(st.sampled_from(candidates))
     optimizer = draw(st.sampled_from(("sgd", "adam")))
     setup = Setup(**{**setup.__dict__, "optimizer": optimizer})
+    if tensor_parallel_possible(declared, setup, world_size) and draw(st.booleans()):
+        # 2-D programs keep the other axes plain: the 2-D scenarios' ground (test_2d).
+        return Setup(**{**setup.__dict__, "tensor_parallel": True})
     # Each further axis: drawn only where the backend admits it with what is drawn so far.
     if declared.low_precision_dtypes:
         dtype = draw(st.sampled_from((None, *declared.low_precision_dtypes)))
@@ -120,7 +135,16 @@ def setups(draw: st.DrawFn, declared: Declared, world_size: int) -> Setup:
 
 
 @st.composite
-def model_shapes(draw: st.DrawFn, frozen_allowed: bool) -> ModelShape:
+def model_shapes(draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = False) -> ModelShape:
+    if tensor_parallel:
+        # Column-wise then row-wise blocks 0 and 1: an even width, no per-feature buffer (a
+        # column-wise block's output is this rank's half of the features).
+        return ModelShape(
+            in_width=draw(st.sampled_from(WIDTHS)),
+            width=draw(st.sampled_from(tuple(w for w in WIDTHS if w % TENSOR_PARALLEL_DEGREE == 0))),
+            out_width=draw(st.sampled_from(WIDTHS)),
+            depth=draw(st.integers(2, 3)),
+        )
     depth = draw(st.integers(1, 3))
     frozen: tuple[int, ...] = ()
     if frozen_allowed and depth >= 2 and draw(st.booleans()):
@@ -179,6 +203,8 @@ def operations(
     draw: st.DrawFn, declared: Declared, setup: Setup, shape: ModelShape, world_size: int
 ) -> tuple[Operation, ...]:
     base = spec_requirements(setup) | {Capability.for_form(setup.form)}
+    if setup.tensor_parallel:
+        return draw(_two_d_operations(declared, base))
     order_checked = setup.check_exec_order and setup.unit_plan != "none" and shape.depth >= 2 and world_size >= 2
     if order_checked and draw(st.integers(0, 9)) == 0:
         return (SwapRoute(odd_ranks_only=True), Backward())
@@ -238,11 +264,33 @@ def operations(
 
 
 @st.composite
+def _two_d_operations(draw: st.DrawFn, declared: Declared, base: set[Requirement]) -> tuple[Operation, ...]:
+    """Training, eval forwards and model state dict round trips of a 2-D program."""
+    saves = [SaveLoad(kind) for kind in ("full", "sharded") if declared.admits(base | SaveLoad(kind).requirements())]
+    state = _ProgramState()
+    ops: list[Operation] = []
+    for _ in range(draw(st.integers(1, MAX_OPERATIONS))):
+        choices: list[Operation] = [Backward(k) for k in (1, 2)] if state.training else [EvalForward()]
+        if state.backward_since_step:
+            choices.append(Step())
+        choices += [ZeroGrad(True), SetMode(not state.training), *saves]
+        op = draw(st.sampled_from(choices))
+        ops.append(op)
+        if isinstance(op, Backward):
+            state.backward_since_step = True
+        elif isinstance(op, Step) or (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, SaveLoad):
+            state.backward_since_step = False
+        elif isinstance(op, SetMode):
+            state.training = op.train
+    return tuple(ops)
+
+
+@st.composite
 def programs(draw: st.DrawFn, declared: Declared, world_sizes: Sequence[int]) -> Program:
     """A whole program for ``declared`` at one of ``world_sizes``."""
     world_size = draw(st.sampled_from(tuple(world_sizes)))
     setup = draw(setups(declared, world_size))
-    shape = draw(model_shapes(frozen_allowed=setup.use_orig_params))
+    shape = draw(model_shapes(frozen_allowed=setup.use_orig_params, tensor_parallel=setup.tensor_parallel))
     ops = draw(operations(declared, setup, shape, world_size))
     seed = draw(st.integers(0, 2**16))
     return Program(world_size=world_size, model=shape, setup=setup, operations=ops, seed=seed)

@@ -27,6 +27,7 @@ class), leaves (every block by FQN), nested (block 0's linear inside block 0, th
 mixed (every block by FQN, block 0 under another strategy)."""
 
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+TENSOR_PARALLEL_DEGREE = 2
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ class Setup:
     use_orig_params: bool = True
     check_exec_order: bool = False
     optimizer: str = "sgd"  # "sgd" or "adam"
+    tensor_parallel: bool = False
+    """2-D: blocks 0 and 1 tensor-parallel (column-wise, then row-wise) over the "tp" dimension of
+    a (world size / 2, 2) mesh, the model then sharded over its "dp" dimension; ranks of one dp
+    group feed the same batch."""
 
     def describe(self) -> str:
         parts = [f"{self.strategy.name}", f"{self.form.value} form", f"units: {self.unit_plan}"]
@@ -80,6 +85,8 @@ class Setup:
             parts.append("flat parameters")
         if self.check_exec_order:
             parts.append("check_exec_order")
+        if self.tensor_parallel:
+            parts.append("tensor parallel blocks 0-1 over a (dp, tp=2) mesh")
         parts.append(self.optimizer.upper() if self.optimizer == "sgd" else "Adam")
         return ", ".join(parts)
 
@@ -251,6 +258,15 @@ class Program:
     def describe(self) -> str:
         return "\n".join(self.lines())
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many distinct batches a step sees: the world size, or its dp dimension under 2-D."""
+        return self.world_size // TENSOR_PARALLEL_DEGREE if self.setup.tensor_parallel else self.world_size
+
+    def data_rank(self, rank: int) -> int:
+        """Whose batch ``rank`` feeds: its own, or its dp group's under 2-D (mesh ranks row-major)."""
+        return rank // TENSOR_PARALLEL_DEGREE if self.setup.tensor_parallel else rank
+
     def unit_fqns(self) -> tuple[str, ...]:
         """The manual units of the plan, innermost first."""
         blocks = tuple(f"blocks.{index}" for index in range(self.model.depth))
@@ -296,5 +312,7 @@ def spec_requirements(setup: Setup) -> set[Requirement]:
         needed.add(Capability.FLAT_PARAMETERS)
     if setup.check_exec_order:
         needed.add(Capability.EXEC_ORDER_CHECK)
+    if setup.tensor_parallel:
+        needed.add(Capability.TENSOR_PARALLEL)
     needed.add(SpecCondition.SHARDED_ROOT)
     return needed

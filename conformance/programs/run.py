@@ -31,6 +31,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,12 +40,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fixtures
 import harness
 from conformance.programs.model import Block, GeneratedModel, build_model
 from conformance.programs.program import (
+    TENSOR_PARALLEL_DEGREE,
     Backward,
     EvalForward,
     Operation,
@@ -129,6 +133,7 @@ class _ProgramRun:
         self.program = program
         self.report = report
         self.rank = rank
+        self.data_rank = program.data_rank(rank)
         self.world_size = program.world_size
         self.device = device
         self.setup = program.setup
@@ -162,7 +167,15 @@ class _ProgramRun:
         if setup.unit_plan == "mixed" and setup.other_strategy is not None:
             fields["strategy_overrides"] = {"blocks.0": setup.other_strategy}
         strategies = {setup.strategy, setup.other_strategy}
-        if any(s is not None and s.name == "HYBRID_SHARD" for s in strategies):
+        if setup.tensor_parallel:
+            # Built once per program: every model it shards (a fresh one per load) shares it.
+            self.mesh_2d = init_device_mesh(
+                self.device.type,
+                (self.world_size // TENSOR_PARALLEL_DEGREE, TENSOR_PARALLEL_DEGREE),
+                mesh_dim_names=("dp", "tp"),
+            )
+            fields["mesh"] = self.mesh_2d["dp"]
+        elif any(s is not None and s.name == "HYBRID_SHARD" for s in strategies):
             fields["mesh"] = fixtures.hybrid_mesh(self.world_size, self.device)
         return ShardingSpec(**fields)
 
@@ -170,6 +183,9 @@ class _ProgramRun:
         """Build and shard the model (values from ``seed``) and make its optimizer."""
         model = build_model(self.program.model, seed, self.device)
         self.numels = {name: param.numel() for name, param in model.named_parameters()}
+        if self.setup.tensor_parallel:
+            plan = {"blocks.0.linear": ColwiseParallel(), "blocks.1.linear": RowwiseParallel()}
+            parallelize_module(model, self.mesh_2d["tp"], plan)
         self.model: GeneratedModel = model
         self.sharded: nn.Module = self.adapter.shard(model, self.spec, self.setup.form)
         self.optimizer = self._make_optimizer()
@@ -182,7 +198,9 @@ class _ProgramRun:
         """One storage probe per strategy in the spec, each with the parameters it leaves to the
         others (and the frozen ones, which store no gradient). Original parameters only, and
         only where there is something to share (world size > 1)."""
-        if not self.setup.use_orig_params or self.world_size < 2:
+        if not self.setup.use_orig_params or self.world_size < 2 or self.setup.tensor_parallel:
+            # Flat buffers are test_unshard_params'; a tensor-parallel parameter's share is the
+            # 2-D layout test_2d checks (a claim over dp of what tp already split).
             return []
         other = self.setup.other_strategy if self.setup.unit_plan == "mixed" else None
         block0 = frozenset(name for name in self.numels if name.startswith("blocks.0."))
@@ -206,7 +224,14 @@ class _ProgramRun:
         self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
         for index, op in enumerate(self.program.operations):
             self.op_index = index
-            stop = self._apply(op)
+            try:
+                stop = self._apply(op)
+            except Exception as error:  # noqa: BLE001 - the backend raised: a finding, with what came before
+                # The program cannot go on; what the checks found before stays in the report.
+                # Ranks that raised alike (the usual case: the same call on the same program)
+                # all return; a rank left waiting for a peer is stopped by the harness.
+                self._find(f"raised {_described(error)}")
+                return
             self.report.operations_run = index + 1
             if stop:
                 return
@@ -262,7 +287,7 @@ class _ProgramRun:
                 self.model,
                 seed=self.program.seed,
                 iteration=self.iteration,
-                rank=self.rank,
+                rank=self.data_rank,
                 batch_size=LOCAL_BATCH,
                 device=self.device,
             )
@@ -290,7 +315,7 @@ class _ProgramRun:
             self._check_order_warnings(caught, route, training=True)
             if self.first_route is None:
                 self.first_route = route
-            want = expected[micro_batch][self.rank]
+            want = expected[micro_batch][self.data_rank]
             if not self.bounds.losses_close(loss.item(), want):
                 self._find(
                     f"micro-batch {micro_batch}: loss {loss.item():.9g}, the oracle's {want:.9g} "
@@ -314,12 +339,12 @@ class _ProgramRun:
             self.model,
             seed=self.program.seed,
             iteration=EVAL_ITERATIONS + self.evals,
-            rank=self.rank,
+            rank=self.data_rank,
             batch_size=LOCAL_BATCH,
             device=self.device,
         )
         self.evals += 1
-        expected = self.shadow.eval_losses()[self.rank]
+        expected = self.shadow.eval_losses()[self.data_rank]
         route = self.model.route()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -486,6 +511,7 @@ class _ProgramRun:
             self._admits(Capability.UNSHARD, Capability.UNSHARD_WITH_GRADS)
             and self.setup.param_dtype is None
             and not self.setup.offload_params
+            and not self.setup.tensor_parallel
         ):
             return
         with self.adapter.unshard(self.sharded, writeback=False, with_grads=True):
@@ -562,3 +588,10 @@ def _has_state(optimizer: Any) -> bool:
     """Whether ``optimizer`` (a torch optimizer, or a backend's own) holds any state yet."""
     state = getattr(optimizer, "state", None)
     return bool(state) if state is not None else True
+
+
+def _described(error: BaseException) -> str:
+    """``Type: message`` and the innermost frames of ``error``'s traceback (where it was raised)."""
+    frames = traceback.extract_tb(error.__traceback__)[-4:]
+    where = "; ".join(f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}" for frame in frames)
+    return f"{type(error).__name__}: {error} (at {where})"

@@ -11,7 +11,7 @@ rank-divergent orders, state dict and optimizer round trips, and each strategy's
 from __future__ import annotations
 
 from conformance.programs.declared import Declared
-from conformance.programs.draw import base_setups
+from conformance.programs.draw import base_setups, tensor_parallel_possible
 from conformance.programs.program import (
     Backward,
     EvalForward,
@@ -34,8 +34,12 @@ SHAPE = ModelShape(in_width=3, width=5, out_width=3, depth=2, buffers=True)
 SEED = 7
 
 
-def seed_programs(declared: Declared, world_size: int) -> list[Program]:
-    """The family programs ``declared`` admits at ``world_size``, simplest first."""
+TWO_D_SHAPE = ModelShape(in_width=3, width=4, out_width=3, depth=2)
+
+
+def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = False) -> list[Program]:
+    """The family programs ``declared`` admits at ``world_size``, simplest first (``two_d_only``:
+    the 2-D ones alone, for a run whose world sizes lack one that splits into (dp, tp))."""
     setups = base_setups(declared, world_size)
     if not setups:
         return []
@@ -57,6 +61,14 @@ def seed_programs(declared: Declared, world_size: int) -> list[Program]:
         return None
 
     train = (ZeroGrad(), Backward(), Step(), ZeroGrad(), Backward(), Step())
+    # 2-D: training, then sharded and full model state dicts round trips of the 2-D model.
+    two_d = next((s for s in setups if tensor_parallel_possible(declared, s, world_size)), None)
+    if two_d is not None:
+        two_d = Setup(**{**two_d.__dict__, "tensor_parallel": True})
+        for kind in ("sharded", "full"):
+            add(two_d, *train[:3], SaveLoad(kind), *train[3:], shape=TWO_D_SHAPE)
+    if two_d_only:
+        return programs
     # Every strategy: SGD training against the oracle, then Adam steps (the storage claim of
     # optimizer state, ZeRO's partitioned step).
     for strategy in ShardingStrategy:

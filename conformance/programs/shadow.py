@@ -52,12 +52,12 @@ class Shadow:
         self.evals = 0
 
     def backward(self) -> list[float]:
-        """One forward + backward pass of every rank; returns the rank losses."""
+        """One forward + backward pass of every data rank; returns their losses."""
         losses = fixtures.oracle_pass(
             self.model,
             seed=self.program.seed,
             iteration=self.iteration,
-            world_size=self.program.world_size,
+            world_size=self.program.data_parallel_size,
             batch_size=LOCAL_BATCH,
             device=self.device,
             precision=self.precision,
@@ -66,7 +66,7 @@ class Shadow:
         return losses.tolist()
 
     def eval_losses(self) -> list[float]:
-        """Every rank's loss of one forward under no_grad, in the model's current mode."""
+        """Every data rank's loss of one forward under no_grad, in the model's current mode."""
         compute = self.model
         if self.precision is not None:
             compute = copy.deepcopy(self.model)  # parameters in low precision, buffers kept, as the backends do
@@ -75,7 +75,7 @@ class Shadow:
                     param.data = param.data.to(self.precision.param_dtype)
         losses = []
         with torch.no_grad():
-            for rank in range(self.program.world_size):
+            for rank in range(self.program.data_parallel_size):
                 (x,) = fixtures.local_batch(
                     compute,
                     seed=self.program.seed,

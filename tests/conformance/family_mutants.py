@@ -155,6 +155,15 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                 options["check_exec_order"] = False
             return options
 
+        def close(self) -> None:
+            # What the exec_order mutant installed process-wide ends with the adapter: warm ranks
+            # run other backends' tests (and generated programs) after this one.
+            try:
+                super().close()
+            finally:
+                if mutation == "exec_order":
+                    restore()
+
         def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
             if mutation == "divergence" and not hasattr(base, "_options"):
                 raise TypeError(f"the divergence mutant needs the reference adapter, not {base.name}")
@@ -200,3 +209,13 @@ for _mutation, _backends in APPLIES_TO.items():
 def selection(backend: str, mutation: str) -> str:
     """The ``--backend`` value of ``backend`` with ``mutation``."""
     return f"{__name__}:{_attribute(backend, mutation)}"
+
+
+def __getattr__(name: str) -> type[BackendAdapter]:
+    """``<backend>__<mutation>`` of an optional built-in backend (DeepSpeed), built on first use:
+    its library is imported only where a session selects it."""
+    backend, _, mutation = name.partition("__")
+    backend = backend.replace("_", "-")
+    if mutation in APPLIES_TO and backend in APPLIES_TO[mutation] and installed(backend):
+        return mutant(registry.load(backend), mutation)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -82,3 +82,25 @@ def replicating(base: type[BackendAdapter]) -> type[BackendAdapter]:
 
     ReplicatesEverything.__name__ = ReplicatesEverything.__qualname__ = f"{base.__name__}ReplicatesEverything"
     return ReplicatesEverything
+
+
+def _attribute(backend: str) -> str:
+    return f"{backend.replace('-', '_')}__replicating"
+
+
+def selection(backend: str) -> str:
+    """The ``--backend`` value of built-in ``backend``'s replicating twin (this module is on
+    ``sys.path`` as ``storage_mutants``: tests/conformance is a test directory)."""
+    return f"{__name__}:{_attribute(backend)}"
+
+
+def __getattr__(name: str) -> type[BackendAdapter]:
+    """``<backend>__replicating``: the twin of a built-in backend, built on first use (loading
+    DeepSpeed's adapter only where it is selected)."""
+    from conformance.suite import registry
+
+    if name.endswith("__replicating"):
+        backend = name[: -len("__replicating")].replace("_", "-")
+        if backend in registry.BUILTIN or backend in registry.OPTIONAL_BUILTIN:
+            return replicating(registry.load(backend))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
