@@ -35,7 +35,7 @@ CAMPAIGN_BATCH = 10
 """A timed campaign runs hypothesis in batches of this many programs until its time is up."""
 
 
-def test_generated_programs(backend: str, generation, spmd_world) -> None:  # noqa: ANN001 - fixtures
+def test_generated_programs(backend: str, generation, spmd_world) -> None:
     """Programs drawn from what the backend declares pass every check after every operation
     (see the module docstring); at least one of them shows the backend sharding something."""
     declared: Declared = spmd_world(2).call(declared_axes, backend)[0]

@@ -70,7 +70,8 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
             + "\nits CAPABILITIES / UNSUPPORTED_COMBINATIONS do not say what it refuses: declare it there",
         )
     if result.divergence:
-        return ExampleVerdict("failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded)
+        divergence = f"the ranks issued divergent collectives:\n{result.divergence}"
+        return ExampleVerdict("failed", divergence, sharded=sharded)
     findings = [finding for report in reports for finding in report.findings]
     if not findings:
         return ExampleVerdict("passed", sharded=sharded)
