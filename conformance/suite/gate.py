@@ -78,7 +78,7 @@ def no_usable_form(adapter_cls: type[BackendAdapter], device_kind: str) -> str |
     if not overrides:
         return None  # CAPABILITIES itself must name a form (checked when the class is defined)
     try:
-        forms = _probe(adapter_cls, torch.device(device_kind)).forms()
+        forms = _probe_forms(adapter_cls, torch.device(device_kind))
     except Exception as error:  # noqa: BLE001 - any failure is the adapter's, reported with its cause
         return (
             f"building it on {device_kind} to ask for its capabilities() raised {type(error).__name__}: "
@@ -93,13 +93,20 @@ def no_usable_form(adapter_cls: type[BackendAdapter], device_kind: str) -> str |
     )
 
 
-def _probe(adapter_cls: type[BackendAdapter], device: torch.device) -> BackendAdapter:
-    """An adapter built as a rank of a world of one on ``device`` would build it, so that
-    ``capabilities()`` answers as it will in the ranks. Its constructor may set the
-    environment (libraries read torchrun's variables): the parent's is put back."""
+def _probe_forms(adapter_cls: type[BackendAdapter], device: torch.device) -> list[ApiForm]:
+    """The API forms of an adapter built as a rank of a world of one on ``device`` would build it,
+    so that ``capabilities()`` answers as it will in the ranks; then it is closed. Closing matters
+    beyond resources: the ranks are forked from this process (through the zygote), so whatever
+    an adapter leaves installed here (a patched function, an environment variable) would be every
+    rank's starting state. Its constructor may set the environment (libraries read torchrun's
+    variables): the parent's is put back."""
     saved = dict(os.environ)
     try:
-        return adapter_cls(BackendEnv(rank=0, world_size=1, device=device, local_rank=0))
+        adapter = adapter_cls(BackendEnv(rank=0, world_size=1, device=device, local_rank=0))
+        try:
+            return adapter.forms()
+        finally:
+            adapter.close()
     finally:
         os.environ.clear()
         os.environ.update(saved)
