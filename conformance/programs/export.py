@@ -8,7 +8,12 @@ per-rank batches and the single-process oracle written out inline (the same valu
 sharding done with the native calls the suite's adapter makes for the program's setup, every
 operation as native calls, and after each operation the checks ``conformance.programs.run``
 makes, with the bounds of ``conformance.programs.tolerances``. It prints each mismatch as
-``rank R, op I (<operation>): <what differs>`` and exits 1, or prints ``OK: ...`` and exits 0.
+``rank R, op I (<operation>): <what differs>`` and exits 1, or prints ``OK: ...`` and exits 0; an
+operation that raises prints ``rank R, op I (<operation>): raised <Type>: <message>`` and the
+error propagates (a non-zero exit, with its traceback), as a backend error ends the program there.
+2-D programs (``Setup.tensor_parallel``) are written for FSDP1 and FSDP2: the (dp, tp) mesh, the
+tensor-parallel plan applied before sharding over its dp dimension, and each dp group's ranks
+feeding that group's batch, as ``run`` does it.
 
 The script is assembled from one small template per concern (header, imports, constants, model,
 data, oracle, sharding, checks, operations, main), and each template emits only what the program
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from conformance.programs.program import (
+    TENSOR_PARALLEL_DEGREE,
     Backward,
     EvalForward,
     Operation,
@@ -51,6 +57,7 @@ ZERO = "torch-zero"
 EXPORTABLE_BACKENDS = (FSDP1, FSDP2, ZERO)
 ORDER_WARNING = "Forward order differs from that of the first iteration"
 """FSDP1's later-iteration warning (``conformance.programs.run`` checks the same text)."""
+_TWO_D_MESH_WORDS = "\n    2-D: every unit over `mesh`, the dp dimension of the (dp, tp) mesh."
 
 
 def script_name(backend_name: str) -> str:
@@ -69,6 +76,9 @@ def export_repro(backend_name: str, program: Program, directory: str) -> str:
             f"for {', '.join(EXPORTABLE_BACKENDS)} only, and {backend_name}'s library is not torch's own; "
             "the REPRO line above replays the program through the suite"
         )
+    reason = _no_native_form(backend_name, program)
+    if reason is not None:
+        return f"standalone repro: none written for {backend_name}: {reason}; the REPRO line above replays it"
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     path = target / script_name(backend_name)
@@ -86,6 +96,9 @@ def repro_script(backend_name: str, program: Program) -> str:
         raise ValueError(
             f"no standalone script for backend {backend_name!r}: choose one of {', '.join(EXPORTABLE_BACKENDS)}"
         )
+    reason = _no_native_form(backend_name, program)
+    if reason is not None:
+        raise ValueError(f"no standalone script for this program on {backend_name}: {reason}")
     uses = _Uses.of(backend_name, program)
     sections = [
         _header(uses),
@@ -101,6 +114,25 @@ def repro_script(backend_name: str, program: Program) -> str:
     ]
     header, imports, *definitions = (section.strip("\n") for section in sections)
     return header + "\n\n" + imports + "\n\n" + "\n\n\n".join(definitions) + "\n" + _ENTRY_POINT
+
+
+def _no_native_form(backend_name: str, program: Program) -> str | None:
+    """Why ``program`` has no native torch form on ``backend_name`` (None when it has one): the
+    setups the suite's adapter itself refuses, where a script would only restate the adapter's
+    error, not a torch call."""
+    setup = program.setup
+    if setup.tensor_parallel and backend_name == ZERO:
+        return (
+            "torch-zero does not declare TENSOR_PARALLEL (DistributedDataParallel refuses DTensor "
+            "parameters), so a 2-D program has no torch-zero form"
+        )
+    no_shard = ShardingStrategy.NO_SHARD in (setup.strategy, setup.other_strategy)
+    if setup.tensor_parallel and backend_name == FSDP2 and no_shard:
+        return (
+            "the torch-fsdp2 adapter shards NO_SHARD units on a replicate mesh of its own and refuses a "
+            "given mesh (ValueError), so a 2-D NO_SHARD program stops in the adapter, before any torch call"
+        )
+    return None
 
 
 # -- what the program uses -------------------------------------------------------------------
@@ -135,6 +167,17 @@ class _Uses:
         return self.setup.param_dtype is not None
 
     @property
+    def tensor_parallel(self) -> bool:
+        """2-D: blocks 0 and 1 tensor-parallel over the "tp" dimension of a (dp, tp) mesh, the model
+        sharded over "dp"; the ranks of one dp group feed the same batch."""
+        return self.setup.tensor_parallel
+
+    @property
+    def data_ranks(self) -> str:
+        """The script's name for the number of distinct batches a pass sees."""
+        return "DP_SIZE" if self.tensor_parallel else "WORLD_SIZE"
+
+    @property
     def divergent_route(self) -> bool:
         """The misuse program: only odd ranks swap, and the first iteration must be refused."""
         return any(isinstance(op, SwapRoute) and op.odd_ranks_only for op in self.ops)
@@ -161,14 +204,22 @@ class _Uses:
     @property
     def grads_checked(self) -> bool:
         """Whether the gradients are compared after each backward: where the backend shows them
-        (``UNSHARD_WITH_GRADS``) in full precision on the device, as ``run`` checks them. FSDP1
-        refuses ``with_grads`` with flat parameters (NotImplementedError), so only with
-        use_orig_params there."""
+        (``UNSHARD_WITH_GRADS``) in full precision on the device, and not 2-D, as ``run`` checks
+        them. torch-fsdp1 declares {UNSHARD_WITH_GRADS, FLAT_PARAMETERS} unsupported (its
+        summon_full_params refuses with_grads with flat parameters), so only with use_orig_params
+        there."""
+        if self.tensor_parallel:
+            return False
         if self.backend == ZERO:
             return True
         if self.backend != FSDP1:
             return False
         return not self.mixed_precision and not self.setup.offload_params and self.setup.use_orig_params
+
+    @property
+    def reads_grads(self) -> bool:
+        """Whether the script compares gradients anywhere (after backward, or inside an unshard)."""
+        return self.grads_checked or self.unshard_reads_grads
 
     @property
     def unshard_reads_grads(self) -> bool:
@@ -192,9 +243,15 @@ class _Uses:
         return "native" in self.save_kinds
 
     @property
+    def rebuilds(self) -> bool:
+        """Whether the program goes on with a freshly built and sharded model (a load of any kind)."""
+        return bool(self.save_kinds or self.optim_kinds)
+
+    @property
     def sharded_state_dicts(self) -> bool:
-        """Whether the script needs the sharded model state dict (a sharded save, a native checkpoint)."""
-        return bool(self.save_kinds & {"sharded", "native"})
+        """Whether the script needs the sharded model state dict (a sharded save or optimizer round
+        trip, a native checkpoint)."""
+        return bool((self.save_kinds | self.optim_kinds) & {"sharded", "native"})
 
     @property
     def sharded_optimizer_state(self) -> bool:
@@ -206,7 +263,10 @@ class _Uses:
 
     @property
     def mesh(self) -> str | None:
-        """The mesh the units need besides the default group: "hybrid" or "replicate" (FSDP2 NO_SHARD)."""
+        """The mesh the units need besides the default group: "2-D" (a (dp, tp) mesh), "hybrid" or
+        "replicate" (FSDP2 NO_SHARD)."""
+        if self.tensor_parallel:
+            return "2-D"
         if ShardingStrategy.HYBRID_SHARD in self.strategies:
             return "hybrid"
         if self.backend == FSDP2 and ShardingStrategy.NO_SHARD in self.strategies:
@@ -237,10 +297,16 @@ def _indent(lines: list[str], levels: int) -> str:
 
 # -- header ------------------------------------------------------------------------------------
 def _backend_words(uses: _Uses) -> str:
+    tensor_parallel = (
+        ", after torch.distributed.tensor.parallel.parallelize_module (2-D: blocks 0 and 1 tensor-parallel "
+        "over the tp dimension of a dp-by-tp mesh, the model sharded over its dp dimension)"
+        if uses.tensor_parallel
+        else ""
+    )
     if uses.backend == FSDP1:
-        return "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1, the wrapper form)"
+        return "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1, the wrapper form)" + tensor_parallel
     if uses.backend == FSDP2:
-        return "torch.distributed.fsdp.fully_shard (FSDP2)"
+        return "torch.distributed.fsdp.fully_shard (FSDP2)" + tensor_parallel
     replicated = (
         "torch.nn.parallel.DistributedDataParallel"
         if uses.setup.form is ApiForm.WRAPPER
@@ -259,12 +325,28 @@ def _header(uses: _Uses) -> str:
         checked.append("what unshard shows")
     if uses.setup.check_exec_order:
         checked.append("FSDP1's forward-order check")
+    if "sharded" in uses.save_kinds:
+        checked.append("the layout of a saved sharded state dict")
+    data = [
+        "one unsharded float32 model on CPU fed every rank's batch (data parallelism over N ranks",
+        "optimises the mean of the N rank losses). After each operation it compares",
+    ]
+    if uses.tensor_parallel:
+        data = [
+            "one unsharded float32 model on CPU fed every data rank's batch (the ranks of one dp group",
+            "feed the same batch, so data parallelism is over the DP_SIZE dp groups and optimises the mean",
+            "of their losses). After each operation it compares",
+        ]
     lines = [
         f"Standalone repro of a generated conformance program on {uses.backend}:",
-        f"{_backend_words(uses)}.",
+        *textwrap.wrap(f"{_backend_words(uses)}.", width=92),
         "",
         "The program:",
-        *(f"  {line}" for line in program.lines()),
+        *(
+            wrapped
+            for line in program.lines()
+            for wrapped in textwrap.wrap(line, 112, initial_indent="  ", subsequent_indent="    ")
+        ),
         "",
         f"Generated with torch {torch.__version__} by the conformance suite's --export-repro; it needs",
         "only torch. Run it with:",
@@ -273,23 +355,22 @@ def _header(uses: _Uses) -> str:
         "are visible.",
         "",
         "Every rank runs the program on the sharded model and on a single-process oracle beside it:",
-        "one unsharded float32 model on CPU fed every rank's batch (data parallelism over N ranks",
-        "optimises the mean of the N rank losses). After each operation it compares",
+        *data,
         *textwrap.wrap(", ".join(checked) + ".", width=92),
         'Each mismatch prints as "rank R, op I (<operation>): <what differs>" and makes the exit',
-        'status 1; otherwise rank 0 prints "OK: the program matches the single-process oracle".',
+        'status 1; an operation that raises prints "rank R, op I (<operation>): raised <error>" and',
+        'ends the run with the traceback; otherwise rank 0 prints "OK: the program matches the',
+        'single-process oracle".',
     ]
     return "\n".join(f"# {line}".rstrip() for line in lines)
 
 
 # -- imports -----------------------------------------------------------------------------------
 def _imports(uses: _Uses) -> str:
-    stdlib = {"math", "os", "sys"}
-    if uses.mixed_precision:
+    stdlib = {"contextlib", "math", "os", "sys"}  # contextlib: Run.op names the operation that raised
+    if uses.mixed_precision or uses.optim_kinds:
         stdlib.add("copy")
-    if uses.no_sync:
-        stdlib.add("contextlib")
-    if uses.order_checked:
+    if uses.order_checked and (uses.has(Backward) or uses.has(EvalForward)):
         stdlib.add("warnings")
     if uses.native:
         stdlib |= {"shutil", "tempfile"}
@@ -306,6 +387,9 @@ def _imports(uses: _Uses) -> str:
         need("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
     if "sharded" in uses.save_kinds:
         need("torch.distributed.tensor", "DTensor", "Shard")
+    if uses.tensor_parallel:
+        need("torch.distributed.tensor", "DTensor")
+        need("torch.distributed.tensor.parallel", "ColwiseParallel", "RowwiseParallel", "parallelize_module")
     if uses.backend == FSDP1:
         need("torch.distributed.fsdp", "FullStateDictConfig", "FullyShardedDataParallel", "ShardingStrategy")
         need("torch.distributed.fsdp", "StateDictType")
@@ -320,7 +404,7 @@ def _imports(uses: _Uses) -> str:
     if uses.backend == FSDP2:
         need("torch.distributed.fsdp", "fully_shard")
         need("torch.distributed.checkpoint.state_dict", "StateDictOptions", "get_model_state_dict")
-        if uses.save_kinds - {"native"} or uses.native:
+        if uses.rebuilds:
             need("torch.distributed.checkpoint.state_dict", "set_model_state_dict")
         if uses.mixed_precision:
             need("torch.distributed.fsdp", "MixedPrecisionPolicy")
@@ -382,8 +466,13 @@ def _constants(uses: _Uses) -> str:
     ]
     if uses.has(EvalForward):
         lines.append(f"EVAL_ITERATIONS = {EVAL_ITERATIONS:_}  # eval forwards read data from here on, apart")
-    if uses.save_kinds:
+    if uses.rebuilds:
         lines.append(f"FRESH_SEED_OFFSET = {FRESH_SEED_OFFSET}  # a model built to load into starts from other values")
+    if uses.tensor_parallel:
+        lines += [
+            f'TP_SIZE = {TENSOR_PARALLEL_DEGREE}  # 2-D: the "tp" dimension of the (dp, tp) mesh',
+            "DP_SIZE = WORLD_SIZE // TP_SIZE  # the data ranks: the ranks of one dp group feed the same batch",
+        ]
     if uses.mixed_precision:
         reduction = "float32" if uses.setup.reduce_fp32 else uses.setup.param_dtype
         lines += [
@@ -403,8 +492,14 @@ def _constants(uses: _Uses) -> str:
         f"LOSS_RTOL, LOSS_ATOL = {bounds.loss_rtol!r}, {bounds.loss_atol!r}",
         f"PARAM_TOLERANCE = {_tolerance(bounds.params)}  # rtol, atol, scaled_atol",
     ]
-    if uses.grads_checked or uses.unshard_reads_grads:
+    if uses.reads_grads:
         lines.append(f"GRAD_TOLERANCE = {_tolerance(bounds.grads)}")
+        if uses.program.model.frozen:
+            frozen = sorted(
+                f"blocks.{index}.linear.{name}" for index in uses.program.model.frozen for name in ("weight", "bias")
+            )
+            names = ", ".join(f'"{name}"' for name in frozen)
+            lines.append(f"FROZEN = {{{names}}}  # requires_grad=False: no gradient")
     if uses.order_checked:
         lines.append(f'ORDER_WARNING = "{ORDER_WARNING}"')
     lines += [
@@ -517,21 +612,22 @@ def _data(uses: _Uses) -> str:
     return _block(
         '''
         def local_batch(iteration: int, rank: int) -> torch.Tensor:
-            """What rank `rank` feeds at data iteration `iteration` (on CPU): the generator is seeded from
-            (SEED, iteration, rank) alone, so the oracle rebuilds every rank's batch in one process."""
+            """What <<data_rank>> `rank` feeds at data iteration `iteration` (on CPU): the generator is seeded
+            from (SEED, iteration, rank) alone, so the oracle rebuilds every batch in one process."""
             generator = torch.Generator().manual_seed(hash((SEED, iteration, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
             return torch.randn(LOCAL_BATCH, IN_WIDTH, generator=generator)
 
 
         def loss_of(output: torch.Tensor) -> torch.Tensor:
-            """The mean of squares, in float32 whatever the compute dtype."""
-            return (output.float() ** 2).mean()
+            """The sum of the output, in the output's dtype (the compute dtype under mixed precision)."""
+            return output.sum()
 
 
         def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
             return <<optimizer>>(params, lr=lr)
         ''',
         optimizer=uses.optimizer_class,
+        data_rank="data rank" if uses.tensor_parallel else "rank",
     )
 
 
@@ -622,7 +718,7 @@ def _oracle(uses: _Uses) -> str:
                 """
             )
         )
-    if uses.grads_checked or uses.unshard_reads_grads:
+    if uses.reads_grads:
         methods.append(
             _block(
                 """
@@ -642,7 +738,7 @@ def _oracle(uses: _Uses) -> str:
                 """
             )
         )
-    if uses.save_kinds:
+    if uses.rebuilds:
         methods.append(
             _block(
                 '''
@@ -668,7 +764,9 @@ def _oracle(uses: _Uses) -> str:
                 self.optimizer = make_optimizer(self.model.parameters(), ORACLE_LR)
         '''
     )
-    return head.rstrip("\n") + "\n\n" + "\n".join(textwrap.indent(m.strip("\n") + "\n", "    ") for m in methods)
+    text = head.rstrip("\n") + "\n\n" + "\n".join(textwrap.indent(m.strip("\n") + "\n", "    ") for m in methods)
+    # 2-D: the ranks of one dp group feed one batch, so a pass sees DP_SIZE batches, not WORLD_SIZE.
+    return text.replace("WORLD_SIZE", uses.data_ranks)
 
 
 # -- sharding ----------------------------------------------------------------------------------
@@ -726,7 +824,7 @@ def _fsdp1_sharding(uses: _Uses) -> str:
         options.append(f'"mixed_precision": MixedPrecision(param_dtype=PARAM_DTYPE, reduce_dtype={reduce}),')
     if setup.offload_params:
         options.append('"cpu_offload": CPUOffload(offload_params=True),')
-    if uses.mesh == "hybrid":
+    if uses.mesh in ("hybrid", "2-D"):
         options.append('"device_mesh": mesh,')
     body = ["options = {", *("    " + line for line in options), "}"]
     for fqn in _units(uses) if setup.unit_plan != "auto" else []:
@@ -742,7 +840,7 @@ def _fsdp1_sharding(uses: _Uses) -> str:
         '''
         def shard(model: Model<<parameter>>) -> FullyShardedDataParallel:
             """FSDP1 as the suite's torch-fsdp1 adapter applies it:
-            <<plan>>."""
+            <<plan>>.<<mesh_words>>"""
         <<body>>
 
 
@@ -751,6 +849,7 @@ def _fsdp1_sharding(uses: _Uses) -> str:
         ''',
         parameter=parameter,
         plan=_plan_words(uses),
+        mesh_words=_TWO_D_MESH_WORDS if uses.tensor_parallel else "",
         body=_indent(body, 1),
     )
 
@@ -779,8 +878,10 @@ def _fsdp2_sharding(uses: _Uses) -> str:
 
     def call(target: str, strategy: ShardingStrategy) -> str:
         arguments = [target]
-        if strategy is ShardingStrategy.HYBRID_SHARD or (
-            strategy is ShardingStrategy.NO_SHARD and uses.mesh == "replicate"
+        if (
+            uses.tensor_parallel
+            or strategy is ShardingStrategy.HYBRID_SHARD
+            or (strategy is ShardingStrategy.NO_SHARD and uses.mesh == "replicate")
         ):
             arguments.append("mesh=mesh")
         if strategy is ShardingStrategy.SHARD_GRAD_OP:
@@ -796,6 +897,7 @@ def _fsdp2_sharding(uses: _Uses) -> str:
     mesh_words = {
         "hybrid": "\n    HYBRID_SHARD is a 2-D (replicate, shard) mesh.",
         "replicate": "\n    NO_SHARD units are on a (WORLD_SIZE, 1) mesh: every rank a replica of its own.",
+        "2-D": _TWO_D_MESH_WORDS,
         None: "",
     }[uses.mesh]
     return _block(
@@ -854,6 +956,12 @@ def _zero_sharding(uses: _Uses) -> str:
 
 # -- checks ------------------------------------------------------------------------------------
 def _checks(uses: _Uses) -> str:
+    gather = ""
+    if uses.tensor_parallel:
+        gather = (
+            "\n        if isinstance(got, DTensor):"
+            "\n            got = got.full_tensor()  # a collective: every rank compares the same names in order"
+        )
     text = _block(
         '''
         def differences(
@@ -864,7 +972,8 @@ def _checks(uses: _Uses) -> str:
             problems = [(math.inf, f"{name}: missing") for name in sorted(expected.keys() - actual.keys())]
             problems += [(math.inf, f"{name}: unexpected") for name in sorted(actual.keys() - expected.keys())]
             for name in sorted(expected.keys() & actual.keys()):
-                got, want = actual[name].detach().float().cpu(), expected[name]
+                got = actual[name]<<gather>>
+                got, want = got.detach().float().cpu(), expected[name]
                 if got.shape != want.shape:
                     problems.append((math.inf, f"{name}: shape {tuple(got.shape)}, the oracle's {tuple(want.shape)}"))
                     continue
@@ -884,7 +993,8 @@ def _checks(uses: _Uses) -> str:
                     )
                 )
             return [line for _, line in sorted(problems, key=lambda problem: -problem[0])]
-        '''
+        ''',
+        gather=gather,
     )
     if uses.backend == FSDP1 and uses.shows:
         text += "\n\n" + _block(
@@ -922,8 +1032,16 @@ def _checks(uses: _Uses) -> str:
 def _run_class(uses: _Uses) -> str:
     parameter, _ = _mesh_parameter(uses)
     mesh_argument = ", self.mesh" if uses.mesh is not None else ""
-    build = [
-        "self.model = build_model(seed, DEVICE)",
+    build = ["self.model = build_model(seed, DEVICE)"]
+    if uses.tensor_parallel:
+        mesh_argument = ', self.mesh["dp"]'
+        build += [
+            "# 2-D: tensor parallelism over the tp dimension first (block 0's linear column-wise, block 1's",
+            "# row-wise), then the model sharded over the dp dimension.",
+            'plan = {"blocks.0.linear": ColwiseParallel(), "blocks.1.linear": RowwiseParallel()}',
+            'parallelize_module(self.model, self.mesh["tp"], plan)',
+        ]
+    build += [
         f"self.sharded = shard(self.model{mesh_argument})",
         "self.optimizer = make_sharded_optimizer(self.sharded)",
     ]
@@ -933,8 +1051,10 @@ def _run_class(uses: _Uses) -> str:
             "self.order_warned = False",
         ]
     init = ["self.rank = rank"]
+    if uses.tensor_parallel:
+        init.append("self.data_rank = rank // TP_SIZE  # whose batch this rank feeds: its dp group's")
     if uses.mesh is not None:
-        init.append("self.mesh = mesh")
+        init.append("self.mesh = mesh  # built once: every model the program shards (a fresh one per load) shares it")
     init += [
         "self.oracle = Oracle()",
         "self.iteration = 0  # data iterations fed so far (the oracle feeds the same)",
@@ -952,8 +1072,15 @@ def _run_class(uses: _Uses) -> str:
                 """Build the model (values from `seed`), shard it and make its optimizer."""
             <<build>>
 
-            def at(self, index: int, operation: str) -> None:
+            @contextlib.contextmanager
+            def op(self, index: int, operation: str):
+                """Run operation `index`: its mismatches name it, and so does an error it raises."""
                 self.where = f"op {index} ({operation})"
+                try:
+                    yield
+                except Exception as error:
+                    print(f"rank {self.rank}, {self.where}: raised {type(error).__name__}: {error}", flush=True)
+                    raise
 
             def mismatch(self, text: str) -> None:
                 print(f"rank {self.rank}, {self.where}: {text}", flush=True)
@@ -994,6 +1121,8 @@ def _run_class(uses: _Uses) -> str:
         methods.append(_backward_method(uses))
     if uses.grads_checked:
         methods.append(_grads_method(uses))
+    if uses.reads_grads:
+        methods.append(_compare_grads_method(uses))
     if uses.has(EvalForward):
         methods.append(_eval_method(uses))
     if uses.order_checked:
@@ -1030,7 +1159,7 @@ def _state_dict_methods(uses: _Uses) -> list[str]:
                 '''
             )
         ]
-        if uses.save_kinds:
+        if uses.rebuilds:
             methods.append(
                 _block(
                     """
@@ -1066,7 +1195,7 @@ def _state_dict_methods(uses: _Uses) -> list[str]:
                 kind=textwrap.indent(kind.strip("\n"), "    "),
             )
         ]
-        if uses.save_kinds:
+        if uses.rebuilds:
             methods.append(
                 _block(
                     """
@@ -1085,7 +1214,7 @@ def _state_dict_methods(uses: _Uses) -> list[str]:
                 """
             )
         ]
-        if uses.save_kinds:
+        if uses.rebuilds:
             methods.append(
                 _block(
                     """
@@ -1165,6 +1294,11 @@ def _refusal_method(uses: _Uses) -> str:
     )
 
 
+def _data_rank(uses: _Uses) -> str:
+    """Whose batch this rank feeds: its own, or its dp group's under 2-D."""
+    return "self.data_rank" if uses.tensor_parallel else "self.rank"
+
+
 def _backward_method(uses: _Uses) -> str:
     order = uses.order_checked
     if uses.no_sync:
@@ -1181,7 +1315,7 @@ def _backward_method(uses: _Uses) -> str:
         *doc,
         "expected = [self.oracle.backward(self.iteration + index) for index in range(micro_batches)]",
         "for micro_batch in range(micro_batches):",
-        "    x = local_batch(self.iteration, self.rank).to(DEVICE)",
+        f"    x = local_batch(self.iteration, {_data_rank(uses)}).to(DEVICE)",
         "    self.iteration += 1",
     ]
     inner = ["loss = loss_of(self.sharded(x))", "loss.backward()"]
@@ -1209,7 +1343,7 @@ def _backward_method(uses: _Uses) -> str:
             inner.append("self.check_no_order_warning(caught)")
     lines += ["    " + line for line in inner]
     lines.append('    what = f"micro-batch {micro_batch}: loss"')
-    lines.append("    self.check_loss(what, loss.item(), expected[micro_batch][self.rank])")
+    lines.append(f"    self.check_loss(what, loss.item(), expected[micro_batch][{_data_rank(uses)}])")
     if uses.grads_checked:
         lines.append("self.check_grads()")
     signature = (
@@ -1227,8 +1361,7 @@ def _grads_method(uses: _Uses) -> str:
             def check_grads(self) -> None:
                 """The gradients after a backward (DistributedDataParallel leaves them whole, all-reduced, on
                 every rank) against the oracle's."""
-                what = "the full gradients after backward"
-                self.compare(self.shown(grads=True), self.oracle.grads(), GRAD_TOLERANCE, what)
+                self.compare_grads(self.shown(grads=True), "the full gradients after backward")
             '''
         )
     return _block(
@@ -1237,7 +1370,31 @@ def _grads_method(uses: _Uses) -> str:
             """The full gradients after a backward (gathered by summon_full_params) against the oracle's."""
             with FullyShardedDataParallel.summon_full_params(self.sharded, writeback=False, with_grads=True):
                 shown = self.shown(grads=True)
-            self.compare(shown, self.oracle.grads(), GRAD_TOLERANCE, "the full gradients after backward")
+            self.compare_grads(shown, "the full gradients after backward")
+        '''
+    )
+
+
+def _compare_grads_method(uses: _Uses) -> str:
+    if not uses.program.model.frozen:
+        return _block(
+            """
+            def compare_grads(self, shown: dict[str, torch.Tensor], what: str) -> None:
+                self.compare(shown, self.oracle.grads(), GRAD_TOLERANCE, what)
+            """
+        )
+    return _block(
+        '''
+        def compare_grads(self, shown: dict[str, torch.Tensor], what: str) -> None:
+            """The trained parameters' gradients against the oracle's; a frozen one must show none."""
+            frozen_shown = sorted(name for name in shown if name in FROZEN)
+            if frozen_shown:
+                self.mismatch(
+                    "frozen parameters (requires_grad=False) show a gradient inside unshard(with_grads=True): "
+                    f"{frozen_shown}; torch leaves their .grad None"
+                )
+            trained = {name: grad for name, grad in shown.items() if name not in FROZEN}
+            self.compare(trained, self.oracle.grads(), GRAD_TOLERANCE, what)
         '''
     )
 
@@ -1245,8 +1402,8 @@ def _grads_method(uses: _Uses) -> str:
 def _eval_method(uses: _Uses) -> str:
     lines = [
         '"""One forward under no_grad in the current mode; its loss against the oracle\'s."""',
-        "x = local_batch(EVAL_ITERATIONS + self.evals, self.rank).to(DEVICE)",
-        "expected = self.oracle.eval_losses(self.evals)[self.rank]",
+        f"x = local_batch(EVAL_ITERATIONS + self.evals, {_data_rank(uses)}).to(DEVICE)",
+        f"expected = self.oracle.eval_losses(self.evals)[{_data_rank(uses)}]",
         "self.evals += 1",
     ]
     forward = ["with torch.no_grad():", "    loss = loss_of(self.sharded(x)).item()"]
@@ -1286,21 +1443,19 @@ def _order_method(uses: _Uses) -> str:
     return _block(
         '''
         def check_order_warnings(self, caught: list, route: list[int], training: bool) -> None:
-            """FSDP1 (check_exec_order) warns once, in the first training forward whose block order
-            differs from the first iteration's; never in an eval forward, never again."""
+            """FSDP1 (check_exec_order) warns in the first training pass whose block order differs from
+            the first iteration's (once per unit out of order), and in no other pass, eval forwards included."""
             issued = [str(w.message) for w in caught if ORDER_WARNING in str(w.message)]
             due = training and self.first_route is not None and not self.order_warned and route != self.first_route
             if due:
                 self.order_warned = True
-            if len(issued) == int(due):
-                return
-            what = "a training" if training else "an eval"
-            if due:
+            if due and not issued:
                 self.mismatch(
-                    f"{what} forward whose order differs from the first iteration's ({route} after "
-                    f"{self.first_route}) issued {len(issued)} forward-order warnings, not one: {issued}"
+                    f"a training forward whose order differs from the first iteration's ({route} after "
+                    f"{self.first_route}) issued no forward-order warning"
                 )
-            else:
+            elif issued and not due:
+                what = "a training" if training else "an eval"
                 self.mismatch(f"{what} forward issued forward-order warnings it should not: {issued}")
         '''
     )
@@ -1332,6 +1487,8 @@ def _unshard_method(uses: _Uses) -> str:
     if uses.backend == FSDP1:
         options = "".join(f", {name}={name}" for name in parameters if name != "write")
         enter = [f"with FullyShardedDataParallel.summon_full_params(self.sharded{options}):"]
+        if len(enter[0]) > 120 - 8:  # the formatter's way: the arguments on a line of their own
+            enter = ["with FullyShardedDataParallel.summon_full_params(", f"    self.sharded{options}", "):"]
         doc = '"""Inside FSDP1\'s summon_full_params with these options, the full parameters against the oracle\'s."""'
     elif uses.backend == FSDP2:
         enter = [
@@ -1352,7 +1509,7 @@ def _unshard_method(uses: _Uses) -> str:
     if with_grads:
         compare += [
             "if with_grads and expected_grads:",
-            '    self.compare(self.shown(grads=True), expected_grads, GRAD_TOLERANCE, "gradients inside unshard")',
+            '    self.compare_grads(self.shown(grads=True), "gradients inside unshard")',
         ]
     if rank0:
         inside += ["if not rank0_only or self.rank == 0:", *("    " + line for line in compare)]
@@ -1481,43 +1638,48 @@ def _native_method(uses: _Uses) -> str:
 
 
 def _optim_method(uses: _Uses) -> str:
+    """A resumed job: copies of the model's and the optimizer's state dicts, loaded into a freshly
+    built and sharded model and its new optimizer, which go on (as ``run`` does it)."""
+    doc = [
+        '"""A resumed job: copies of the model\'s and the optimizer\'s state dicts, loaded into a freshly',
+        'built and sharded model (other initial values) and its new optimizer, which go on."""',
+    ]
+    parameter = ""
     if uses.backend != ZERO:
         kinds = uses.optim_kinds
         parameter = ", full: bool" if len(kinds) == 2 else ""
-        full = "full=full" if len(kinds) == 2 else f"full={kinds == {'full'}}"
-        return _block(
-            '''
-            def optimizer_round_trip(self<<parameter>>) -> None:
-                """The optimizer state dict into a new optimizer for the same model, which goes on training."""
-                state = self.optimizer_state_dict(<<full>>)
-                self.optimizer = make_sharded_optimizer(self.sharded)
-                self.load_optimizer_state(state, <<full>>)
-            ''',
-            parameter=parameter,
-            full=full,
-        )
-    if uses.zero_optimizer:
-        return _block(
-            '''
-            def optimizer_round_trip(self) -> None:
-                """The whole optimizer state (ZeroRedundancyOptimizer consolidates it on rank 0, which sends it
-                to the others) into a new optimizer for the same model, which goes on training."""
-                self.optimizer.consolidate_state_dict(to=0)
-                whole = [self.optimizer.state_dict() if self.rank == 0 else None]
-                dist.broadcast_object_list(whole, src=0)
-                self.optimizer = make_sharded_optimizer(self.sharded)
-                self.optimizer.load_state_dict(whole[0])
-            '''
-        )
-    return _block(
-        '''
-        def optimizer_round_trip(self) -> None:
-            """The optimizer state dict into a new optimizer for the same model, which goes on training."""
-            state = self.optimizer.state_dict()
-            self.optimizer = make_sharded_optimizer(self.sharded)
-            self.optimizer.load_state_dict(state)
-        '''
-    )
+        full = "full" if len(kinds) == 2 else f"full={kinds == {'full'}}"
+        save = [
+            f"model_state = copy.deepcopy(self.model_state_dict({full}))",
+            f"optim_state = copy.deepcopy(self.optimizer_state_dict({full}))",
+        ]
+        load = [f"self.load_model_state(model_state, {full})", f"self.load_optimizer_state(optim_state, {full})"]
+    else:
+        save = ["model_state = self.full_state_dict()  # copies"]
+        if uses.zero_optimizer:
+            save += [
+                "# ZeroRedundancyOptimizer consolidates the whole state on rank 0, which sends it to the others.",
+                "self.optimizer.consolidate_state_dict(to=0)",
+                "whole = [self.optimizer.state_dict() if self.rank == 0 else None]",
+                "dist.broadcast_object_list(whole, src=0)",
+                "optim_state = copy.deepcopy(whole[0])",
+            ]
+        else:
+            save.append("optim_state = copy.deepcopy(self.optimizer.state_dict())")
+        load = ["self.load_model_state(model_state)", "self.optimizer.load_state_dict(optim_state)"]
+    keep, build, restore = _rebuild_lines(uses)
+    lines = [
+        *doc,
+        *save,
+        *keep,
+        build,
+        *load,
+        *restore,
+        "# Gradients do not travel in state dicts: the oracle drops its own and keeps its optimizer.",
+        "self.oracle.reload(keep_optimizer=True)",
+        'self.check_params("after loading model and optimizer state into a freshly sharded model")',
+    ]
+    return f"def optimizer_round_trip(self{parameter}) -> None:\n" + _indent(lines, 1) + "\n"
 
 
 # -- main: the operations in order ---------------------------------------------------------------
@@ -1586,11 +1748,14 @@ def _main(uses: _Uses) -> str:
         names = ", ".join(f'"{name}"' for name in HYBRID_DIM_NAMES)
         lines.append(f"mesh = init_device_mesh(DEVICE.type, (WORLD_SIZE, 1), mesh_dim_names=({names}))")
         argument = ", mesh"
+    elif uses.mesh == "2-D":
+        lines.append('mesh = init_device_mesh(DEVICE.type, (DP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))')
+        argument = ", mesh"
     lines.append(f"run = Run(rank{argument})")
     for index, op in enumerate(program.operations):
         description = op.describe()
-        lines += ["", f"# op {index}: {description}", f"run.at({index}, {json.dumps(description)})"]
-        lines += _operation_lines(uses, op)
+        lines += ["", f"with run.op({index}, {json.dumps(description)}):"]
+        lines += ["    " + line for line in _operation_lines(uses, op)]
     if not uses.divergent_route:
         lines += ["", 'run.check_params("at the end")']
     lines += [

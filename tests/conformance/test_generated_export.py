@@ -4,15 +4,19 @@ single-process oracle where the backend is right, and fail where it is not.
 Each exported script runs as a user would run it: ``python -m torch.distributed.run
 --nproc-per-node 2 <script>`` in a subprocess (CPU, gloo), from a directory outside the
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
-costs about ten seconds on two cores) and cover, between them: units auto-wrapped, by FQN (leaves,
-mixed strategies) and nested; mixed precision with float32 reduction; micro-batches without
-gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a written-back write
-and with gradients; full and sharded state dicts and torch.distributed.checkpoint; optimizer state
-dict round trips (full, sharded, ZeroRedundancyOptimizer's consolidated one); eval forwards; a
-swap of the route; and FSDP1's refusal of a first iteration whose order differs between ranks.
-Two scripts must fail: FSDP1's HYBRID_SHARD on a (2, 1) mesh (a defect recorded in
-``conformance/expectations/torch-fsdp1.toml``), and a script whose sharded side alone was given
-another learning rate (the checks are live).
+costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
+(leaves, mixed strategies) and nested; mixed precision with float32 reduction; micro-batches
+without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
+written-back write and with gradients (a frozen block among them); full and sharded state dicts
+and torch.distributed.checkpoint; resumed jobs (model and optimizer state dicts into a freshly
+sharded model: full, sharded, ZeroRedundancyOptimizer's consolidated one); eval forwards; a swap
+of the route, which FSDP1's forward-order check warns about; FSDP1's refusal of a first
+iteration whose order differs between ranks; and a 2-D program (tensor parallelism over a
+(dp, tp) mesh, world size 4). Two scripts must fail: FSDP1's HYBRID_SHARD on a (2, 1) mesh (a
+defect recorded in ``conformance/expectations/torch-fsdp1.toml``), and a script whose sharded
+side alone was given another learning rate (the checks are live), into which an error is also
+injected (it names its operation). Further scripts are only written and linted
+(``LINTED_ONLY``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from conformance.programs.program import (
     Unshard,
     ZeroGrad,
 )
+from conformance.programs.shadow import SGD_LR
 from conformance.protocol import ApiForm, ShardingStrategy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,12 +60,15 @@ FSDP1_AUTO = Program(
         Backward(2, no_sync=True),
         Step(),
         ZeroGrad(set_to_none=False),
+        SwapRoute(),
         Backward(),
         Step(),
         Unshard(writeback=True, write=True),
         SaveLoad("full"),
         Backward(),
         Step(),
+        SetMode(train=False),
+        EvalForward(),
     ),
     seed=11,
 )
@@ -120,10 +128,12 @@ FSDP2_MIXED_OFFLOAD = Program(
     ),
     seed=4,
 )
-ZERO_DDP = Program(
+# DistributedDataParallel with ZeroRedundancyOptimizer (ZeRO-1), one program for both (one
+# torchrun less); the composable replicate() form is linted only (LINTED_ONLY).
+ZERO_DDP_ZERO1 = Program(
     world_size=2,
     model=ModelShape(in_width=4, width=5, out_width=3, depth=3, buffers=True, frozen=(0,)),
-    setup=Setup(ShardingStrategy.NO_SHARD, ApiForm.WRAPPER),
+    setup=Setup(ShardingStrategy.SHARD_OPTIM_STATE, ApiForm.WRAPPER, optimizer="adam"),
     operations=(
         Backward(3, no_sync=True),
         Step(),
@@ -131,6 +141,10 @@ ZERO_DDP = Program(
         Backward(),
         Step(),
         Unshard(writeback=True, with_grads=True, write=True),
+        OptimRoundTrip("full"),
+        SetMode(train=False),
+        EvalForward(),
+        SetMode(train=True),
         SaveLoad("full"),
         SwapRoute(),
         Backward(),
@@ -138,29 +152,62 @@ ZERO_DDP = Program(
     ),
     seed=2,
 )
-ZERO_REPLICATE_ZERO1 = Program(
+ZERO_REPLICATE = Program(
     world_size=2,
     model=ModelShape(in_width=3, width=7, out_width=2, depth=2),
-    setup=Setup(ShardingStrategy.SHARD_OPTIM_STATE, ApiForm.COMPOSABLE, optimizer="adam"),
+    setup=Setup(ShardingStrategy.NO_SHARD, ApiForm.COMPOSABLE),
+    operations=(Backward(2, no_sync=True), Step(), OptimRoundTrip("full"), SetMode(train=False), EvalForward()),
+    seed=6,
+)
+# 2-D at world size 4: blocks 0 and 1 tensor-parallel over "tp", the model sharded over "dp"; the
+# ranks of one dp group feed one batch. Sharded (layout checked) and full state dict round trips.
+TWO_D = Program(
+    world_size=4,
+    model=ModelShape(in_width=3, width=4, out_width=3, depth=3),
+    setup=Setup(
+        ShardingStrategy.FULL_SHARD, ApiForm.COMPOSABLE, unit_plan="leaves", optimizer="adam", tensor_parallel=True
+    ),
     operations=(
-        Backward(2, no_sync=True),
+        Backward(2),
         Step(),
-        OptimRoundTrip("full"),
+        SaveLoad("sharded"),
         SetMode(train=False),
         EvalForward(),
         SetMode(train=True),
+        ZeroGrad(),
+        Backward(),
+        Step(),
+        SaveLoad("full"),
         Backward(),
         Step(),
     ),
-    seed=6,
+    seed=13,
 )
 PASSING = [
-    pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-order-no_sync-writeback-full"),
+    pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-order-swap-no_sync-writeback-full-eval"),
     pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-adam-eval-sharded"),
     pytest.param("torch-fsdp1", FSDP1_DIVERGENT_FIRST_ORDER, id="fsdp1-divergent-first-order-refused"),
     pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),
-    pytest.param("torch-zero", ZERO_DDP, id="zero-ddp-no_sync-unshard-grads-full"),
-    pytest.param("torch-zero", ZERO_REPLICATE_ZERO1, id="zero-replicate-zero1-optim-eval"),
+    pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-no_sync-unshard-grads-optim-eval-full"),
+    pytest.param("torch-fsdp2", TWO_D, id="fsdp2-2d-tp-sharded-full-eval"),
+]
+# Written and linted, not run (each run costs ten seconds or more): FSDP1's form of the 2-D program
+# (the 2-D mesh's dp dimension as device_mesh), the composable replicate() form, and both optimizer
+# round trips in one FSDP2 script.
+LINTED_ONLY = [
+    pytest.param("torch-fsdp1", TWO_D, id="fsdp1-2d"),
+    pytest.param("torch-zero", ZERO_REPLICATE, id="zero-replicate"),
+    pytest.param(
+        "torch-fsdp2",
+        Program(
+            world_size=2,
+            model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,)),
+            setup=Setup(ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam"),
+            operations=(Backward(), Step(), OptimRoundTrip("full"), Backward(), Step(), OptimRoundTrip("sharded")),
+            seed=8,
+        ),
+        id="fsdp2-both-optim-round-trips",
+    ),
 ]
 
 
@@ -207,6 +254,11 @@ def test_exported_script_matches_the_oracle(backend: str, program: Program, tmp_
     )
     if program is FSDP1_DIVERGENT_FIRST_ORDER:
         assert result.stdout.count("refused, as it should be") == 2, result.stdout
+    if program is TWO_D:
+        text = path.read_text()
+        assert 'init_device_mesh(DEVICE.type, (DP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))' in text
+        assert 'self.sharded = shard(self.model, self.mesh["dp"])' in text
+        assert "self.check_sharded_layout(state)" in text
 
 
 def test_recorded_defect_fails_the_script(tmp_path: Path) -> None:
@@ -232,21 +284,30 @@ def test_recorded_defect_fails_the_script(tmp_path: Path) -> None:
 
 def test_a_different_sharded_learning_rate_fails_the_script(tmp_path: Path) -> None:
     """The checks are live: with the sharded optimizer's learning rate alone changed, every
-    trained parameter differs after the step, and the script says which and exits 1."""
+    trained parameter differs after the step, and the script says which. And an operation that
+    raises (one injected into the next backward) ends the run: the error names the operation, and
+    the exit status is not 0."""
     program = Program(
         world_size=2,
         model=ModelShape(in_width=3, width=4, out_width=2, depth=2, frozen=(1,)),
         setup=Setup(ShardingStrategy.FULL_SHARD, ApiForm.COMPOSABLE, unit_plan="leaves"),
-        operations=(Backward(), Step()),
+        operations=(Backward(), Step(), Backward()),
         seed=3,
     )
     path = exported("torch-fsdp2", program, tmp_path)
     text = path.read_text()
-    assert text.count("SHARDED_LR = 0.05\n") == 1 and text.count("ORACLE_LR = 0.05\n") == 1
-    path.write_text(text.replace("SHARDED_LR = 0.05\n", "SHARDED_LR = 0.06\n"))
+    sharded, oracle = f"SHARDED_LR = {SGD_LR!r}\n", f"ORACLE_LR = {SGD_LR!r}\n"
+    assert text.count(sharded) == 1 and text.count(oracle) == 1, "the rates come from conformance.programs.shadow"
+    text = text.replace(sharded, f"SHARDED_LR = {2 * SGD_LR!r}\n")
+    call = "run.forward_backward(micro_batches=1)"
+    backward = f'with run.op(2, "forward + backward"):\n        {call}\n'
+    assert text.count(backward) == 1, text
+    path.write_text(text.replace(backward, backward.replace(call, 'raise ValueError("injected")')))
     result = run_script(path, program.world_size)
     assert result.returncode != 0, result.stdout
     assert OK_LINE not in result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}, op 2 (forward + backward): raised ValueError: injected" in result.stdout, result.stdout
     assert "rank 0, op 0" not in result.stdout, "the losses of the first pass do not depend on the rate"
     trained = ["inp.weight", "inp.bias", "blocks.0.linear.weight", "blocks.0.linear.bias", "out.weight", "out.bias"]
     for rank in (0, 1):
@@ -256,6 +317,25 @@ def test_a_different_sharded_learning_rate_fails_the_script(tmp_path: Path) -> N
         for name in trained:
             assert f"  {name}: max abs difference" in shown, shown
         assert "blocks.1.linear" not in shown, "a frozen block does not train: the rates cannot differ there"
+
+
+@pytest.mark.parametrize(
+    ("backend", "why"),
+    [
+        ("torch-zero", "torch-zero does not declare TENSOR_PARALLEL"),
+        ("torch-fsdp2", "refuses a given mesh (ValueError)"),
+    ],
+)
+def test_two_d_programs_without_a_native_form_get_no_script(backend: str, why: str, tmp_path: Path) -> None:
+    """A 2-D NO_SHARD program, which the suite's adapter itself refuses: one line that says why,
+    nothing written."""
+    setup = Setup(ShardingStrategy.NO_SHARD, ApiForm.COMPOSABLE, tensor_parallel=True)
+    program = Program(world_size=4, model=TWO_D.model, setup=setup, operations=(Backward(),), seed=1)
+    line = export.export_repro(backend, program, str(tmp_path / "out"))
+    assert line.startswith(f"standalone repro: none written for {backend}: ") and why in line, line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="no standalone script for this program"):
+        export.repro_script(backend, program)
 
 
 @pytest.mark.parametrize("backend", ["reference", "deepspeed"])
@@ -274,7 +354,7 @@ def test_other_backends_get_no_script(backend: str, tmp_path: Path) -> None:
 def test_exported_scripts_import_only_torch_and_pass_ruff(tmp_path: Path) -> None:
     """Every script above passes ``ruff check`` (the repository's rules) and imports nothing of the suite."""
     paths = []
-    for index, parameters in enumerate(PASSING):
+    for index, parameters in enumerate(PASSING + LINTED_ONLY):
         backend, program = parameters.values
         path = tmp_path / f"{index}-{export.script_name(backend)}"
         path.write_text(export.repro_script(backend, program))
