@@ -105,6 +105,15 @@ class TorchFSDP2Adapter(TorchAdapter):
     # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.
     SUPPORTED_PLATFORMS = {"cpu": ">=2.7", "cuda": ""}
     PLATFORM_REASONS = {"cpu": "fully_shard calls torch.cpu.Stream.record_event, which torch 2.6 lacks"}
+    UNSUPPORTED_COMBINATIONS = {
+        frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD}): (
+            "fully_shard replicates only over the first dimension of a 2-D (replicate, shard) mesh: "
+            "over a 1-D mesh it always shards (DTensor Shard(0)). NO_SHARD of a tensor-parallel "
+            "model needs a (dp, 1) mesh over the 2-D mesh's dp dimension, which DeviceMesh builds "
+            "from a dp submesh through no public API; the adapter's NO_SHARD is its own "
+            "(world, 1) mesh, which would replicate across the tp ranks too"
+        ),
+    }
     UNSUPPORTED_REASONS = {
         Capability.IGNORED_MODULES: "fully_shard() of this torch has no ignored_params (torch >= 2.7 has)",
         Capability.SHARD_OPTIM_STATE: (

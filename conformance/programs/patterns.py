@@ -95,7 +95,20 @@ def adam_state_loaded(program: Program) -> bool:
     return program.setup.optimizer == "adam" and any(isinstance(op, OptimRoundTrip) for op in program.operations)
 
 
+def stateless_optimizer_state_loaded(program: Program) -> bool:
+    """Plain SGD's optimizer state dict (no state, only its parameter groups) loaded into a freshly
+    sharded model's new optimizer."""
+    return program.setup.optimizer == "sgd" and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+
+
+def optimizer_state_with_exec_order_check(program: Program) -> bool:
+    """An optimizer state dict read while the forward-order check is on (``check_exec_order``)."""
+    return program.setup.check_exec_order and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+
+
 PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "optimizer_state_with_exec_order_check": optimizer_state_with_exec_order_check,
+    "stateless_optimizer_state_loaded": stateless_optimizer_state_loaded,
     "adam_state_loaded": adam_state_loaded,
     "frozen_parameters": frozen_parameters,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,

@@ -35,6 +35,7 @@ class CallResult(Protocol):
     ok: bool
     values: dict[int, Any]
     failures: dict[int, str]
+    results: dict[int, Any]
     divergence: str | None
 
     def describe(self) -> str: ...
@@ -60,10 +61,18 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
     """The verdict of one example from its SPMD call's result."""
     applicable = [entry for entry in known if PATTERNS[entry.pattern](program)]
     if not result.ok:
-        # Every rank raised what a recorded finding says (a library error of this program shape).
-        failures = list(result.failures.values())
-        used = [entry for entry in applicable if any(entry.explains(text) for text in failures)]
-        if failures and all(any(entry.explains(text) for entry in applicable) for text in failures):
+        # A known finding that a rank raised: every rank that returned found only known findings
+        # (its exception among them), and every rank that failed raised a known one too or was
+        # stopped because of a peer (waiting in a collective the raising rank never issued).
+        returned: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]
+        texts = [finding for report in returned for finding in report.findings]
+        texts += [
+            text
+            for rank, text in result.failures.items()
+            if not getattr(result.results.get(rank), "after_peer_failed", False)
+        ]
+        if texts and all(any(entry.explains(text) for entry in applicable) for text in texts):
+            used = [entry for entry in applicable if any(entry.explains(text) for text in texts)]
             return ExampleVerdict("known", known=used)
         return ExampleVerdict("failed", f"the ranks did not all finish the program:\n{result.describe()}")
     reports: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]

@@ -435,6 +435,25 @@ def _fsdp2_shards_in_place(rank: int, world_size: int, device: torch.device) -> 
     assert isinstance(model, FSDPModule) and list(model.children()) == children
 
 
+def _fsdp2_one_dimensional_mesh_always_shards(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    # The 2-D scenarios' (dp, tp) mesh: a NO_SHARD model over its dp dimension is a 1-D mesh.
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    model = _two_linears(device)
+    fully_shard(model, mesh=mesh)
+    for param in model.parameters():
+        assert param.placements == (Shard(0),), f"fully_shard over a 1-D mesh laid a parameter out {param.placements}"
+        assert param.to_local().numel() < param.numel(), "fully_shard over a 1-D mesh kept a whole parameter"
+
+
+COMBINATION_PROOFS["torch-fsdp2", frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD})] = (
+    _fsdp2_one_dimensional_mesh_always_shards
+)
+
+
 @proves("torch-fsdp2", Capability.FLAT_PARAMETERS)
 def _fsdp2_has_no_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
     from torch.distributed.fsdp import fully_shard
