@@ -97,7 +97,9 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
         batch = 0
         while True:
             size = generation.examples if generation.examples is not None else CAMPAIGN_BATCH
-            test = settings(max_examples=size, database=database, **common)(with_seeds(given(strategy)(run_example)))
+            test = settings(max_examples=size, database=database, **common)(given(strategy)(run_example))
+            if batch == 0:  # the seed programs once per campaign, not once per batch
+                test = with_seeds(test)
             hypothesis_seed(generation.seed + batch)(test)()
             batch += 1
             if generation.examples is not None or generation.out_of_time():
