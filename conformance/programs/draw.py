@@ -115,7 +115,12 @@ def setups(draw: st.DrawFn, declared: Declared, world_size: int) -> Setup:
         # 2-D programs keep the other axes plain: the 2-D scenarios' ground (test_2d).
         return Setup(**{**setup.__dict__, "tensor_parallel": True})
     # Each further axis: drawn only where the backend admits it with what is drawn so far.
-    if declared.low_precision_dtypes:
+    # Mixed precision with SGD only, as test_training_numerics has it: Adam's first steps move an
+    # entry by the learning rate whatever its gradient's size, so an entry whose gradient is
+    # low-precision rounding noise around zero moves by +-lr on one side and not the other
+    # (measured: the reference engine, fp16, a 0.001 difference in one entry of 36), while a
+    # gradient off by a factor is what Adam hides and SGD shows.
+    if declared.low_precision_dtypes and setup.optimizer == "sgd":
         dtype = draw(st.sampled_from((None, *declared.low_precision_dtypes)))
         if dtype is not None:
             candidate = Setup(**{**setup.__dict__, "param_dtype": dtype})

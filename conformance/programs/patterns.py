@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conformance.programs.program import Backward, OptimRoundTrip, Program, SaveLoad, Step, ZeroGrad
+from conformance.programs.program import (
+    TENSOR_PARALLEL_DEGREE,
+    Backward,
+    OptimRoundTrip,
+    Program,
+    SaveLoad,
+    Step,
+    ZeroGrad,
+)
 from conformance.protocol import ShardingStrategy
 
 
@@ -106,7 +114,25 @@ def optimizer_state_with_exec_order_check(program: Program) -> bool:
     return program.setup.check_exec_order and any(isinstance(op, OptimRoundTrip) for op in program.operations)
 
 
+def two_d_full_state_dict(program: Program) -> bool:
+    """A 2-D program (tensor-parallel blocks) that reads a full state dict (every program checks
+    its parameters through one after a step, a load or at the end)."""
+    return program.setup.tensor_parallel
+
+
+def two_d_uneven_full_load(program: Program) -> bool:
+    """A 2-D program whose tensor-parallel rows do not split evenly over dp (the block width over
+    tp, over the dp size), loading a full model state dict."""
+    if not program.setup.tensor_parallel:
+        return False
+    tp_rows = program.model.width // TENSOR_PARALLEL_DEGREE
+    uneven = tp_rows % program.data_parallel_size != 0
+    return uneven and any(isinstance(op, SaveLoad) and op.kind == "full" for op in program.operations)
+
+
 PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "two_d_full_state_dict": two_d_full_state_dict,
+    "two_d_uneven_full_load": two_d_uneven_full_load,
     "optimizer_state_with_exec_order_check": optimizer_state_with_exec_order_check,
     "stateless_optimizer_state_loaded": stateless_optimizer_state_loaded,
     "adam_state_loaded": adam_state_loaded,

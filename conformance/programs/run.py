@@ -475,6 +475,12 @@ class _ProgramRun:
         """A full state dict against the oracle's; entries the backend keeps in the compute dtype
         against the oracle's rounded to it, one ulp of it allowed on top (the float32 masters may
         straddle a rounding boundary). Returns those entries."""
+        sharded_values = sorted(name for name, value in state.items() if _is_sharded_tensor(value))
+        if sharded_values:
+            self._find(
+                f"{what} holds DTensors or ShardedTensors for {sharded_values}: a full state dict holds plain, "
+                "whole tensors (StateDictKind.FULL)"
+            )
         rounded = self._in_compute_dtype(state)
         expected = self.shadow.state()
         self._compare(
@@ -595,3 +601,8 @@ def _described(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)[-4:]
     where = "; ".join(f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}" for frame in frames)
     return f"{type(error).__name__}: {error} (at {where})"
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    """A DTensor, or torch's older ShardedTensor: what a full state dict must not hold."""
+    return isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor"

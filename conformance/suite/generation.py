@@ -62,7 +62,8 @@ def add_options(group: Any) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="generated programs: run random programs per backend for S seconds (a campaign)",
+        help="generated programs: run random programs per backend for S seconds, a campaign "
+        "(default: none, the fixed derandomized set)",
     )
     group.addoption(
         "--generate-seed",
@@ -82,14 +83,15 @@ def add_options(group: Any) -> None:
         "--generate-replay",
         default=None,
         metavar="PROGRAM",
-        help="generated programs: run exactly this program (the text of a REPRO: line) and nothing else",
+        help="generated programs: run exactly this program (the text of a REPRO: line) and nothing else "
+        "(default: none, draw programs)",
     )
     group.addoption(
         "--export-repro",
         default=None,
         metavar="DIR",
         help="generated programs: write each failing program of a torch backend as a standalone torchrun "
-        "script (native API calls, no suite) into DIR",
+        "script (native API calls, no suite) into DIR (default: none, no script)",
     )
 
 
