@@ -67,6 +67,16 @@ class ReferenceAdapter(BackendAdapter):
     PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
+    # The engine's ZeRO partitions flat local pieces of whole parameters; a tensor-parallel
+    # parameter's local value is already a shard of the tp dimension, and engine.fully_shard
+    # refuses it (NotImplementedError, engine/api.py): found by a generated 2-D program.
+    UNSUPPORTED_COMBINATIONS = {
+        frozenset({Capability.TENSOR_PARALLEL, strategy}): (
+            f"the engine's {strategy.name} does not partition tensor-parallel parameters (engine.fully_shard "
+            "raises NotImplementedError): shard the data-parallel dimension with FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+        )
+        for strategy in (Capability.SHARD_OPTIM_STATE, Capability.SHARD_GRAD_AND_OPTIM_STATE)
+    }
     WRAPPER_COMPONENTS = _WRAPPER_COMPONENTS
     # The engine's own lines (its gathers, its reduce-scatters) are never the user's: collectives
     # it issues are attributed to the scenario line that called into it.

@@ -146,7 +146,6 @@ class _ProgramRun:
             f"blocks.{index}.linear.{name}" for index in program.model.frozen for name in ("weight", "bias")
         )
         self.order_checked = self.setup.check_exec_order and self.setup.unit_plan != "none" and program.model.depth >= 2
-        self._build(program.seed)
         self.op_index = -1
 
     # -- set-up -------------------------------------------------------------------------------
@@ -221,12 +220,21 @@ class _ProgramRun:
 
     # -- the program ------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._build(self.program.seed)
+        except BaseException as error:
+            if _is_outcome(error):
+                raise
+            self._find(f"sharding the model raised {_described(error)}")
+            return
         self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
         for index, op in enumerate(self.program.operations):
             self.op_index = index
             try:
                 stop = self._apply(op)
-            except Exception as error:  # noqa: BLE001 - the backend raised: a finding, with what came before
+            except BaseException as error:
+                if _is_outcome(error):
+                    raise
                 # The program cannot go on; what the checks found before stays in the report.
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
@@ -606,3 +614,12 @@ def _described(error: BaseException) -> str:
 def _is_sharded_tensor(value: Any) -> bool:
     """A DTensor, or torch's older ShardedTensor: what a full state dict must not hold."""
     return isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor"
+
+
+def _is_outcome(error: BaseException) -> bool:
+    """What must leave the program as it came: an interrupt, an exit, or pytest's own outcome (a
+    skip: the adapter refused the program as unsupported). A library's BaseException (torch's
+    CheckpointException is one) is the backend's failure, a finding like any other."""
+    return isinstance(
+        error, (KeyboardInterrupt, SystemExit, GeneratorExit, pytest.skip.Exception, pytest.fail.Exception)
+    )

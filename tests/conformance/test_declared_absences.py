@@ -422,6 +422,30 @@ if OFFLOAD_TO_CPU_BROKEN_ON_CPU:  # declared where seen (torch < 2.14); 2.14.1 g
         )
 
 
+# -- the reference engine ------------------------------------------------------------------------
+
+
+def _engine_zero_refuses_tensor_parallel(strategy: str) -> Proof:
+    def proof(rank: int, world_size: int, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        import engine
+
+        model = _two_linears(device)
+        parallelize_module(model, init_device_mesh(device.type, (world_size,)), {"0": ColwiseParallel()})
+        with pytest.raises(NotImplementedError, match="does not partition tensor-parallel parameters"):
+            engine.fully_shard(model, strategy=engine.ShardingStrategy[strategy])
+
+    return proof
+
+
+for _zero in (Capability.SHARD_OPTIM_STATE, Capability.SHARD_GRAD_AND_OPTIM_STATE):
+    COMBINATION_PROOFS["reference", frozenset({Capability.TENSOR_PARALLEL, _zero})] = (
+        _engine_zero_refuses_tensor_parallel(_zero.name)
+    )
+
+
 # -- torch FSDP2 ---------------------------------------------------------------------------------
 
 
