@@ -18,6 +18,7 @@ from conformance.programs.program import (
     Program,
     SaveLoad,
     Step,
+    Unshard,
     ZeroGrad,
 )
 from conformance.protocol import ShardingStrategy
@@ -130,7 +131,28 @@ def two_d_uneven_full_load(program: Program) -> bool:
     return uneven and any(isinstance(op, SaveLoad) and op.kind == "full" for op in program.operations)
 
 
+def native_checkpoint_four_ranks(program: Program) -> bool:
+    """A native checkpoint saved and loaded at world size 4 or more."""
+    return program.world_size >= 4 and any(
+        isinstance(op, SaveLoad) and op.kind == "native" for op in program.operations
+    )
+
+
+def write_inside_unshard_then_step(program: Program) -> bool:
+    """Parameters written inside unshard(writeback=True), then an optimizer step or a native
+    checkpoint (what the optimizer holds of the parameters is used again)."""
+    written = False
+    for op in program.operations:
+        if isinstance(op, Unshard) and op.write:
+            written = True
+        elif written and (isinstance(op, Step) or (isinstance(op, SaveLoad) and op.kind == "native")):
+            return True
+    return False
+
+
 PATTERNS: dict[str, Callable[[Program], bool]] = {
+    "native_checkpoint_four_ranks": native_checkpoint_four_ranks,
+    "write_inside_unshard_then_step": write_inside_unshard_then_step,
     "two_d_full_state_dict": two_d_full_state_dict,
     "two_d_uneven_full_load": two_d_uneven_full_load,
     "optimizer_state_with_exec_order_check": optimizer_state_with_exec_order_check,
