@@ -834,6 +834,18 @@ def _reduced_grad_fragment(root: DeepSpeedModel, param: nn.Parameter) -> torch.T
     if groups is None:
         return None  # no engine yet
     group_index = next((i for i, group in enumerate(groups) if any(p is param for p in group)), None)
+    if group_index is not None and getattr(optimizer, "cpu_offload", False):
+        # ZeRO-Offload: a boundary backward copies the reduced gradients of this rank's partition
+        # into the grad of its fp32 partition on the host, not into averaged_gradients (found by a
+        # generated program: offload_params under ZeRO-2 reported no gradient anywhere).
+        flat = optimizer.single_partition_of_fp32_groups[group_index]
+        mapping = getattr(param, "_hp_mapping", None)
+        if flat.grad is None:
+            return None
+        if mapping is None:
+            return torch.empty(0, dtype=flat.grad.dtype, device=flat.grad.device)
+        address = mapping.hp_fragment_address
+        return flat.grad.narrow(0, address.start, address.numel)
     reduced = getattr(optimizer, "averaged_gradients", {})
     if group_index is None or reduced.get(group_index) is None:
         return None

@@ -111,8 +111,10 @@ def stateless_optimizer_state_loaded(program: Program) -> bool:
 
 
 def optimizer_state_with_exec_order_check(program: Program) -> bool:
-    """An optimizer state dict read while the forward-order check is on (``check_exec_order``)."""
-    return program.setup.check_exec_order and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+    """An optimizer state dict read (a round trip, or a native checkpoint) while the forward-order
+    check is on (``check_exec_order``)."""
+    reads = [op for op in program.operations if isinstance(op, (OptimRoundTrip, SaveLoad))]
+    return program.setup.check_exec_order and any(isinstance(op, OptimRoundTrip) or op.kind == "native" for op in reads)
 
 
 def two_d_full_state_dict(program: Program) -> bool:

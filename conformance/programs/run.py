@@ -392,15 +392,15 @@ class _ProgramRun:
     def _save_load(self, op: SaveLoad) -> None:
         if op.kind == "native":
             directory = self._shared_directory()
-            try:
-                self.adapter.save_checkpoint(self.sharded, self.optimizer, directory)
-                swapped, training = self.model.swapped, self.shadow.model.training
-                self._build(self.program.seed + FRESH_SEED_OFFSET)
-                self.adapter.load_checkpoint(self.sharded, self.optimizer, directory)
-            finally:
-                dist.barrier()
-                if self.rank == 0:
-                    shutil.rmtree(directory, ignore_errors=True)
+            self.adapter.save_checkpoint(self.sharded, self.optimizer, directory)
+            swapped, training = self.model.swapped, self.shadow.model.training
+            self._build(self.program.seed + FRESH_SEED_OFFSET)
+            self.adapter.load_checkpoint(self.sharded, self.optimizer, directory)
+            # Only on success: after a rank raised, its peers may be inside a collective of the
+            # backend's, and a barrier here would pair with it (the directory is left behind).
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
             self.shadow.reload(keep_optimizer=True)
         else:
             kind = StateDictKind(op.kind)
