@@ -18,6 +18,7 @@ import pytest
 
 import harness
 from conftest import InnerSession
+from harness.session import spmd
 from harness.session.pool_session import PoolSession
 from harness.session.spmd import UNDER_TORCHRUN, function_name, open_world, pickle_arguments
 
@@ -207,7 +208,10 @@ def test_a_function_the_ranks_cannot_import_by_name_is_refused_before_sending() 
     with pytest.raises(TypeError, match=r"does not name it there .* Define it at module level"):
         function_name(nested)
     assert str(function_name(pickle_arguments)) == "harness.session.spmd.pickle_arguments"
-    assert function_name(pickle_arguments).module_file is None  # not rewritten by pytest: imported by name
+    # Imported by name on the ranks, unless pytest rewrote the module's asserts: it does so for the
+    # modules of a plugin's distribution when the project is installed with its pytest11 entry
+    # point (CI's torch legs), and the ranks then load the same rewritten file.
+    assert function_name(pickle_arguments).module_file in (None, spmd.__file__)
 
 
 def test_an_argument_that_cannot_be_pickled_is_named() -> None:
