@@ -619,6 +619,10 @@ class DeepSpeedAdapter(BackendAdapter):
         base = _base_optimizer(root)
         state: dict[str, dict[str, Any]] = {}
         for fqn, param in root.module.named_parameters():
+            if not param.requires_grad:
+                # Frozen: no optimizer state (DeepSpeed leaves it out of its groups, and
+                # safe_get_full_optimizer_state answers None; found by a generated program).
+                continue
             if root.stage() == 0:  # the plain torch optimizer, keyed by the parameter itself
                 entry = {k: _copy(v) for k, v in base.state.get(param, {}).items()}
             else:

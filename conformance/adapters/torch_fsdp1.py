@@ -123,6 +123,12 @@ class TorchFSDP1Adapter(TorchAdapter):
             "summon_full_params refuses with_grads together with offload_to_cpu (NotImplementedError "
             "'... is not supported yet')"
         ),
+        frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD}): (
+            "FSDP1's NO_SHARD of a tensor-parallel model fails at the first forward: its flat parameter "
+            "handle compares the DTensor parameters' local shapes with their global ones and raises "
+            "'Cannot writeback when the parameter shape changes' (FlatParamHandle._writeback_tensor in "
+            "pre_unshard); FULL_SHARD and SHARD_GRAD_OP over the dp mesh work"
+        ),
         frozenset({Capability.UNSHARD_WITH_GRADS, Capability.FLAT_PARAMETERS}): (
             "summon_full_params refuses with_grads for a model wrapped with use_orig_params=False "
             "(_validate_unshard_params_args: NotImplementedError '... use_orig_params=False ... is not "

@@ -345,6 +345,32 @@ COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capa
 )
 
 
+def _fsdp1_no_shard_of_a_tensor_parallel_model_fails(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if world_size % 2:
+        pytest.skip(reason="a (dp, tp=2) mesh needs an even world size")
+    mesh = init_device_mesh(device.type, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_two_linears(device), mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    sharded = FSDP(
+        model,
+        device_mesh=mesh["dp"],
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+        device_id=device,
+        use_orig_params=True,
+    )
+    with pytest.raises(RuntimeError, match="Cannot writeback when the parameter shape changes"):
+        sharded(torch.randn(2, 4, device=device))
+
+
+COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD})] = (
+    _fsdp1_no_shard_of_a_tensor_parallel_model_fails
+)
+
+
 def _fsdp1_refuses_grads_with_flat_parameters(rank: int, world_size: int, device: torch.device) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
