@@ -100,7 +100,12 @@ def to_2d_dtensor(unit: ShardedUnit, info: ParamInfo, shown: DTensor) -> DTensor
     start = min(dp_rank * step, local.shape[0])
     piece = local[start : min(start + step, local.shape[0])].clone()
     dp_placement: Any = Shard(0)
-    if any(isinstance(p, Shard) and p.dim == 0 for p in spec.placements):
+    if unit.strategy is ShardingStrategy.NO_SHARD:
+        # Every dp rank holds the whole TP-local tensor: replicated over dp, not Shard(0) (a
+        # layout that claimed Shard(0) made every redistribution of it fail; found by a
+        # generated 2-D program).
+        dp_placement = Replicate()
+    elif any(isinstance(p, Shard) and p.dim == 0 for p in spec.placements):
         from torch.distributed.tensor.placement_types import _StridedShard
 
         dp_placement = _StridedShard(0, split_factor=spec.mesh.size())
