@@ -31,6 +31,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -94,6 +95,10 @@ class ProgramReport:
     """The skip reason, when the adapter refused a program it declares support for."""
     sharded: bool = False
     """Whether the backend showed that it sharded anything (the vacuity evidence)."""
+    raised_at: float | None = None
+    """When the backend raised and the program ended early on this rank (``time.time()``; None
+    when it did not): its peers may have gone on into collectives it never issued, and raised
+    in turn, as a consequence."""
 
 
 def run_program(selection: str, program: Program) -> ProgramReport:
@@ -226,6 +231,7 @@ class _ProgramRun:
             if _is_outcome(error):
                 raise
             self._find(f"sharding the model raised {_described(error)}")
+            self.report.raised_at = time.time()
             return
         self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
         for index, op in enumerate(self.program.operations):
@@ -239,6 +245,7 @@ class _ProgramRun:
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
                 self._find(f"raised {_described(error)}")
+                self.report.raised_at = time.time()
                 return
             self.report.operations_run = index + 1
             if stop:

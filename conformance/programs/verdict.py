@@ -89,18 +89,37 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
     # backend's order check exchanged each rank's unit (its collectives carry different unit
     # labels by design) and raised before any mismatched all-gather.
     refused_on_purpose = bool(reports) and all(report.refused for report in reports) and _divergent_order(program)
-    if result.divergence and not refused_on_purpose:
+    findings = [finding for report in reports for finding in report.findings]
+    unexplained = [f for f in findings if not any(entry.explains(f) for entry in applicable)]
+    # A rank that raised a known finding left the program early; the collectives its peers went
+    # on to issue without it, and what they raised then, are that exception's consequence.
+    after_known_raise = _first_raise_is_known(reports, applicable)
+    if after_known_raise and all(report.raised_at is not None for report in reports):
+        return ExampleVerdict("known", known=_used(applicable, findings), sharded=sharded)
+    if result.divergence and not refused_on_purpose and not after_known_raise:
         return ExampleVerdict(
             "failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded
         )
-    findings = [finding for report in reports for finding in report.findings]
     if not findings:
         return ExampleVerdict("passed", sharded=sharded)
-    unexplained = [f for f in findings if not any(entry.explains(f) for entry in applicable)]
     if not unexplained:
         used = [entry for entry in applicable if any(entry.explains(f) for f in findings)]
         return ExampleVerdict("known", known=used, sharded=sharded)
     return ExampleVerdict("failed", "\n".join(unexplained), sharded=sharded)
+
+
+def _first_raise_is_known(reports: Sequence[ProgramReport], applicable: Sequence[KnownFinding]) -> bool:
+    """Whether the rank(s) that raised first found only what ``applicable`` explains."""
+    raised = [report for report in reports if report.raised_at is not None]
+    if not raised:
+        return False
+    first = min(report.raised_at for report in raised if report.raised_at is not None)
+    causes = [report for report in raised if report.raised_at == first]
+    return all(any(entry.explains(f) for entry in applicable) for report in causes for f in report.findings)
+
+
+def _used(applicable: Sequence[KnownFinding], findings: Sequence[str]) -> list[KnownFinding]:
+    return [entry for entry in applicable if any(entry.explains(f) for f in findings)]
 
 
 def _divergent_order(program: Program) -> bool:

@@ -232,3 +232,17 @@ def test_requirements_name_what_a_program_uses() -> None:
     assert {Capability.MIXED_STRATEGIES, Capability.UNITS, Capability.NO_SHARD, SpecCondition.FULL_PRECISION} <= needed
     program = Program(2, SHAPE, setup, (Backward(2, no_sync=True), SaveLoad("native"), OptimRoundTrip("sharded")))
     assert {Capability.NO_SYNC, Capability.NATIVE_CHECKPOINT, Capability.OPTIM_STATE_DICT} <= program.requirements()
+
+
+def test_a_divergence_after_a_known_raise_is_its_consequence() -> None:
+    program = Program(
+        2, SHAPE, Setup(ShardingStrategy.FULL_SHARD, ApiForm.WRAPPER, check_exec_order=True), (SaveLoad("native"),)
+    )
+    known = _Known("optimizer_state_with_exec_order_check", "CPU has no memory_summary", "memory_summary")
+    first = ProgramReport(0, ["rank 0, op 0: raised AttributeError: ... memory_summary"], raised_at=10.0)
+    then = ProgramReport(1, ["rank 1, op 0: raised RuntimeError: connection closed by peer"], raised_at=11.0)
+    result = _Result({0: first, 1: then}, divergence="rank 0 stopped early")
+    assert judge(program, result, [known]).kind == "known"
+    # The same, but the rank that raised first found something else: it fails.
+    first.raised_at, then.raised_at = 12.0, 11.0
+    assert judge(program, result, [known]).kind == "failed"
