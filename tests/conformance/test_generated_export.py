@@ -243,10 +243,10 @@ def exported(backend: str, program: Program, directory: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("backend", "program"), PASSING)
-def test_exported_script_matches_the_oracle(backend: str, program: Program, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("backend_name", "program"), PASSING)
+def test_exported_script_matches_the_oracle(backend_name: str, program: Program, tmp_path: Path) -> None:
     """A program the backend runs right: the script prints OK and exits 0."""
-    path = exported(backend, program, tmp_path)
+    path = exported(backend_name, program, tmp_path)
     result = run_script(path, program.world_size)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and OK_LINE in result.stdout, (
@@ -320,29 +320,29 @@ def test_a_different_sharded_learning_rate_fails_the_script(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("backend", "why"),
+    ("backend_name", "why"),
     [
         ("torch-zero", "torch-zero does not declare TENSOR_PARALLEL"),
         ("torch-fsdp2", "refuses a given mesh (ValueError)"),
     ],
 )
-def test_two_d_programs_without_a_native_form_get_no_script(backend: str, why: str, tmp_path: Path) -> None:
+def test_two_d_programs_without_a_native_form_get_no_script(backend_name: str, why: str, tmp_path: Path) -> None:
     """A 2-D NO_SHARD program, which the suite's adapter itself refuses: one line that says why,
     nothing written."""
     setup = Setup(ShardingStrategy.NO_SHARD, ApiForm.COMPOSABLE, tensor_parallel=True)
     program = Program(world_size=4, model=TWO_D.model, setup=setup, operations=(Backward(),), seed=1)
-    line = export.export_repro(backend, program, str(tmp_path / "out"))
-    assert line.startswith(f"standalone repro: none written for {backend}: ") and why in line, line
+    line = export.export_repro(backend_name, program, str(tmp_path / "out"))
+    assert line.startswith(f"standalone repro: none written for {backend_name}: ") and why in line, line
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="no standalone script for this program"):
-        export.repro_script(backend, program)
+        export.repro_script(backend_name, program)
 
 
-@pytest.mark.parametrize("backend", ["reference", "deepspeed"])
-def test_other_backends_get_no_script(backend: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend_name", ["reference", "deepspeed"])
+def test_other_backends_get_no_script(backend_name: str, tmp_path: Path) -> None:
     """A backend whose library is not torch's own: one line that says why, and nothing written."""
-    line = export.export_repro(backend, FSDP1_AUTO, str(tmp_path / "out"))
-    assert line.startswith(f"standalone repro: none written for {backend}: ")
+    line = export.export_repro(backend_name, FSDP1_AUTO, str(tmp_path / "out"))
+    assert line.startswith(f"standalone repro: none written for {backend_name}: ")
     assert "is not torch's own" in line and "REPRO line" in line
     assert not (tmp_path / "out").exists()
 
