@@ -86,9 +86,12 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
         setup = first(param_dtype=dtype)
         if setup is not None:
             add(setup, *train)
-    # Gradient accumulation: micro-batches, the no-sync switch, and steps without zero_grad.
-    add(plain, ZeroGrad(), Backward(micro_batches=2), Step(), Backward(), Step())
+    # Gradient accumulation: micro-batches, the no-sync switch, and steps without zero_grad, each
+    # a program of its own (a backend's known finding of one shape must not hide the others: a
+    # DeepSpeed step zeroes gradients, which says nothing of how its micro-batches add up).
+    add(plain, ZeroGrad(), Backward(micro_batches=2), Step())
     add(plain, ZeroGrad(), Backward(micro_batches=3, no_sync=True), Step())
+    add(plain, ZeroGrad(), Backward(), Step(), Backward(), Step())
     # Eval mode: its forwards differ from training ones.
     add(plain, ZeroGrad(), Backward(), Step(), SetMode(False), EvalForward())
     # The forward-order check: a later change of order warns; a first iteration whose order
