@@ -60,7 +60,7 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
         verdict = run_one(generation.replay)
         if verdict.kind == "known":
             pytest.xfail(
-                "the replayed program shows a known finding of the backend: "
+                reason="the replayed program shows a known finding of the backend: "
                 + "; ".join(entry.reason for entry in verdict.known)
             )
         return

@@ -72,8 +72,7 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
             if not getattr(result.results.get(rank), "after_peer_failed", False)
         ]
         if texts and all(any(entry.explains(text) for entry in applicable) for text in texts):
-            used = [entry for entry in applicable if any(entry.explains(text) for text in texts)]
-            return ExampleVerdict("known", known=used)
+            return ExampleVerdict("known", known=_used(applicable, texts))
         return ExampleVerdict("failed", f"the ranks did not all finish the program:\n{result.describe()}")
     reports: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]
     sharded = any(report.sharded for report in reports)
@@ -103,8 +102,7 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
     if not findings:
         return ExampleVerdict("passed", sharded=sharded)
     if not unexplained:
-        used = [entry for entry in applicable if any(entry.explains(f) for f in findings)]
-        return ExampleVerdict("known", known=used, sharded=sharded)
+        return ExampleVerdict("known", known=_used(applicable, findings), sharded=sharded)
     return ExampleVerdict("failed", "\n".join(unexplained), sharded=sharded)
 
 

@@ -378,12 +378,12 @@ def open_world(session: object, world_size: int, note: Callable[[DevicePlan], No
     is none: under torchrun (no pool), or where the session cannot have the device (its reason).
     `note` sees the device decision (the session's tally of worlds that got their device)."""
     if not isinstance(session, PoolSession):
-        pytest.skip(UNDER_TORCHRUN)
+        pytest.skip(reason=UNDER_TORCHRUN)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"spmd_world({world_size!r}): the world size is a number of ranks; pass an int of 1 or more")
     plan = session.plan(world_size)
     if note is not None:
         note(plan)
     if plan.kind is None:
-        pytest.skip(plan.skip_reason)
+        pytest.skip(reason=plan.skip_reason or "the device for this world cannot be had")
     return SpmdWorld(session, world_size, plan.kind)
