@@ -130,25 +130,43 @@ def kill(pids: Iterable[int]) -> None:
 
 
 def reap_children(timeout_s: float = 2.0, wait_for: Iterable[int] = ()) -> list[int]:
-    """Reap this process's exited children (orphans re-parented to a subreaper included) without
-    blocking past `timeout_s`; return the PIDs in `wait_for` that were not reaped in time."""
+    """Reap this process's exited children (orphans re-parented to a subreaper included) and wait
+    until every PID in `wait_for` is gone from /proc; return those still running (not exiting)
+    after `timeout_s`: processes SIGKILL did not end, which the caller cannot vouch for.
+
+    Gone means gone: a killed child is not done with when it stops running but when it is reaped,
+    since until then its PID stays in /proc as a zombie, and the next test (or a check that no
+    process a test started outlived it) sees it. Each round therefore reaps first and looks second:
+    a child that turns into a zombie between the two is reaped in the next round, never left.
+    A process already exiting at `timeout_s` (SIGKILL first unmaps its memory, which a loaded
+    machine makes slow) is waited for up to `_EXITING_GRACE_S` longer, as is a zombie whose parent
+    is still being ended (it is re-parented here, then reaped).
+    """
     waiting = set(wait_for)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+                waiting.discard(pid)
         except ChildProcessError:
-            return []  # no children left at all
-        if pid:
-            waiting.discard(pid)
-            continue
-        # Children remain but none has exited yet: only wait for those we just killed.
-        waiting = {p for p in waiting if _alive(p)}
+            return []  # no children left at all: nothing killed here is waiting to be reaped
+        waiting = {pid for pid in waiting if _in_proc(pid)}
         if not waiting:
             return []
-        if time.monotonic() >= deadline:  # one still exiting will die: not a survivor
-            return sorted(p for p in waiting if not _exiting(p))
+        now = time.monotonic()
+        if now >= deadline:
+            running = sorted(pid for pid in waiting if _alive(pid) and not _exiting(pid))
+            if running or now >= deadline + _EXITING_GRACE_S:
+                return running
         time.sleep(0.005)
+
+
+_EXITING_GRACE_S = 10.0
+"""How long past its timeout `reap_children` waits for processes already exiting to be gone."""
+
+
+def _in_proc(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 _PF_EXITING = 0x4  # include/linux/sched.h: the process has begun to exit

@@ -76,9 +76,16 @@ def _delay(rank: int, world_size: int, out_dir: str) -> None:
     import time
 
     faults.inject(rank=0, at=0, action="delay", seconds=0.5)
-    start = time.monotonic()
+    issued = time.monotonic()
     dist.all_reduce(torch.ones(1))
-    assert time.monotonic() - start >= 0.45  # both ranks wait for the delayed rank
+    done = time.monotonic()
+    # Both ranks wait for the delayed one: no rank's all_reduce ends before rank 0 issued it, 0.5 s
+    # after rank 0 called it. Checked by causality on CLOCK_MONOTONIC (one clock for every process
+    # on the machine), not by a rank's own elapsed time, which a rank scheduled late would shorten.
+    times = [torch.empty(2, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(times, torch.tensor([issued, done], dtype=torch.float64))
+    delayed_call = times[0][0].item()
+    assert done >= delayed_call + 0.5, (rank, done - delayed_call)
 
 
 def test_delay_holds_back_the_collective_on_every_rank(tmp_path):

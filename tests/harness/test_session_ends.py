@@ -229,3 +229,23 @@ def test_the_state_and_flags_of_a_process_are_read_from_its_stat_line() -> None:
     assert state == "R" and flags & 0x4
     assert procfs.state_and_flags(odd_name) == ("Z", 4194560)
     assert procfs.state_and_flags("garbage") is None
+
+
+def test_a_killed_child_that_turns_zombie_between_two_looks_is_still_reaped(monkeypatch) -> None:
+    # The race behind a CI failure: `reap_children` polled waitpid (nothing exited yet), the
+    # killed child became a zombie, and the next look saw no live process and returned, leaving
+    # the zombie's PID in /proc for the next test to find. Replayed deterministically: the child
+    # is already a zombie when the first waitpid is made to answer "nothing exited".
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while procfs.state_and_flags(open(f"/proc/{child}/stat").read())[0] != "Z":
+        assert time.monotonic() < deadline, "the forked child never exited"
+        time.sleep(0.001)
+    real_waitpid = os.waitpid
+    answers = iter([(0, 0)])
+    monkeypatch.setattr(os, "waitpid", lambda pid, options: next(answers, None) or real_waitpid(pid, options))
+    assert procfs.reap_children(wait_for=[child]) == []
+    assert not os.path.exists(f"/proc/{child}"), "the zombie was left unreaped"
+
