@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
 
@@ -43,6 +44,11 @@ CI_EXAMPLES = 30
 """Drawn programs per backend in the derandomized default run, after the seed programs (9 to 26
 per backend): measured at 2 to 6 programs a second on 2 cores, so well inside a minute per
 backend (the figures are in docs/generated.md)."""
+CI_HYPOTHESIS = "6.170.17"
+"""The hypothesis release the derandomized set was recorded against (pinned by the ``draws`` extra
+in pyproject.toml, which the ``test`` extra and every CI leg install): derandomized draws are the
+same every run of one release but not across releases, so under another one the default set is
+other programs, and the summary line says so."""
 CAMPAIGN_WORLD_SIZES = (2, 4)
 EXAMPLE_TIMEOUT_S = 180.0
 """One program's deadline on its ranks (a hang is stopped earlier by the one-sided watch)."""
@@ -230,7 +236,7 @@ class Generation:
         return (
             f"[generated {self.name}] {progress.examples} programs in {elapsed:.1f} s ({progress.rate():.2f}/s): "
             f"{progress.passed} passed, {progress.known} showed known findings, {progress.failing} failed"
-            + (f"; campaign seed {self.seed}" if self.campaign else "")
+            + (f"; campaign seed {self.seed}" if self.campaign else f"; {derandomized_set()}")
         )
 
     def out_of_time(self) -> bool:
@@ -244,6 +250,17 @@ class Generation:
             return
         with capture.global_and_fixture_disabled() if capture is not None else _nothing():
             reporter.write_line(line)
+
+
+def derandomized_set(installed: str | None = None) -> str:
+    """Which derandomized set ran: the one CI runs, or another one under another hypothesis."""
+    installed = installed or hypothesis.__version__
+    if installed == CI_HYPOTHESIS:
+        return f"the derandomized set of hypothesis {installed}, the one CI runs"
+    return (
+        f"the derandomized set of hypothesis {installed}, not CI's ({CI_HYPOTHESIS}): other programs; "
+        f"pip install -e '.[draws]' runs CI's"
+    )
 
 
 class _nothing:

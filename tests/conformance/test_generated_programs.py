@@ -3,6 +3,7 @@ text, the program patterns, the verdict of one example, and the known-finding en
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from conformance.programs.run import ProgramReport
 from conformance.programs.seeds import seed_programs
 from conformance.programs.verdict import judge
 from conformance.protocol import ApiForm, Capability, ShardingStrategy, SpecCondition
-from conformance.suite import expectations
+from conformance.suite import expectations, generation
+from tests.conformance.adapter_testing import REPO
 
 SHAPE = ModelShape(in_width=3, width=5, out_width=3, depth=2, buffers=True)
 
@@ -246,3 +248,17 @@ def test_a_divergence_after_a_known_raise_is_its_consequence() -> None:
     # The same, but the rank that raised first found something else: it fails.
     first.raised_at, then.raised_at = 12.0, 11.0
     assert judge(program, result, [known]).kind == "failed"
+
+
+def test_the_ci_set_is_drawn_by_the_pinned_hypothesis_and_says_which_set_ran() -> None:
+    # The `draws` extra pins the release the derandomized set was recorded against; the constant
+    # the summary line compares with must be that pin, and the `test` extra and the CI legs must
+    # install it (an unpinned hypothesis changes CI's programs under an unchanged tree).
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert extras["draws"] == [f"hypothesis=={generation.CI_HYPOTHESIS}"]
+    assert "fsdp-conformance[draws]" in extras["test"]
+    assert "'.[draws]'" in (REPO / ".ci" / "torch-leg").read_text()
+    assert "the one CI runs" in generation.derandomized_set(generation.CI_HYPOTHESIS)
+    other = generation.derandomized_set("6.0.0")
+    assert "not CI's" in other and "pip install -e '.[draws]'" in other

@@ -240,7 +240,7 @@ def test_a_killed_child_that_turns_zombie_between_two_looks_is_still_reaped(monk
     if child == 0:
         os._exit(0)
     deadline = time.monotonic() + 10
-    while procfs.state_and_flags(open(f"/proc/{child}/stat").read())[0] != "Z":
+    while procfs.state_and_flags(Path(f"/proc/{child}/stat").read_text())[0] != "Z":
         assert time.monotonic() < deadline, "the forked child never exited"
         time.sleep(0.001)
     real_waitpid = os.waitpid
@@ -248,4 +248,3 @@ def test_a_killed_child_that_turns_zombie_between_two_looks_is_still_reaped(monk
     monkeypatch.setattr(os, "waitpid", lambda pid, options: next(answers, None) or real_waitpid(pid, options))
     assert procfs.reap_children(wait_for=[child]) == []
     assert not os.path.exists(f"/proc/{child}"), "the zombie was left unreaped"
-

@@ -54,7 +54,12 @@ def test_a_forked_session_is_what_a_subprocess_would_be(server: WarmPytest, tmp_
     warm = server.run(args, cwd=tmp_path, env=env, timeout=SESSION_BOUND_S)
     assert server.forked == forked_before + 1, server.fallback_reason
     cold = subprocess.run(
-        [sys.executable, "-m", "pytest", *args], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=SESSION_BOUND_S
+        [sys.executable, "-m", "pytest", *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=SESSION_BOUND_S,
     )
     assert (
         (warm.returncode, _probe(warm.stdout))
@@ -86,7 +91,9 @@ def test_another_interpreter_configuration_runs_as_a_real_subprocess(server: War
     (tmp_path / "test_probe.py").write_text(PROBE)
     forked_before = server.forked
     env = _env(server, tmp_path, PYTHONHASHSEED="7")
-    result = server.run(["-p", "no:cacheprovider", "-s", "test_probe.py"], cwd=tmp_path, env=env, timeout=SESSION_BOUND_S)
+    result = server.run(
+        ["-p", "no:cacheprovider", "-s", "test_probe.py"], cwd=tmp_path, env=env, timeout=SESSION_BOUND_S
+    )
     assert server.forked == forked_before
     assert "PYTHON* variables differ" in server.fallback_reason
     assert result.returncode == 1 and _probe(result.stdout)[3] == "yes"
