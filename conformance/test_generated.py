@@ -14,7 +14,9 @@ that replays exactly that program. A program whose every finding is a known one 
 (``[[generated_finding]]`` in its expectations) is set aside and the search goes on.
 
 The budget is the session's (``conformance.suite.generation``): a fixed derandomized set per
-backend by default, campaigns with ``--generate-examples`` / ``--generate-seconds``.
+backend by default, which stops at its first failing program; campaigns with
+``--generate-examples`` / ``--generate-seconds``, which go on past each finding and fail at the end
+with every distinct one, each shrunk.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import Phase as HypothesisPhase
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import Flaky
 
 from conformance.programs.declared import Declared, declared_axes
 from conformance.programs.draw import programs
@@ -46,6 +49,8 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
             run_program, args=(backend, program), trace=True, isolate=True, timeout_s=generation.timeout_s
         )
         verdict = judge(program, result, generation.known(program.world_size))
+        if verdict.kind == "failed" and generation.repeats_a_finding(verdict.text):
+            verdict.kind = "repeat"  # what this campaign already found: look for others
         generation.note(program, verdict.kind, verdict.sharded)
         if verdict.kind == "failed":
             text = failure_text(generation.name, program, verdict, generation.repro(program))
@@ -53,7 +58,7 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
                 from conformance.programs.export import export_repro  # only with --export-repro
 
                 text += "\n" + export_repro(generation.name, program, generation.export_dir)
-            raise GeneratedProgramFailed(text)
+            raise GeneratedProgramFailed(text, verdict.text)
         return verdict
 
     if generation.replay is not None:
@@ -65,15 +70,24 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
             )
         return
 
-    def run_example(program: Program) -> None:
-        if run_one(program).kind == "known":
-            reject()  # a recorded finding: look for others
-
     strategy = programs(declared, generation.world_sizes)
     seeds = [program for size in generation.world_sizes for program in seed_programs(declared, size)]
     if not any(size >= 4 for size in generation.world_sizes):
         # The 2-D family needs a (dp, tp) mesh: its seeds run at world size 4 in every budget.
         seeds += seed_programs(declared, 4, two_d_only=True)
+    batch_failed = False  # whether this hypothesis run has failed: what it runs next is shrinking
+
+    def run_example(program: Program) -> None:
+        nonlocal batch_failed
+        if not batch_failed and program not in seeds:
+            generation.progress.drawn += 1
+        try:
+            kind = run_one(program).kind
+        except GeneratedProgramFailed:
+            batch_failed = True
+            raise
+        if kind in ("known", "repeat"):
+            reject()  # a recorded finding, or one this campaign found: look for others
 
     def with_seeds(test):
         for program in reversed(seeds):  # decorators apply inside out: the first seed runs first
@@ -93,19 +107,40 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
             with_seeds(given(strategy)(run_example))
         )()
     else:
+        # A campaign goes on past each finding: hypothesis stops a run at its first failing
+        # program and shrinks it; the campaign keeps that finding, sets aside the programs that
+        # show it again, and starts the next run (a batch), until its budget is spent.
         database = DirectoryBasedExampleDatabase(str(generation.database_dir))
+        # The database's failures are replayed once per campaign, first: a later replay that is
+        # set aside (this campaign found it already) would delete it for the next campaign.
+        later_phases = tuple(phase for phase in common["phases"] if phase != HypothesisPhase.reuse)
         batch = 0
+        seeds_pending = True  # until one batch has run every seed program without a finding
         while True:
-            size = generation.examples if generation.examples is not None else CAMPAIGN_BATCH
-            test = settings(max_examples=size, database=database, **common)(given(strategy)(run_example))
-            if batch == 0:  # the seed programs once per campaign, not once per batch
+            size = generation.examples_left() if generation.examples is not None else CAMPAIGN_BATCH
+            phases = common["phases"] if batch == 0 else later_phases
+            test = settings(max_examples=size, database=database, **{**common, "phases": phases})(
+                given(strategy)(run_example)
+            )
+            if seeds_pending:
                 test = with_seeds(test)
-            hypothesis_seed(generation.seed + batch)(test)()
+            batch_failed = completed = False
+            try:
+                hypothesis_seed(generation.seed + batch)(test)()
+                seeds_pending = False
+                completed = True
+            except GeneratedProgramFailed as finding:
+                generation.record(str(finding), finding.what_went_wrong)
+            except Flaky as flaky:  # the shrunk program did not fail again: nondeterminism, a finding
+                generation.record(f"{type(flaky).__name__}: {flaky}", str(flaky))
             batch += 1
-            if generation.examples is not None or generation.out_of_time():
+            # A --generate-examples batch that ran to its end drew what was left of the budget.
+            if generation.budget_spent() or (completed and generation.examples is not None):
                 break
     progress = generation.progress
     generation.say(generation.summary())
+    if generation.findings:
+        raise GeneratedProgramFailed(generation.findings_report())
     assert progress.sharded, (
         f"{progress.examples} generated programs ran ({progress.passed} passed, {progress.known} showed known "
         f"findings) and none showed {generation.name} sharding anything: the run checked nothing of the backend"

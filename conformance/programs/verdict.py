@@ -41,7 +41,9 @@ class CallResult(Protocol):
     def describe(self) -> str: ...
 
 
-Kind = Literal["passed", "failed", "known"]
+Kind = Literal["passed", "failed", "known", "repeat"]
+"""``repeat``: a failure a campaign has already found and shrunk (set by the campaign, not by
+:func:`judge`)."""
 
 
 @dataclass
@@ -54,7 +56,13 @@ class ExampleVerdict:
 
 
 class GeneratedProgramFailed(AssertionError):
-    """A generated program that a backend fails; its text is the whole report."""
+    """A generated program that a backend fails; its text is the whole report, and
+    ``what_went_wrong`` the part of it that is the backend's (not the program's, not the REPRO
+    line): a campaign tells its findings apart by it."""
+
+    def __init__(self, report: str, what_went_wrong: str = "") -> None:
+        super().__init__(report)
+        self.what_went_wrong = what_went_wrong or report
 
 
 def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -> ExampleVerdict:

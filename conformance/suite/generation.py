@@ -11,7 +11,8 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
   (``--generate-seed`` replays one), at the world sizes of ``--world-sizes`` (default 2 and 4),
   with an example database per backend (``--generate-database``, default
   ``.hypothesis/generated/<backend>``) that keeps every failure, so the next campaign tries it
-  first;
+  first. A campaign goes on past each finding: it keeps the shrunk program, sets aside what
+  repeats it (:func:`finding_lines`) and fails at the end with every distinct finding;
 - **known findings**: the backend's ``[[generated_finding]]`` entries
   (``conformance.suite.expectations``) that apply to this device, torch and world size;
 - **the minimal repro**: the ``REPRO:`` command of a failing program (``--generate-replay``
@@ -23,6 +24,7 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import time
@@ -50,6 +52,9 @@ in pyproject.toml, which the ``test`` extra and every CI leg install): derandomi
 same every run of one release but not across releases, so under another one the default set is
 other programs, and the summary line says so."""
 CAMPAIGN_WORLD_SIZES = (2, 4)
+CAMPAIGN_MAX_FINDINGS = 20
+"""A campaign stops after this many distinct findings: past that, fixing some and running again
+finds the rest faster than shrinking each."""
 EXAMPLE_TIMEOUT_S = 180.0
 """One program's deadline on its ranks (a hang is stopped earlier by the one-sided watch)."""
 
@@ -126,8 +131,11 @@ class Progress:
     examples: int = 0
     passed: int = 0
     known: int = 0
+    repeats: int = 0
     failing: int = 0
     sharded: int = 0
+    drawn: int = 0
+    """Programs a campaign drew beyond the seeds, shrinking not counted (``--generate-examples``)."""
 
     def rate(self) -> float:
         return self.examples / max(1e-9, time.monotonic() - self.started)
@@ -159,6 +167,8 @@ class Generation:
         database = options.generate_database
         self.database_dir = Path(database) / name if database else config.rootpath / ".hypothesis" / "generated" / name
         self.progress = Progress()
+        self.findings: list[CampaignFinding] = []
+        self._seen_lines: set[str] = set()
         self.world_sizes = self._world_sizes()
         self.ci_examples = CI_EXAMPLES
         self.timeout_s = EXAMPLE_TIMEOUT_S
@@ -219,6 +229,8 @@ class Generation:
             progress.passed += 1
         elif kind == "known":
             progress.known += 1
+        elif kind == "repeat":
+            progress.repeats += 1
         else:
             progress.failing += 1
         if self.campaign:
@@ -226,6 +238,7 @@ class Generation:
             self.say(
                 f"[generated {self.name}] {progress.examples} programs ({progress.rate():.2f}/s): "
                 f"{progress.passed} passed, {progress.known} known findings set aside, "
+                f"{len(self.findings)} findings ({progress.repeats} repeats set aside), "
                 f"{progress.failing} failing (shrinking) | last: {kind}, {len(program.operations)} ops, {first}"
             )
 
@@ -236,11 +249,60 @@ class Generation:
         return (
             f"[generated {self.name}] {progress.examples} programs in {elapsed:.1f} s ({progress.rate():.2f}/s): "
             f"{progress.passed} passed, {progress.known} showed known findings, {progress.failing} failed"
-            + (f"; campaign seed {self.seed}" if self.campaign else f"; {derandomized_set()}")
+            + (
+                f"; {len(self.findings)} distinct findings, {progress.repeats} repeats set aside; "
+                f"campaign seed {self.seed}"
+                if self.campaign
+                else f"; {derandomized_set()}"
+            )
         )
 
     def out_of_time(self) -> bool:
         return self.seconds is not None and time.monotonic() - self.progress.started >= self.seconds
+
+    def budget_spent(self) -> bool:
+        """Whether the campaign is over: its programs drawn or its time up, or too many findings."""
+        if len(self.findings) >= CAMPAIGN_MAX_FINDINGS:
+            return True
+        if self.examples is not None:
+            return self.progress.drawn >= self.examples
+        return self.out_of_time()
+
+    def examples_left(self) -> int:
+        """How many more programs a ``--generate-examples`` campaign draws (at least one)."""
+        return max(1, (self.examples or 0) - self.progress.drawn)
+
+    def repeats_a_finding(self, what_went_wrong: str) -> bool:
+        """Whether a failing example shows only what this campaign already found (its
+        :func:`finding_lines` are all an earlier finding's): it is set aside so that the campaign
+        goes on looking for others, as a recorded known finding is."""
+        return bool(self.findings) and finding_lines(what_went_wrong) <= self._seen_lines
+
+    def record(self, report: str, what_went_wrong: str) -> None:
+        """Keep one shrunk finding of the campaign, and show it now."""
+        self.findings.append(CampaignFinding(report, finding_lines(what_went_wrong)))
+        self._seen_lines |= finding_lines(what_went_wrong)
+        number = len(self.findings)
+        self.say(
+            f"[generated {self.name}] finding {number} of this campaign, shrunk (the campaign goes on; "
+            f"programs that show only this again are set aside):\n{report}"
+        )
+        if number >= CAMPAIGN_MAX_FINDINGS:
+            self.say(
+                f"[generated {self.name}] {number} distinct findings: the campaign stops here; fix some, "
+                f"then run it again (--generate-seed {self.seed} replays it)"
+            )
+
+    def findings_report(self) -> str:
+        """Every finding of the campaign, each with its minimal program and REPRO line."""
+        count = len(self.findings)
+        parts = [
+            f"this campaign found {count} distinct finding{'s' if count != 1 else ''} on {self.name} "
+            f"(seed {self.seed}); each is shrunk to its minimal program, with the command that replays it:"
+        ]
+        for number, finding in enumerate(self.findings, 1):
+            parts.append(f"=== finding {number} of {count} ===\n{finding.report}")
+        return "\n\n".join(parts)
 
     def say(self, line: str) -> None:
         """Write ``line`` to the terminal now, past pytest's output capture."""
@@ -250,6 +312,44 @@ class Generation:
             return
         with capture.global_and_fixture_disabled() if capture is not None else _nothing():
             reporter.write_line(line)
+
+
+@dataclass(frozen=True)
+class CampaignFinding:
+    """One distinct finding of a campaign: the whole report of its shrunk program, and the lines
+    (numbers aside) of what went wrong, by which later examples that repeat it are known."""
+
+    report: str
+    lines: frozenset[str]
+
+
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_FINDING = re.compile(r"rank (?P<rank>\d+), (?:op (?P<op>\d+) |before the first operation|at the end)")
+
+
+def finding_lines(what_went_wrong: str) -> frozenset[str]:
+    """What identifies a finding, numbers replaced by ``#`` (the same defect on another rank, at
+    another operation, tensor index or size reads the same).
+
+    Where the ranks reported findings (``rank R, op N (...): ...`` lines), the root cause: each
+    rank's findings at the first operation it found something at. What follows from it (a wrong
+    step makes every later check differ) is not the finding, and a later defect that shows only
+    after an earlier one is masked by it until that is fixed. Otherwise (a rank raised, hung or
+    died; divergent collectives), every line of what went wrong.
+    """
+    lines = [line.strip() for line in what_went_wrong.splitlines() if line.strip()]
+    first_op: dict[str, float] = {}
+    headlines: list[tuple[str, float, str]] = []
+    for line in lines:
+        match = _FINDING.match(line)
+        if match is None:
+            continue
+        order = float(match["op"]) if match["op"] is not None else (-1.0 if "before" in match[0] else float("inf"))
+        headlines.append((match["rank"], order, line))
+        first_op[match["rank"]] = min(order, first_op.get(match["rank"], order))
+    if headlines:
+        lines = [line for rank, order, line in headlines if order == first_op[rank]]
+    return frozenset(_NUMBER.sub("#", line) for line in lines)
 
 
 def derandomized_set(installed: str | None = None) -> str:

@@ -206,6 +206,13 @@ for _mutation, _backends in APPLIES_TO.items():
             globals()[_attribute(_backend, _mutation)] = mutant(registry.load(_backend), _mutation)
 
 
+# Two defects in one backend, each caught by its own seed program (the eval family's and the
+# forward-order family's), neither showing in the other's: a campaign must report both, each once
+# (tests/conformance/test_generated_mutants.py).
+reference__eval_ignored_and_exec_order = mutant(mutant(registry.load("reference"), "eval_ignored"), "exec_order")
+TWO_DEFECTS = f"{__name__}:reference__eval_ignored_and_exec_order"
+
+
 def selection(backend: str, mutation: str) -> str:
     """The ``--backend`` value of ``backend`` with ``mutation``."""
     return f"{__name__}:{_attribute(backend, mutation)}"

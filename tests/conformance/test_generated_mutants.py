@@ -96,3 +96,41 @@ def test_generated_programs_alone_catch_every_family_mutant(tmp_path: Path, monk
         + "\n  ".join(missed)
         + f"\n(the inner session's output: {tmp_path}/inner-output.txt)"
     )
+
+
+def test_a_campaign_goes_on_past_each_finding_and_reports_each_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A backend with two defects (eval() ignored; no forward-order warning after the first
+    # iteration), a campaign of one drawn program past the seeds: hypothesis stops at the first
+    # failing seed; the campaign keeps it, runs the seeds again with that finding set aside, finds
+    # the other, and ends with both in one failure, each once, each with its REPRO line.
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    result = run_inner_session(
+        tmp_path,
+        INNER_TESTS,
+        [family_mutants.TWO_DEFECTS],
+        "--generate-examples=1",
+        "--generate-seed=1",
+        "--world-sizes=2",
+        f"--generate-database={tmp_path / 'examples'}",
+        "--collective-timeout=20",
+        timeout_s=600,
+    )
+    output = result.stdout + result.stderr
+    (tmp_path / "inner-output.txt").write_text(output)
+    assert result.returncode == 1, output[-3000:]
+    failure = re.search(r"GeneratedProgramFailed: this campaign found \d+ distinct finding", output)
+    assert failure is not None, output[-3000:]
+    report = output[failure.start() :]
+    findings = re.split(r"=== finding \d+ of \d+ ===", report)[1:]
+    assert len(findings) == 2, report[:3000]
+    # The order check's seed ends with an eval forward, so its finding shows the eval defect too,
+    # after its root cause: one finding is the eval defect alone, the other starts with the order.
+    order_findings = [text for text in findings if "issued no forward-order warning" in text]
+    eval_findings = [text for text in findings if "in eval mode" in text and text not in order_findings]
+    assert len(eval_findings) == len(order_findings) == 1, report[:3000]
+    assert all("REPRO: " in text for text in findings)
+    summary = re.search(r"\] \d+ programs in .*?(\d+) distinct findings, (\d+) repeats set aside", output)
+    assert summary is not None and int(summary[1]) == len(findings) and int(summary[2]) >= 1, output[-3000:]

@@ -262,3 +262,21 @@ def test_the_ci_set_is_drawn_by_the_pinned_hypothesis_and_says_which_set_ran() -
     assert "the one CI runs" in generation.derandomized_set(generation.CI_HYPOTHESIS)
     other = generation.derandomized_set("6.0.0")
     assert "not CI's" in other and "pip install -e '.[draws]'" in other
+
+
+def test_a_campaign_tells_findings_apart_by_their_root_cause() -> None:
+    # The same defect at another operation, on another rank, with other numbers: the same finding.
+    # What a wrong step makes later checks show is its consequence; a new root cause is new.
+    step = "rank {r}, op {n} (optimizer step): the full state dict after the step differ from the oracle's: {k} of 10"
+    later = "rank {r}, op {n} (forward + backward): micro-batch 0: loss {x}, the oracle's 0.5"
+    first = "\n".join([step.format(r=0, n=2, k=5), "    w: max abs difference 0.005", later.format(r=0, n=4, x=0.7)])
+    again = "\n".join([step.format(r=1, n=6, k=3), later.format(r=1, n=8, x=-2.0)])
+    assert generation.finding_lines(again) == generation.finding_lines(first)
+    eval_after_step = first + "\nrank 0, op 5 (forward under no_grad): loss 0.1 under no_grad in eval mode"
+    assert generation.finding_lines(eval_after_step) == generation.finding_lines(first)  # masked by the step
+    eval_alone = "rank 0, op 1 (forward under no_grad): loss 0.1 under no_grad in eval mode"
+    assert not generation.finding_lines(eval_alone) <= generation.finding_lines(first)
+    raised = "the ranks did not all finish the program:\nrank 1: ValueError: bad shard 3"
+    other = "the ranks did not all finish the program:\nrank 0: KeyError: 'exp_avg'"
+    assert generation.finding_lines(raised) == generation.finding_lines(raised.replace("3", "7"))
+    assert not generation.finding_lines(other) <= generation.finding_lines(raised)
