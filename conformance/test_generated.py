@@ -131,8 +131,14 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
                 completed = True
             except GeneratedProgramFailed as finding:
                 generation.record(str(finding), finding.what_went_wrong)
-            except Flaky as flaky:  # the shrunk program did not fail again: nondeterminism, a finding
-                generation.record(f"{type(flaky).__name__}: {flaky}", str(flaky))
+            except Flaky as flaky:  # the program did not fail again when replayed: nondeterminism, a finding
+                inner = getattr(flaky, "exceptions", ())  # FlakyFailure is an exception group
+                first = next((e for e in inner if isinstance(e, GeneratedProgramFailed)), None)
+                generation.record(
+                    f"this program failed once, then passed when hypothesis replayed it ({type(flaky).__name__}): "
+                    f"the backend or the program is nondeterministic\n{first if first is not None else flaky}",
+                    first.what_went_wrong if first is not None else str(flaky),
+                )
             batch += 1
             # A --generate-examples batch that ran to its end drew what was left of the budget.
             if generation.budget_spent() or (completed and generation.examples is not None):
