@@ -49,7 +49,7 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
             run_program, args=(backend, program), trace=True, isolate=True, timeout_s=generation.timeout_s
         )
         verdict = judge(program, result, generation.known(program.world_size))
-        if verdict.kind == "failed" and generation.repeats_a_finding(verdict.text):
+        if verdict.kind == "failed" and generation.repeats_a_finding(verdict.root_cause):
             verdict.kind = "repeat"  # what this campaign already found: look for others
         generation.note(program, verdict.kind, verdict.sharded)
         if verdict.kind == "failed":
@@ -58,7 +58,7 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
                 from conformance.programs.export import export_repro  # only with --export-repro
 
                 text += "\n" + export_repro(generation.name, program, generation.export_dir)
-            raise GeneratedProgramFailed(text, verdict.text)
+            raise GeneratedProgramFailed(text, verdict.root_cause)
         return verdict
 
     if generation.replay is not None:
@@ -130,14 +130,14 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
                 seeds_pending = False
                 completed = True
             except GeneratedProgramFailed as finding:
-                generation.record(str(finding), finding.what_went_wrong)
+                generation.record(str(finding), finding.root_cause)
             except Flaky as flaky:  # the program did not fail again when replayed: nondeterminism, a finding
                 inner = getattr(flaky, "exceptions", ())  # FlakyFailure is an exception group
                 first = next((e for e in inner if isinstance(e, GeneratedProgramFailed)), None)
                 generation.record(
                     f"this program failed once, then passed when hypothesis replayed it ({type(flaky).__name__}): "
                     f"the backend or the program is nondeterministic\n{first if first is not None else flaky}",
-                    first.what_went_wrong if first is not None else str(flaky),
+                    first.root_cause if first is not None else frozenset({"a failure that did not repeat"}),
                 )
             batch += 1
             # A --generate-examples batch that ran to its end drew what was left of the budget.

@@ -99,6 +99,10 @@ class ProgramReport:
     """When the backend raised and the program ended early on this rank (``time.time()``; None
     when it did not): its peers may have gone on into collectives it never issued, and raised
     in turn, as a consequence."""
+    root_cause: list[str] = field(default_factory=list)
+    """What this rank found at the first operation it found anything at, as data: each finding's
+    operation kind and check (``"Step: the full state dict after the step"``), no numbers. A
+    campaign tells findings apart by it; what the checks find after it is its consequence."""
 
 
 def run_program(selection: str, program: Program) -> ProgramReport:
@@ -126,6 +130,8 @@ def program_report(
         vacuous = watch.finding(body_passed=not report.refused)
         if isinstance(vacuous, StorageClaimNotMet):
             report.findings.append(f"rank {rank}, at the end: {vacuous}")
+            if not report.root_cause:
+                report.root_cause.append("end: the storage claim showed nothing sharded")
         report.sharded = vacuous is None and not report.refused
     return report
 
@@ -152,6 +158,7 @@ class _ProgramRun:
         )
         self.order_checked = self.setup.check_exec_order and self.setup.unit_plan != "none" and program.model.depth >= 2
         self.op_index = -1
+        self.root_op: int | None = None  # the operation this rank first found something at
 
     # -- set-up -------------------------------------------------------------------------------
     def _spec(self) -> ShardingSpec:
@@ -230,7 +237,7 @@ class _ProgramRun:
         except BaseException as error:
             if _is_outcome(error):
                 raise
-            self._find(f"sharding the model raised {_described(error)}")
+            self._find(f"sharding the model raised {_described(error)}", f"raised {type(error).__name__}")
             self.report.raised_at = time.time()
             return
         self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
@@ -244,7 +251,7 @@ class _ProgramRun:
                 # The program cannot go on; what the checks found before stays in the report.
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
-                self._find(f"raised {_described(error)}")
+                self._find(f"raised {_described(error)}", f"raised {type(error).__name__}")
                 self.report.raised_at = time.time()
                 return
             self.report.operations_run = index + 1
@@ -258,8 +265,14 @@ class _ProgramRun:
         op = self.program.operations[self.op_index]
         return f"op {self.op_index} ({op.describe()})"
 
-    def _find(self, text: str) -> None:
+    def _find(self, text: str, check: str) -> None:
+        """Report ``text`` at this operation; ``check`` names what found it, without numbers."""
         self.report.findings.append(f"rank {self.rank}, {self._where()}: {text}")
+        if self.root_op is None:
+            self.root_op = self.op_index
+        if self.op_index == self.root_op:
+            kind = type(self.program.operations[self.op_index]).__name__ if self.op_index >= 0 else "setup"
+            self.report.root_cause.append(f"{kind}: {check}")
 
     def _apply(self, op: Operation) -> bool:
         """Run one operation and its checks; True when the program cannot go on."""
@@ -324,7 +337,8 @@ class _ProgramRun:
                 self._find(
                     "the ranks ran the first iteration in different forward orders (blocks 0 and 1 swapped on "
                     "odd ranks) and the backend, which declares EXEC_ORDER_CHECK and was asked to check "
-                    "(check_exec_order=True), did not refuse it"
+                    "(check_exec_order=True), did not refuse it",
+                    "a rank-divergent first iteration not refused",
                 )
                 return True
             self._check_order_warnings(caught, route, training=True)
@@ -335,7 +349,8 @@ class _ProgramRun:
                 self._find(
                     f"micro-batch {micro_batch}: loss {loss.item():.9g}, the oracle's {want:.9g} "
                     f"(difference {abs(loss.item() - want):.3g}; bound {self.bounds.loss_atol:g} + "
-                    f"{self.bounds.loss_rtol:g} x |oracle|)"
+                    f"{self.bounds.loss_rtol:g} x |oracle|)",
+                    "the loss",
                 )
         self._check_grads()
         self._check_storage(Stored.PARAMETERS, Phase.AFTER_BACKWARD)
@@ -370,7 +385,8 @@ class _ProgramRun:
             mode = "training" if self.shadow.model.training else "eval"
             self._find(
                 f"loss {loss:.9g} under no_grad in {mode} mode, the oracle's {expected:.9g} "
-                f"(difference {abs(loss - expected):.3g})"
+                f"(difference {abs(loss - expected):.3g})",
+                f"the loss under no_grad in {mode} mode",
             )
 
     def _unshard(self, op: Unshard) -> None:
@@ -467,7 +483,7 @@ class _ProgramRun:
         }
         found = differences(actual, expected, tolerance)
         if found:
-            self._find(report(f"{what} differ from the oracle's", found, len(expected), tolerance))
+            self._find(report(f"{what} differ from the oracle's", found, len(expected), tolerance), what)
 
     def _admits(self, *needed: Capability) -> bool:
         """Whether the backend declares what a check needs, with this program's spec (the rule of
@@ -494,7 +510,8 @@ class _ProgramRun:
         if sharded_values:
             self._find(
                 f"{what} holds DTensors or ShardedTensors for {sharded_values}: a full state dict holds plain, "
-                "whole tensors (StateDictKind.FULL)"
+                "whole tensors (StateDictKind.FULL)",
+                f"{what} holds DTensors or ShardedTensors",
             )
         rounded = self._in_compute_dtype(state)
         expected = self.shadow.state()
@@ -545,7 +562,8 @@ class _ProgramRun:
         if frozen_shown:
             self._find(
                 f"frozen parameters (requires_grad=False) show a gradient inside unshard(with_grads=True): "
-                f"{frozen_shown}; torch leaves their .grad None"
+                f"{frozen_shown}; torch leaves their .grad None",
+                "frozen parameters show a gradient",
             )
         trained = {name: grad for name, grad in shown.items() if name not in self.frozen}
         self._compare(trained, self.shadow.grads(), self.bounds.grads, what)
@@ -561,7 +579,7 @@ class _ProgramRun:
             before = len(probe.problems)
             probe.check(stored, phase, optimizer=optimizer, exempt=left_to_others | self.frozen)
             for problem in probe.problems[before:]:
-                self._find(problem)
+                self._find(problem, f"the storage claim for {stored.name} {phase.name}")
 
     def _check_order_warnings(self, caught: list[warnings.WarningMessage], route: list[int], training: bool) -> None:
         issued = [str(w.message) for w in caught if ORDER_WARNING in str(w.message)]
@@ -579,11 +597,15 @@ class _ProgramRun:
         if expected and not issued:
             self._find(
                 f"a training forward whose order differs from the first iteration's ({route} after "
-                f"{self.first_route}) issued no forward-order warning"
+                f"{self.first_route}) issued no forward-order warning",
+                "no forward-order warning",
             )
         elif issued and not expected:
             what = "a training" if training else "an eval"
-            self._find(f"{what} forward issued forward-order warnings it should not: {issued}")
+            self._find(
+                f"{what} forward issued forward-order warnings it should not: {issued}",
+                "a forward-order warning unasked",
+            )
 
     def _check_sharded_layout(self, state: dict[str, Any]) -> None:
         """A sharded state dict's DTensors shard dimension 0 over the (first) data-parallel mesh dim."""
@@ -594,7 +616,8 @@ class _ProgramRun:
                     self._find(
                         f"sharded state dict entry {name!r} is laid out {value.placements} over its mesh: "
                         f"dimension {first.dim} sharded over data parallelism, where rows (Shard(0)) are "
-                        "what every backend's sharded state dict holds"
+                        "what every backend's sharded state dict holds",
+                        "the sharded state dict's layout",
                     )
 
     def _shared_directory(self) -> str:

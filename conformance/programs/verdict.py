@@ -53,16 +53,20 @@ class ExampleVerdict:
     known: list[KnownFinding] = field(default_factory=list)
     sharded: bool = False
     """Whether the backend showed it sharded something (vacuity evidence, over the whole run)."""
+    root_cause: frozenset[str] = frozenset()
+    """What identifies a failure, as data: the ranks' ``ProgramReport.root_cause`` (each rank's
+    findings at its first failing operation: kind and check, no numbers), or what ended it (a
+    rank lost, divergent collectives). A campaign sets aside a failure whose root cause it has
+    already found (``conformance.suite.generation``)."""
 
 
 class GeneratedProgramFailed(AssertionError):
     """A generated program that a backend fails; its text is the whole report, and
-    ``what_went_wrong`` the part of it that is the backend's (not the program's, not the REPRO
-    line): a campaign tells its findings apart by it."""
+    ``root_cause`` what a campaign tells its findings apart by (``ExampleVerdict.root_cause``)."""
 
-    def __init__(self, report: str, what_went_wrong: str = "") -> None:
+    def __init__(self, report: str, root_cause: frozenset[str] = frozenset()) -> None:
         super().__init__(report)
-        self.what_went_wrong = what_went_wrong or report
+        self.root_cause = root_cause
 
 
 def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -> ExampleVerdict:
@@ -81,7 +85,16 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
         ]
         if texts and all(any(entry.explains(text) for entry in applicable) for text in texts):
             return ExampleVerdict("known", known=_used(applicable, texts))
-        return ExampleVerdict("failed", f"the ranks did not all finish the program:\n{result.describe()}")
+        lost = {
+            f"a rank did not finish: {type(outcome).__name__}"
+            for outcome in result.results.values()
+            if not getattr(outcome, "after_peer_failed", False) and getattr(outcome, "status", "") == "failed"
+        }
+        return ExampleVerdict(
+            "failed",
+            f"the ranks did not all finish the program:\n{result.describe()}",
+            root_cause=_root_cause(returned) | lost,
+        )
     reports: list[ProgramReport] = [result.values[rank] for rank in sorted(result.values)]
     sharded = any(report.sharded for report in reports)
     unsupported = sorted({report.unsupported for report in reports if report.unsupported})
@@ -91,6 +104,7 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
             "the backend refused, as unsupported, a program drawn only from what it declares: "
             + "; ".join(unsupported)
             + "\nits CAPABILITIES / UNSUPPORTED_COMBINATIONS do not say what it refuses: declare it there",
+            root_cause=frozenset({"refused as unsupported"}),
         )
     # A first iteration whose forward order differs between ranks, refused by every rank: the
     # backend's order check exchanged each rank's unit (its collectives carry different unit
@@ -105,13 +119,16 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
         return ExampleVerdict("known", known=_used(applicable, findings), sharded=sharded)
     if result.divergence and not refused_on_purpose and not after_known_raise:
         return ExampleVerdict(
-            "failed", f"the ranks issued divergent collectives:\n{result.divergence}", sharded=sharded
+            "failed",
+            f"the ranks issued divergent collectives:\n{result.divergence}",
+            sharded=sharded,
+            root_cause=_root_cause(reports) | {"divergent collectives"},
         )
     if not findings:
         return ExampleVerdict("passed", sharded=sharded)
     if not unexplained:
         return ExampleVerdict("known", known=_used(applicable, findings), sharded=sharded)
-    return ExampleVerdict("failed", "\n".join(unexplained), sharded=sharded)
+    return ExampleVerdict("failed", "\n".join(unexplained), sharded=sharded, root_cause=_root_cause(reports))
 
 
 def _first_raise_is_known(reports: Sequence[ProgramReport], applicable: Sequence[KnownFinding]) -> bool:
@@ -122,6 +139,10 @@ def _first_raise_is_known(reports: Sequence[ProgramReport], applicable: Sequence
     first = min(report.raised_at for report in raised if report.raised_at is not None)
     causes = [report for report in raised if report.raised_at == first]
     return all(any(entry.explains(f) for entry in applicable) for report in causes for f in report.findings)
+
+
+def _root_cause(reports: Sequence[ProgramReport]) -> frozenset[str]:
+    return frozenset(cause for report in reports for cause in report.root_cause)
 
 
 def _used(applicable: Sequence[KnownFinding], findings: Sequence[str]) -> list[KnownFinding]:

@@ -12,7 +12,8 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
   with an example database per backend (``--generate-database``, default
   ``.hypothesis/generated/<backend>``) that keeps every failure, so the next campaign tries it
   first. A campaign goes on past each finding: it keeps the shrunk program, sets aside what
-  repeats it (:func:`finding_lines`) and fails at the end with every distinct finding;
+  repeats its root cause (:meth:`Generation.repeats_a_finding`) and fails at the end with every
+  distinct finding;
 - **known findings**: the backend's ``[[generated_finding]]`` entries
   (``conformance.suite.expectations``) that apply to this device, torch and world size;
 - **the minimal repro**: the ``REPRO:`` command of a failing program (``--generate-replay``
@@ -24,7 +25,6 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 import time
@@ -167,8 +167,7 @@ class Generation:
         database = options.generate_database
         self.database_dir = Path(database) / name if database else config.rootpath / ".hypothesis" / "generated" / name
         self.progress = Progress()
-        self.findings: list[CampaignFinding] = []
-        self._seen_lines: set[str] = set()
+        self.findings = CampaignFindings()
         self.world_sizes = self._world_sizes()
         self.ci_examples = CI_EXAMPLES
         self.timeout_s = EXAMPLE_TIMEOUT_S
@@ -272,17 +271,14 @@ class Generation:
         """How many more programs a ``--generate-examples`` campaign draws (at least one)."""
         return max(1, (self.examples or 0) - self.progress.drawn)
 
-    def repeats_a_finding(self, what_went_wrong: str) -> bool:
-        """Whether a failing example shows only what this campaign already found (its
-        :func:`finding_lines` are all an earlier finding's): it is set aside so that the campaign
-        goes on looking for others, as a recorded known finding is."""
-        return bool(self.findings) and finding_lines(what_went_wrong) <= self._seen_lines
+    def repeats_a_finding(self, root_cause: frozenset[str]) -> bool:
+        """Whether a failing example shows only what this campaign already found (see
+        :meth:`CampaignFindings.repeats`)."""
+        return self.findings.repeats(root_cause)
 
-    def record(self, report: str, what_went_wrong: str) -> None:
+    def record(self, report: str, root_cause: frozenset[str]) -> None:
         """Keep one shrunk finding of the campaign, and show it now."""
-        self.findings.append(CampaignFinding(report, finding_lines(what_went_wrong)))
-        self._seen_lines |= finding_lines(what_went_wrong)
-        number = len(self.findings)
+        number = self.findings.add(report, root_cause)
         self.say(
             f"[generated {self.name}] finding {number} of this campaign, shrunk (the campaign goes on; "
             f"programs that show only this again are set aside):\n{report}"
@@ -300,7 +296,7 @@ class Generation:
             f"this campaign found {count} distinct finding{'s' if count != 1 else ''} on {self.name} "
             f"(seed {self.seed}); each is shrunk to its minimal program, with the command that replays it:"
         ]
-        for number, finding in enumerate(self.findings, 1):
+        for number, finding in enumerate(self.findings.found, 1):
             parts.append(f"=== finding {number} of {count} ===\n{finding.report}")
         return "\n\n".join(parts)
 
@@ -316,40 +312,37 @@ class Generation:
 
 @dataclass(frozen=True)
 class CampaignFinding:
-    """One distinct finding of a campaign: the whole report of its shrunk program, and the lines
-    (numbers aside) of what went wrong, by which later examples that repeat it are known."""
+    """One distinct finding of a campaign: the whole report of its shrunk program, and its root
+    cause (``conformance.programs.verdict.ExampleVerdict.root_cause``), by which later examples
+    that repeat it are known."""
 
     report: str
-    lines: frozenset[str]
+    root_cause: frozenset[str]
 
 
-_NUMBER = re.compile(r"0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_FINDING = re.compile(r"rank (?P<rank>\d+), (?:op (?P<op>\d+) |before the first operation|at the end)")
+class CampaignFindings:
+    """The distinct findings of one campaign, in the order found, and which failures repeat them."""
 
+    def __init__(self) -> None:
+        self.found: list[CampaignFinding] = []
+        self._causes: set[str] = set()
 
-def finding_lines(what_went_wrong: str) -> frozenset[str]:
-    """What identifies a finding, numbers replaced by ``#`` (the same defect on another rank, at
-    another operation, tensor index or size reads the same).
+    def __len__(self) -> int:
+        return len(self.found)
 
-    Where the ranks reported findings (``rank R, op N (...): ...`` lines), the root cause: each
-    rank's findings at the first operation it found something at. What follows from it (a wrong
-    step makes every later check differ) is not the finding, and a later defect that shows only
-    after an earlier one is masked by it until that is fixed. Otherwise (a rank raised, hung or
-    died; divergent collectives), every line of what went wrong.
-    """
-    lines = [line.strip() for line in what_went_wrong.splitlines() if line.strip()]
-    first_op: dict[str, float] = {}
-    headlines: list[tuple[str, float, str]] = []
-    for line in lines:
-        match = _FINDING.match(line)
-        if match is None:
-            continue
-        order = float(match["op"]) if match["op"] is not None else (-1.0 if "before" in match[0] else float("inf"))
-        headlines.append((match["rank"], order, line))
-        first_op[match["rank"]] = min(order, first_op.get(match["rank"], order))
-    if headlines:
-        lines = [line for rank, order, line in headlines if order == first_op[rank]]
-    return frozenset(_NUMBER.sub("#", line) for line in lines)
+    def repeats(self, root_cause: frozenset[str]) -> bool:
+        """Whether a failure with ``root_cause`` shows only what was found already: each of its
+        causes (a rank's findings at its first failing operation, by operation kind and check)
+        is an earlier finding's. Such a failure is set aside, so that the campaign goes on looking
+        for others, as a recorded known finding is. What follows from a root cause is not another
+        finding; a defect that shows only after an earlier one is masked until that is fixed."""
+        return bool(root_cause) and root_cause <= self._causes
+
+    def add(self, report: str, root_cause: frozenset[str]) -> int:
+        """Keep one finding; returns its number (1 for the first)."""
+        self.found.append(CampaignFinding(report, root_cause))
+        self._causes |= root_cause
+        return len(self.found)
 
 
 def derandomized_set(installed: str | None = None) -> str:

@@ -265,18 +265,39 @@ def test_the_ci_set_is_drawn_by_the_pinned_hypothesis_and_says_which_set_ran() -
 
 
 def test_a_campaign_tells_findings_apart_by_their_root_cause() -> None:
-    # The same defect at another operation, on another rank, with other numbers: the same finding.
-    # What a wrong step makes later checks show is its consequence; a new root cause is new.
-    step = "rank {r}, op {n} (optimizer step): the full state dict after the step differ from the oracle's: {k} of 10"
-    later = "rank {r}, op {n} (forward + backward): micro-batch 0: loss {x}, the oracle's 0.5"
-    first = "\n".join([step.format(r=0, n=2, k=5), "    w: max abs difference 0.005", later.format(r=0, n=4, x=0.7)])
-    again = "\n".join([step.format(r=1, n=6, k=3), later.format(r=1, n=8, x=-2.0)])
-    assert generation.finding_lines(again) == generation.finding_lines(first)
-    eval_after_step = first + "\nrank 0, op 5 (forward under no_grad): loss 0.1 under no_grad in eval mode"
-    assert generation.finding_lines(eval_after_step) == generation.finding_lines(first)  # masked by the step
-    eval_alone = "rank 0, op 1 (forward under no_grad): loss 0.1 under no_grad in eval mode"
-    assert not generation.finding_lines(eval_alone) <= generation.finding_lines(first)
-    raised = "the ranks did not all finish the program:\nrank 1: ValueError: bad shard 3"
-    other = "the ranks did not all finish the program:\nrank 0: KeyError: 'exp_avg'"
-    assert generation.finding_lines(raised) == generation.finding_lines(raised.replace("3", "7"))
-    assert not generation.finding_lines(other) <= generation.finding_lines(raised)
+    # The verdict carries each rank's root cause as data (the findings at its first failing
+    # operation, by operation kind and check); a campaign sets aside a failure whose causes it
+    # has all found: the same defect at another operation, on another rank, with other numbers.
+    program = _program(Backward(), Step(), Backward(), Step())
+
+    def failed(*root_causes: list[str]) -> frozenset[str]:
+        reports = {
+            rank: ProgramReport(rank, [f"rank {rank}: something differs"], root_cause=list(causes), sharded=True)
+            for rank, causes in enumerate(root_causes)
+        }
+        verdict = judge(program, _Result(reports), [])
+        assert verdict.kind == "failed"
+        return verdict.root_cause
+
+    step = "Step: the full state dict after the step"
+    found = generation.CampaignFindings()
+    first = failed([step], [step])
+    assert first == {step} and not found.repeats(first)
+    assert found.add("report 1", first) == 1
+    assert found.repeats(failed([step], []))  # the same cause, on one rank only
+    eval_alone = failed(["EvalForward: the loss under no_grad in eval mode"], [])
+    assert not found.repeats(eval_alone)  # a new cause
+    assert not found.repeats(failed([step], ["SaveLoad: raised KeyError"]))  # one new cause among known ones
+    # A rank lost (not stopped because of a peer) is a cause of its own; so are divergent collectives.
+    lost = _Result({0: ProgramReport(0, root_cause=[step])}, {1: "rank 1 died"})
+
+    @dataclass
+    class _Lost:
+        after_peer_failed: bool
+        status: str = "failed"
+
+    lost.results = {1: _Lost(after_peer_failed=False)}
+    assert judge(program, lost, []).root_cause == {step, "a rank did not finish: _Lost"}
+    diverged = judge(program, _Result(_reports([], []), divergence="collective #3 differs"), [])
+    assert diverged.root_cause == {"divergent collectives"}
+    assert not found.repeats(frozenset())  # a failure without a cause is never set aside
