@@ -100,9 +100,10 @@ class ProgramReport:
     when it did not): its peers may have gone on into collectives it never issued, and raised
     in turn, as a consequence."""
     root_cause: list[str] = field(default_factory=list)
-    """What this rank found at the first operation it found anything at, as data: each finding's
-    operation kind and check (``"Step: the full state dict after the step"``), no numbers. A
-    campaign tells findings apart by it; what the checks find after it is its consequence."""
+    """What this rank found at the first operation it found anything at, as data: the check of
+    each finding (``"the full state dict after the step"``, ``"SaveLoad raised KeyError"``), no
+    numbers. A campaign tells findings apart by it; what the checks find after it is its
+    consequence."""
 
 
 def run_program(selection: str, program: Program) -> ProgramReport:
@@ -237,7 +238,9 @@ class _ProgramRun:
         except BaseException as error:
             if _is_outcome(error):
                 raise
-            self._find(f"sharding the model raised {_described(error)}", f"raised {type(error).__name__}")
+            self._find(
+                f"sharding the model raised {_described(error)}", f"sharding the model raised {type(error).__name__}"
+            )
             self.report.raised_at = time.time()
             return
         self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
@@ -251,7 +254,7 @@ class _ProgramRun:
                 # The program cannot go on; what the checks found before stays in the report.
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
-                self._find(f"raised {_described(error)}", f"raised {type(error).__name__}")
+                self._find(f"raised {_described(error)}", f"{self._operation_kind()} raised {type(error).__name__}")
                 self.report.raised_at = time.time()
                 return
             self.report.operations_run = index + 1
@@ -266,13 +269,17 @@ class _ProgramRun:
         return f"op {self.op_index} ({op.describe()})"
 
     def _find(self, text: str, check: str) -> None:
-        """Report ``text`` at this operation; ``check`` names what found it, without numbers."""
+        """Report ``text`` at this operation; ``check`` names what found it, without numbers and
+        without the operation: a check that runs after several kinds of operation (the full state
+        dict at the end of any program) finds one defect, whichever operation came last."""
         self.report.findings.append(f"rank {self.rank}, {self._where()}: {text}")
         if self.root_op is None:
             self.root_op = self.op_index
         if self.op_index == self.root_op:
-            kind = type(self.program.operations[self.op_index]).__name__ if self.op_index >= 0 else "setup"
-            self.report.root_cause.append(f"{kind}: {check}")
+            self.report.root_cause.append(check)
+
+    def _operation_kind(self) -> str:
+        return type(self.program.operations[self.op_index]).__name__ if self.op_index >= 0 else "sharding the model"
 
     def _apply(self, op: Operation) -> bool:
         """Run one operation and its checks; True when the program cannot go on."""
@@ -511,7 +518,7 @@ class _ProgramRun:
             self._find(
                 f"{what} holds DTensors or ShardedTensors for {sharded_values}: a full state dict holds plain, "
                 "whole tensors (StateDictKind.FULL)",
-                f"{what} holds DTensors or ShardedTensors",
+                "a full state dict holds DTensors or ShardedTensors",
             )
         rounded = self._in_compute_dtype(state)
         expected = self.shadow.state()

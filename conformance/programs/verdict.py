@@ -55,7 +55,7 @@ class ExampleVerdict:
     """Whether the backend showed it sharded something (vacuity evidence, over the whole run)."""
     root_cause: frozenset[str] = frozenset()
     """What identifies a failure, as data: the ranks' ``ProgramReport.root_cause`` (each rank's
-    findings at its first failing operation: kind and check, no numbers), or what ended it (a
+    findings at its first failing operation, by check, no numbers), or what ended it (a
     rank lost, divergent collectives). A campaign sets aside a failure whose root cause it has
     already found (``conformance.suite.generation``)."""
 

@@ -332,7 +332,7 @@ class CampaignFindings:
 
     def repeats(self, root_cause: frozenset[str]) -> bool:
         """Whether a failure with ``root_cause`` shows only what was found already: each of its
-        causes (a rank's findings at its first failing operation, by operation kind and check)
+        causes (a rank's findings at its first failing operation, by check)
         is an earlier finding's. Such a failure is set aside, so that the campaign goes on looking
         for others, as a recorded known finding is. What follows from a root cause is not another
         finding; a defect that shows only after an earlier one is masked until that is fixed."""

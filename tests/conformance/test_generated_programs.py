@@ -279,15 +279,15 @@ def test_a_campaign_tells_findings_apart_by_their_root_cause() -> None:
         assert verdict.kind == "failed"
         return verdict.root_cause
 
-    step = "Step: the full state dict after the step"
+    step = "the full state dict after the step"
     found = generation.CampaignFindings()
     first = failed([step], [step])
     assert first == {step} and not found.repeats(first)
     assert found.add("report 1", first) == 1
     assert found.repeats(failed([step], []))  # the same cause, on one rank only
-    eval_alone = failed(["EvalForward: the loss under no_grad in eval mode"], [])
+    eval_alone = failed(["the loss under no_grad in eval mode"], [])
     assert not found.repeats(eval_alone)  # a new cause
-    assert not found.repeats(failed([step], ["SaveLoad: raised KeyError"]))  # one new cause among known ones
+    assert not found.repeats(failed([step], ["SaveLoad raised KeyError"]))  # one new cause among known ones
     # A rank lost (not stopped because of a peer) is a cause of its own; so are divergent collectives.
     lost = _Result({0: ProgramReport(0, root_cause=[step])}, {1: "rank 1 died"})
 
