@@ -49,7 +49,7 @@ def test_generated_programs(backend: str, generation, spmd_world) -> None:
             run_program, args=(backend, program), trace=True, isolate=True, timeout_s=generation.timeout_s
         )
         verdict = judge(program, result, generation.known(program.world_size))
-        if verdict.kind == "failed" and generation.repeats_a_finding(verdict.root_cause):
+        if verdict.kind == "failed" and generation.findings.repeats(verdict.root_cause):
             verdict.kind = "repeat"  # what this campaign already found: look for others
         generation.note(program, verdict.kind, verdict.sharded)
         if verdict.kind == "failed":

@@ -132,7 +132,7 @@ def program_report(
         if isinstance(vacuous, StorageClaimNotMet):
             report.findings.append(f"rank {rank}, at the end: {vacuous}")
             if not report.root_cause:
-                report.root_cause.append("end: the storage claim showed nothing sharded")
+                report.root_cause.append("the storage claim showed nothing sharded")
         report.sharded = vacuous is None and not report.refused
     return report
 
@@ -254,7 +254,7 @@ class _ProgramRun:
                 # The program cannot go on; what the checks found before stays in the report.
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
-                self._find(f"raised {_described(error)}", f"{self._operation_kind()} raised {type(error).__name__}")
+                self._find(f"raised {_described(error)}", f"{type(op).__name__} raised {type(error).__name__}")
                 self.report.raised_at = time.time()
                 return
             self.report.operations_run = index + 1
@@ -277,9 +277,6 @@ class _ProgramRun:
             self.root_op = self.op_index
         if self.op_index == self.root_op:
             self.report.root_cause.append(check)
-
-    def _operation_kind(self) -> str:
-        return type(self.program.operations[self.op_index]).__name__ if self.op_index >= 0 else "sharding the model"
 
     def _apply(self, op: Operation) -> bool:
         """Run one operation and its checks; True when the program cannot go on."""

@@ -12,7 +12,7 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
   with an example database per backend (``--generate-database``, default
   ``.hypothesis/generated/<backend>``) that keeps every failure, so the next campaign tries it
   first. A campaign goes on past each finding: it keeps the shrunk program, sets aside what
-  repeats its root cause (:meth:`Generation.repeats_a_finding`) and fails at the end with every
+  repeats its root cause (:meth:`CampaignFindings.repeats`) and fails at the end with every
   distinct finding;
 - **known findings**: the backend's ``[[generated_finding]]`` entries
   (``conformance.suite.expectations``) that apply to this device, torch and world size;
@@ -256,25 +256,17 @@ class Generation:
             )
         )
 
-    def out_of_time(self) -> bool:
-        return self.seconds is not None and time.monotonic() - self.progress.started >= self.seconds
-
     def budget_spent(self) -> bool:
         """Whether the campaign is over: its programs drawn or its time up, or too many findings."""
         if len(self.findings) >= CAMPAIGN_MAX_FINDINGS:
             return True
         if self.examples is not None:
             return self.progress.drawn >= self.examples
-        return self.out_of_time()
+        return self.seconds is not None and time.monotonic() - self.progress.started >= self.seconds
 
     def examples_left(self) -> int:
         """How many more programs a ``--generate-examples`` campaign draws (at least one)."""
         return max(1, (self.examples or 0) - self.progress.drawn)
-
-    def repeats_a_finding(self, root_cause: frozenset[str]) -> bool:
-        """Whether a failing example shows only what this campaign already found (see
-        :meth:`CampaignFindings.repeats`)."""
-        return self.findings.repeats(root_cause)
 
     def record(self, report: str, root_cause: frozenset[str]) -> None:
         """Keep one shrunk finding of the campaign, and show it now."""
