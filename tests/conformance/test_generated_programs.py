@@ -257,8 +257,8 @@ def test_the_ci_set_is_drawn_by_the_pinned_hypothesis_and_says_which_set_ran() -
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     assert extras["draws"] == [f"hypothesis=={generation.CI_HYPOTHESIS}"]
-    assert "fsdp-conformance[draws]" in extras["test"]
-    assert "'.[draws]'" in (REPO / ".ci" / "torch-leg").read_text()
+    assert "fsdp-conformance[draws,runner]" in extras["test"]
+    assert "'.[draws,runner]'" in (REPO / ".ci" / "torch-leg").read_text()
     assert "the one CI runs" in generation.derandomized_set(generation.CI_HYPOTHESIS)
     other = generation.derandomized_set("6.0.0")
     assert "not CI's" in other and "pip install -e '.[draws]'" in other
