@@ -43,7 +43,8 @@ from typing import NoReturn
 #     `threading.excepthook`, trace and profile functions, the warnings filters and
 #     `showwarning` (pytest records warnings into a list), the root logger's handlers and level
 #     (pytest captures logging) are put back as they were when this module was imported, at
-#     plugin load, before any test ran; pytest's import hooks leave `sys.meta_path`.
+#     plugin load, before any test ran, and pytest's handlers leave every other logger (pytest
+#     9.2 attaches them to non-propagating ones too); pytest's import hooks leave `sys.meta_path`.
 #   - modules: pytest, its plugins, conftests, the project's packages and every module loaded
 #     from outside the interpreter's installed paths (test modules) are dropped from
 #     `sys.modules` and imported anew, as a cold zygote and its ranks import them: a rank
@@ -271,6 +272,11 @@ def _std_stream(fd: int, name: str, mode: str, encoding: str, errors: str, eager
     return stream
 
 
+def _pytests_own(handler: logging.Handler) -> bool:
+    """Whether pytest's logging plugin made ``handler`` (its capture and log-file handlers)."""
+    return type(handler).__module__.split(".")[0] == "_pytest"
+
+
 def _reset_hooks() -> None:
     sys.excepthook = sys.__excepthook__
     sys.unraisablehook = sys.__unraisablehook__
@@ -287,4 +293,12 @@ def _reset_hooks() -> None:
     root = logging.getLogger()
     root.handlers[:] = _ROOT_HANDLERS
     root.setLevel(_ROOT_LEVEL)
+    # pytest 9.2 also attaches its capture handlers to every non-propagating logger (torch's
+    # c10d loggers among them) while a test runs. Inherited, they would write each record to the
+    # parent's streams by fd number, and the child closes those fds: the numbers are reused by
+    # the trace file or a gloo socket, which a log line then corrupts (c10d logs each collective
+    # at DEBUG under TORCH_DISTRIBUTED_DEBUG=DETAIL).
+    for logger in logging.Logger.manager.loggerDict.values():
+        if isinstance(logger, logging.Logger):
+            logger.handlers[:] = [handler for handler in logger.handlers if not _pytests_own(handler)]
     sys.meta_path[:] = [finder for finder in sys.meta_path if not type(finder).__module__.startswith("_pytest")]

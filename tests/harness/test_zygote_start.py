@@ -17,12 +17,18 @@ from tests.harness.conftest import InnerSession
 
 # The ranks read their zygote's log through its stderr (fd 2): its first line says how it started.
 _SCENARIO = """
+import logging
 import os
 import signal
 
 import pytest
 
 STATE = {}
+# A logger that does not propagate, as torch's c10d loggers are: pytest >= 9.2 attaches its
+# capture handlers to it while a test runs, the test that forks the zygote included.
+QUIET = logging.getLogger("scenario.non-propagating")
+QUIET.propagate = False
+QUIET.setLevel(logging.DEBUG)
 
 
 def test_0_pytest_changes_its_own_state(tmp_path):
@@ -32,7 +38,7 @@ def test_0_pytest_changes_its_own_state(tmp_path):
 
 
 @pytest.mark.world_size(2)
-def test_1_ranks_see_none_of_it(rank):
+def test_1_ranks_see_none_of_it(rank, tmp_path):
     zygote = os.getppid()
     with open(os.readlink(f"/proc/{zygote}/fd/2")) as log:
         print("ZYGOTE LOG:", log.readline().strip())
@@ -41,6 +47,15 @@ def test_1_ranks_see_none_of_it(rank):
     held = [os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in os.listdir(f"/proc/{zygote}/fd")]
     assert not [path for path in held if path.endswith("held-open")], held
     assert os.getsid(zygote) == zygote, "the zygote leads its own session"
+    # pytest's handlers hold the parent's streams by fd number; the rank closed those fds, and the
+    # files it opens reuse the numbers: a record logged now must reach none of them.
+    files = [open(tmp_path / f"file-{index}", "w") for index in range(32)]
+    QUIET.debug("RECORD-FOR-PYTEST")
+    for handle in files:
+        handle.close()
+    assert not [path.name for path in tmp_path.iterdir() if "RECORD-FOR-PYTEST" in path.read_text()]
+    kinds = [type(handler).__module__ for handler in QUIET.handlers]
+    assert not [kind for kind in kinds if kind.startswith("_pytest")], kinds
 """
 
 
