@@ -44,7 +44,7 @@ from typing import NoReturn
 #     `showwarning` (pytest records warnings into a list), the root logger's handlers and level
 #     (pytest captures logging) are put back as they were when this module was imported, at
 #     plugin load, before any test ran, and pytest's handlers leave every other logger (pytest
-#     9.2 attaches them to non-propagating ones too); pytest's import hooks leave `sys.meta_path`.
+#     9.1+ attaches them to non-propagating ones too); pytest's import hooks leave `sys.meta_path`.
 #   - modules: pytest, its plugins, conftests, the project's packages and every module loaded
 #     from outside the interpreter's installed paths (test modules) are dropped from
 #     `sys.modules` and imported anew, as a cold zygote and its ranks import them: a rank
@@ -293,7 +293,7 @@ def _reset_hooks() -> None:
     root = logging.getLogger()
     root.handlers[:] = _ROOT_HANDLERS
     root.setLevel(_ROOT_LEVEL)
-    # pytest 9.2 also attaches its capture handlers to every non-propagating logger (torch's
+    # pytest 9.1+ also attaches its capture handlers to every non-propagating logger (torch's
     # c10d loggers among them) while a test runs. Inherited, they would write each record to the
     # parent's streams by fd number, and the child closes those fds: the numbers are reused by
     # the trace file or a gloo socket, which a log line then corrupts (c10d logs each collective

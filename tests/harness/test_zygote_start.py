@@ -24,7 +24,7 @@ import signal
 import pytest
 
 STATE = {}
-# A logger that does not propagate, as torch's c10d loggers are: pytest >= 9.2 attaches its
+# A logger that does not propagate, as torch's c10d loggers are: pytest >= 9.1 attaches its
 # capture handlers to it while a test runs, the test that forks the zygote included.
 QUIET = logging.getLogger("scenario.non-propagating")
 QUIET.propagate = False
