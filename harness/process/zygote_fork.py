@@ -43,8 +43,10 @@ from typing import NoReturn
 #     `threading.excepthook`, trace and profile functions, the warnings filters and
 #     `showwarning` (pytest records warnings into a list), the root logger's handlers and level
 #     (pytest captures logging) are put back as they were when this module was imported, at
-#     plugin load, before any test ran, and pytest's handlers leave every other logger (pytest
-#     9.1+ attaches them to non-propagating ones too); pytest's import hooks leave `sys.meta_path`.
+#     plugin load, before any test ran, and so are every other logger's, but for handlers that write
+#     nowhere (pytest 9.1+ attaches its handlers to non-propagating loggers too, and a conftest
+#     may add a file handler, which its import in the child adds again); pytest's import hooks
+#     leave `sys.meta_path`.
 #   - modules: pytest, its plugins, conftests, the project's packages and every module loaded
 #     from outside the interpreter's installed paths (test modules) are dropped from
 #     `sys.modules` and imported anew, as a cold zygote and its ranks import them: a rank
@@ -70,6 +72,11 @@ _SHOWWARNING = warnings.showwarning
 _SHOWWARNMSG = getattr(warnings, "_showwarnmsg_impl", None)
 _ROOT_HANDLERS = list(logging.getLogger().handlers)
 _ROOT_LEVEL = logging.getLogger().level
+_LOGGER_HANDLERS = {
+    name: list(logger.handlers)
+    for name, logger in logging.Logger.manager.loggerDict.items()
+    if isinstance(logger, logging.Logger)
+}
 _START_ENV = {key: value for key, value in os.environ.items() if key.startswith("PYTHON") and key != "PYTHONPATH"}
 
 # Top-level packages dropped whatever their location: pytest's and the project's own.
@@ -272,9 +279,15 @@ def _std_stream(fd: int, name: str, mode: str, encoding: str, errors: str, eager
     return stream
 
 
-def _pytests_own(handler: logging.Handler) -> bool:
-    """Whether pytest's logging plugin made ``handler`` (its capture and log-file handlers)."""
-    return type(handler).__module__.split(".")[0] == "_pytest"
+def _kept_in_the_child(handler: logging.Handler, at_plugin_load: list[logging.Handler]) -> bool:
+    """Whether a forked child keeps ``handler``: one its logger had at plugin load (what a cold
+    start's imports give it), or a handler that writes nowhere (a library's ``NullHandler``, added
+    when an installed package first used its logger, which the child does not import again).
+    Anything else was added since by pytest (its capture and log-file handlers) or by a conftest
+    or test module, which the child imports anew and which adds its handler again."""
+    if handler in at_plugin_load:
+        return True
+    return type(handler) is logging.NullHandler
 
 
 def _reset_hooks() -> None:
@@ -293,12 +306,14 @@ def _reset_hooks() -> None:
     root = logging.getLogger()
     root.handlers[:] = _ROOT_HANDLERS
     root.setLevel(_ROOT_LEVEL)
-    # pytest 9.1+ also attaches its capture handlers to every non-propagating logger (torch's
-    # c10d loggers among them) while a test runs. Inherited, they would write each record to the
-    # parent's streams by fd number, and the child closes those fds: the numbers are reused by
-    # the trace file or a gloo socket, which a log line then corrupts (c10d logs each collective
-    # at DEBUG under TORCH_DISTRIBUTED_DEBUG=DETAIL).
-    for logger in logging.Logger.manager.loggerDict.values():
+    # Every other logger's handlers as at plugin load. pytest 9.1+ attaches its capture handlers
+    # to every non-propagating logger (torch's c10d loggers among them) while a test runs, and a
+    # conftest may give a logger a file. Inherited, such a handler writes each record to the
+    # parent's stream by fd number, and the child closes those fds: the numbers are reused by the
+    # trace file or a gloo socket, which a log line then corrupts (c10d logs each collective at
+    # DEBUG under TORCH_DISTRIBUTED_DEBUG=DETAIL).
+    for name, logger in logging.Logger.manager.loggerDict.items():
         if isinstance(logger, logging.Logger):
-            logger.handlers[:] = [handler for handler in logger.handlers if not _pytests_own(handler)]
+            at_plugin_load = _LOGGER_HANDLERS.get(name, [])
+            logger.handlers[:] = [handler for handler in logger.handlers if _kept_in_the_child(handler, at_plugin_load)]
     sys.meta_path[:] = [finder for finder in sys.meta_path if not type(finder).__module__.startswith("_pytest")]

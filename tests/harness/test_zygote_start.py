@@ -29,6 +29,10 @@ STATE = {}
 QUIET = logging.getLogger("scenario.non-propagating")
 QUIET.propagate = False
 QUIET.setLevel(logging.DEBUG)
+# A logger this module gives a file, as a user's conftest may: each import adds the handler.
+USER_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user.log")
+USER = logging.getLogger("scenario.user")
+USER.addHandler(logging.FileHandler(USER_LOG))
 
 
 def test_0_pytest_changes_its_own_state(tmp_path):
@@ -56,6 +60,10 @@ def test_1_ranks_see_none_of_it(rank, tmp_path):
     assert not [path.name for path in tmp_path.iterdir() if "RECORD-FOR-PYTEST" in path.read_text()]
     kinds = [type(handler).__module__ for handler in QUIET.handlers]
     assert not [kind for kind in kinds if kind.startswith("_pytest")], kinds
+    # This module, imported anew in the rank, gave the logger its file once; the parent's handler
+    # (its fd closed in the rank) is not there beside it.
+    files = [os.readlink(f"/proc/self/fd/{handler.stream.fileno()}") for handler in USER.handlers]
+    assert files == [USER_LOG], files
 """
 
 
