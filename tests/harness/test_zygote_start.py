@@ -62,8 +62,8 @@ def test_1_ranks_see_none_of_it(rank, tmp_path):
     assert not [kind for kind in kinds if kind.startswith("_pytest")], kinds
     # This module, imported anew in the rank, gave the logger its file once; the parent's handler
     # (its fd closed in the rank) is not there beside it.
-    files = [os.readlink(f"/proc/self/fd/{handler.stream.fileno()}") for handler in USER.handlers]
-    assert files == [USER_LOG], files
+    targets = [os.readlink(f"/proc/self/fd/{handler.stream.fileno()}") for handler in USER.handlers]
+    assert targets == [USER_LOG], targets
 """
 
 
