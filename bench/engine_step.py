@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,12 @@ def shard(config: str, model: nn.Module, block: type, device: torch.device) -> n
     return fully_shard(model)
 
 
+def _seeded_model(name: str) -> tuple[nn.Module, type, Callable[[torch.Generator], torch.Tensor]]:
+    """`build_model` under seed 0: every rank and every measurement starts from the same weights."""
+    torch.manual_seed(0)
+    return build_model(name)
+
+
 def _peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -124,8 +131,7 @@ def step_rank(
 
     import engine  # noqa: F401
 
-    torch.manual_seed(0)
-    model, block, make_input = build_model(model_name)
+    model, block, make_input = _seeded_model(model_name)
     baseline = _peak_memory_mib(device)  # the unsharded model, before the backend allocates
     sharded = shard(config, model.to(device), block, device)
     optim = torch.optim.Adam(sharded.parameters(), lr=1e-3)
@@ -147,12 +153,7 @@ def step_rank(
     times = [step(i) for i in range(WARMUP + steps)]
     peak = _peak_memory_mib(device)
     stats = torch.tensor([statistics.median(times[WARMUP:]), peak, peak - baseline], dtype=torch.float64)
-    on_device = stats.to(device)  # NCCL reduces device tensors only
-    dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
-    stats = on_device.cpu()
-    if rank == 0:
-        queue.put(stats.tolist())
-    _leave(queue)
+    _send_max(stats, device, rank, queue)
 
 
 def collective_rank(
@@ -163,8 +164,7 @@ def collective_rank(
     from engine import collectives
 
     device = _init(rank, world, init_file, device_type)
-    torch.manual_seed(0)
-    model, block, _ = build_model(model_name)
+    model, block, _ = _seeded_model(model_name)
     sharded = shard("engine", model.to(device), block, device)
     units = [unit for unit in engine.units(sharded) if unit.has_params]
     grads = [torch.randn(unit.layout.padded_numel, device=device) for unit in units]
@@ -202,9 +202,15 @@ def collective_rank(
     stats = torch.tensor(
         [statistics.median(engine_times), statistics.median(raw_times), sum(g.numel() for g in grads) * 4 / 2**20]
     )
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    _send_max(stats, device, rank, queue)
+
+
+def _send_max(stats: torch.Tensor, device: torch.device, rank: int, queue: Queue) -> None:
+    """The maximum of `stats` over the ranks, sent by rank 0; then the rank leaves (`_leave`)."""
+    on_device = stats.to(device)  # NCCL reduces device tensors only
+    dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put(stats.tolist())
+        queue.put(on_device.cpu().tolist())
     _leave(queue)
 
 

@@ -24,8 +24,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _trivial import trivial_task  # noqa: E402
 
-from harness.messages import TestTask  # noqa: E402
 from harness.process.pool import PoolKey, WorkerPool  # noqa: E402
 from harness.session.verdict import decide  # noqa: E402
 
@@ -34,18 +34,7 @@ def warm_ms_per_test(world_size: int, tests: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         pool = WorkerPool(PoolKey(world_size, "cpu", 30.0), run_dir, (), "bench")
         pool.start()
-        task = TestTask(
-            nodeid="bench::trivial_test",
-            module_name="_trivial",
-            module_file=str(ROOT / "bench" / "_trivial.py"),
-            qualname="trivial_test",
-            call_kwargs={},
-            rank_fixture_names=("rank",),
-            params={},
-            seed=0,
-            options={},
-            sys_path=list(sys.path),
-        )
+        task = trivial_task()
         try:
             for _ in range(5):  # first collectives open gloo connections: not per-test cost
                 assert decide(pool.run(task, 60, 5)).outcome == "passed"

@@ -25,9 +25,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from _trivial import noop  # noqa: E402
+from _trivial import noop, trivial_task  # noqa: E402
 
-from harness.messages import TestTask  # noqa: E402
 from harness.process.pool import PoolKey, WorkerPool  # noqa: E402
 from harness.session.spmd import SpmdWorld  # noqa: E402
 from harness.session.verdict import decide  # noqa: E402
@@ -52,21 +51,6 @@ class _OnePoolSession:
         raise AssertionError("a no-op call must never discard the pool")
 
 
-def _trivial_task() -> TestTask:
-    return TestTask(
-        nodeid="bench::trivial_test",
-        module_name="_trivial",
-        module_file=str(ROOT / "bench" / "_trivial.py"),
-        qualname="trivial_test",
-        call_kwargs={},
-        rank_fixture_names=("rank",),
-        params={},
-        seed=0,
-        options={},
-        sys_path=list(sys.path),
-    )
-
-
 def measure(world_size: int, calls: int, rounds: int) -> dict[str, float]:
     """ms per call (or per test, for the anchor) of each mode at `world_size`."""
     with tempfile.TemporaryDirectory() as run_dir:
@@ -74,7 +58,7 @@ def measure(world_size: int, calls: int, rounds: int) -> dict[str, float]:
         pool.start()
         try:
             world = SpmdWorld(_OnePoolSession(pool), world_size, "cpu")  # type: ignore[arg-type]
-            task = _trivial_task()
+            task = trivial_task()
 
             def anchor() -> None:
                 assert decide(pool.run(task, 60, 5)).outcome == "passed"

@@ -1,10 +1,15 @@
 """Cost of the per-rank collective trace (harness.rank.tracing), which is on by default.
 
-Spawns 2 gloo ranks. Two measurements:
+Spawns 2 gloo ranks. Three measurements:
   * recording cost: the trace wrapper around a no-op collective, with a test recording to a file
     (what tracing adds to every collective, without network noise);
   * end-to-end: a 1 MB (per rank) all_gather_into_tensor through the untraced original vs the
-    traced entry point, in alternating blocks (noisy on a shared machine; shown for reference).
+    traced entry point, in alternating blocks (noisy on a shared machine; shown for reference);
+  * the dispatcher hook (harness.rank.dispatch_hooks), which every process-group collective passes
+    through, whoever issued it: a 1-element all-reduce issued as DDP's reducer issues it
+    (`ProcessGroup.allreduce`, from below Python's entry points) with the hook bypassed, hooked
+    while no test records, and hooked and recorded (its record and its completion watched), in
+    alternating blocks: the floor of a collective's cost, so the hook's share is at its largest.
 
     python bench/trace_overhead.py [--iterations 400] [--record-calls 20000]
 """
@@ -91,6 +96,36 @@ def all_gather_us(iterations: int, trace_path: str) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(recorded)
 
 
+def dispatch_hook_us(iterations: int, trace_path: str) -> tuple[float, float, float]:
+    """Median per-call time of a 1-element `ProcessGroup.allreduce`: hook bypassed, hooked and idle,
+    hooked and recorded."""
+    group = dist.group.WORLD
+    tensor = torch.ones(1)
+    below_hook = torch._C._AutoDispatchBelowAutograd  # the dispatcher then skips the autograd-key hook
+
+    def issue() -> None:
+        group.allreduce([tensor]).wait()
+
+    def bypassed() -> None:
+        with below_hook():
+            group.allreduce([tensor]).wait()
+
+    per_block = max(1, iterations // BLOCKS)
+    for _ in range(50):
+        issue()
+    plain, idle, recorded = [], [], []
+    for _ in range(BLOCKS):
+        dist.barrier()
+        plain.append(_mean_us(bypassed, per_block))
+        dist.barrier()
+        idle.append(_mean_us(issue, per_block))
+        tracing.begin_test(trace_path)
+        dist.barrier()
+        recorded.append(_mean_us(issue, per_block))
+        tracing.end_test()
+    return statistics.median(plain), statistics.median(idle), statistics.median(recorded)
+
+
 def _rank(rank: int, world_size: int, work_dir: str, iterations: int, record_calls: int) -> None:
     store = dist.FileStore(os.path.join(work_dir, "store"), world_size)
     dist.init_process_group(
@@ -99,6 +134,7 @@ def _rank(rank: int, world_size: int, work_dir: str, iterations: int, record_cal
     tracing.install()
     trace_path = os.path.join(work_dir, f"trace-{rank}.jsonl")
     plain_us, traced_us = all_gather_us(iterations, trace_path)
+    hook = dispatch_hook_us(iterations * 4, trace_path) if hasattr(tracing, "dispatch_hooks") else None
     dist.barrier()
     if rank == 0:
         cost_us = recording_cost_us(record_calls, trace_path)
@@ -110,6 +146,13 @@ def _rank(rank: int, world_size: int, work_dir: str, iterations: int, record_cal
             f"  1 MB all_gather_into_tensor, 2 ranks: untraced {plain_us:.0f} us, traced {traced_us:.0f} us "
             f"(end-to-end difference {traced_us - plain_us:+.0f} us, noisy)"
         )
+        if hook is not None:
+            bare, idle, recorded = hook
+            print(
+                f"  dispatcher hook, 1-element ProcessGroup.allreduce (as DDP's reducer issues it), 2 ranks: "
+                f"bypassed {bare:.1f} us, hooked {idle:.1f} us ({idle / bare:.2f}x), "
+                f"hooked and recorded {recorded:.1f} us ({recorded / bare:.2f}x)"
+            )
     dist.barrier()
     dist.destroy_process_group()
 

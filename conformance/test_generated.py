@@ -7,7 +7,7 @@ harness runs it on a warm pool's ranks in one SPMD call (``spmd_world``), with t
 trace on. Each rank runs the program through the adapter beside its oracle and checks losses,
 parameters, gradients, the storage claim and forward-order warnings after every operation
 (``conformance.programs.run``); the parent judges the ranks' reports and the trace diff
-(``conformance.programs.verdict``). A failing program (a finding, a rank that raised, hung or
+(``conformance.programs.example_verdict``). A failing program (a finding, a rank that raised, hung or
 died, divergent collectives) fails the example; hypothesis shrinks it to the smallest program
 that still fails, and the report prints it operation by operation with a ``REPRO:`` command
 that replays exactly that program. A program whose every finding is a known one of the backend
@@ -30,10 +30,10 @@ from hypothesis.errors import Flaky
 
 from conformance.programs.declared import Declared, declared_axes
 from conformance.programs.draw import programs
+from conformance.programs.example_verdict import ExampleVerdict, GeneratedProgramFailed, failure_text, judge
 from conformance.programs.program import Program
 from conformance.programs.run import run_program
 from conformance.programs.seeds import seed_programs
-from conformance.programs.verdict import ExampleVerdict, GeneratedProgramFailed, failure_text, judge
 
 CAMPAIGN_BATCH = 10
 """A timed campaign runs hypothesis in batches of this many programs until its time is up."""

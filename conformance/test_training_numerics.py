@@ -10,7 +10,10 @@ by parameter name with its size.
 * ``test_mixed_precision_training``: compute in ``param_dtype`` (float16 or bfloat16), reduce
   gradients in it (``reduce_dtype`` None, the libraries' default) or in float32
   (``REDUCE_DTYPE``), step float32 master parameters. The oracle runs the same casts per rank
-  (``fixtures.Precision``).
+  (``fixtures.Precision``), from the float32 parameters the model was built with, or, for a
+  backend that stores them in the compute dtype once it has sharded the model (DeepSpeed's
+  bf16/fp16 mode: float32 only as its optimizer's master copy, made from the cast model), from
+  those values rounded to it, all such a backend still has.
 * ``test_gradient_accumulation``: several backward passes per optimizer step, each reducing
   (``plain``); the first ones inside the backend's ``no_gradient_sync`` (``no_sync``,
   ``NO_SYNC``); or no ``zero_grad`` at all, a step after every backward (``no_zero_grad``, the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -67,13 +71,17 @@ STRATEGIES = list(ShardingStrategy)
 # the same values, ws2). The reference engine reduces in float32 even where reduce_dtype is None,
 # which moves each averaged gradient by up to half an ulp of the low-precision dtype: with fp16
 # losses 9.8e-4, parameters 3.9e-6, gradients 4.9e-4 of their scale; with bf16 1.6e-2, 3.1e-5,
-# 3.8e-3. DeepSpeed (bf16 only on CPU, measured too) keeps float32 masters one bf16 ulp off the
-# oracle's in some entries of `mix` and `proj` after a step, which moves one rank's next loss by
-# 0.10: the loss sums 32 outputs that largely cancel, so its rounding noise scales with the
-# outputs, not with the loss. That is the noise a correct backend may add (a reduction in higher
-# precision, a ring summing in another order at larger world sizes), so the bounds are a few
-# times it: losses rtol 2 eps of the dtype plus atol 16 eps (fp16, 1.6e-2) or 32 eps (bf16, 0.25,
-# 2.5 times DeepSpeed's), parameters 4x, gradients 2 eps of their scale (4x). A gradient doubled
+# 3.8e-3. DeepSpeed, which stores its parameters in the compute dtype (bf16 on every CPU; fp16
+# where its CPU accelerator has it, a CPU with AVX512-FP16 or AMX-FP16, and on CUDA), against the
+# oracle started from them rounded (above): equal bit for bit with reduce_param_dtype; with
+# reduce_fp32 losses equal and 2 (fp16) or 4 (bf16) of 15 final parameters one ulp of the dtype
+# off in an entry. Against an oracle started from the float32 values, as these bounds were first
+# measured, the rounded start moved one rank's second loss by 0.10 (bf16): the loss sums 32
+# outputs that largely cancel, so its rounding noise scales with the outputs, not with the
+# loss. That is the noise a correct backend may add (a reduction in higher precision, a ring
+# summing in another order at larger world sizes), so the bounds are a few times it: losses
+# rtol 2 eps of the dtype plus atol 16 eps (fp16, 1.6e-2) or 32 eps (bf16, 0.25, 2.5 times that
+# 0.10, kept), parameters 4x, gradients 2 eps of their scale (4x). A gradient doubled
 # in low precision (tests/conformance/family_mutants.py, lowp_double) moves losses by at least
 # 2.3, parameters by 3.8e-2 and gradients by 1.2x their scale: 9 to 300 times these bounds.
 #
@@ -218,7 +226,7 @@ def _compare_with_oracle(
     backend: BackendAdapter,
     spec: ShardingSpec,
     plan: fixtures.TrainingPlan,
-    oracle: fixtures.OracleRun,
+    oracle: OracleFor,
     bounds: Bounds,
     *,
     rank: int,
@@ -226,24 +234,29 @@ def _compare_with_oracle(
     without_sync: bool = False,
 ) -> list[str]:
     """Train ``plan`` with ``spec`` in every form the backend has; return what differs from
-    ``oracle`` (empty: nothing). Problems are collected, not raised, so a defect seen on one
-    rank only never leaves the others waiting in the next form's collectives."""
-    oracle_losses = torch.tensor([per_rank[rank] for per_rank in oracle.rank_losses])
+    the oracle's run, ``oracle(stored_low)`` (empty: nothing), where ``stored_low`` names the
+    parameters the sharded model stores in the compute dtype (:func:`_stored_in_compute_dtype`).
+    Problems are collected, not raised, so a defect seen on one rank only never leaves the
+    others waiting in the next form's collectives."""
     shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
     problems: list[str] = []
     for form in backend.forms():
         model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
         sharded = backend.shard(model, spec, form)
+        expected = oracle(_stored_in_compute_dtype(backend, sharded, spec.param_dtype))
+        oracle_losses = torch.tensor([per_rank[rank] for per_rank in expected.rank_losses])
 
-        def check_grads(step: int, sharded: nn.Module = sharded, form: ApiForm = form) -> None:
+        def check_grads(
+            step: int, sharded: nn.Module = sharded, form: ApiForm = form, expected: fixtures.OracleRun = expected
+        ) -> None:
             if not shows_grads:
                 return
             with backend.unshard(sharded, writeback=False, with_grads=True):
                 grads = _shown_grads(backend, sharded)
-            found = differences(grads, oracle.grads[step], bounds.grads)
+            found = differences(grads, expected.grads[step], bounds.grads)
             if found:
                 what = f"{form.value} form: gradients used by step {step}"
-                problems.append(report(what, found, len(oracle.grads[step]), bounds.grads))
+                problems.append(report(what, found, len(expected.grads[step]), bounds.grads))
 
         accumulate = functools.partial(backend.no_gradient_sync, sharded) if without_sync else None
         losses = fixtures.train_sharded(
@@ -257,7 +270,7 @@ def _compare_with_oracle(
             accumulate_without_sync=accumulate,
         )
         state = backend.state_dict(sharded, StateDictKind.FULL)
-        problems += _state_differences(backend, state, oracle.state_dict, spec.param_dtype, bounds.params, form, plan)
+        problems += _state_differences(backend, state, expected.state_dict, spec.param_dtype, bounds.params, form, plan)
         actual = torch.tensor(losses)
         if not torch.allclose(actual, oracle_losses, rtol=bounds.loss_rtol, atol=bounds.loss_atol):
             largest = (actual.double() - oracle_losses.double()).abs().max().item()
@@ -267,6 +280,55 @@ def _compare_with_oracle(
                 f"  sharded {actual.tolist()}\n  oracle  {oracle_losses.tolist()}"
             )
     return problems
+
+
+OracleFor = Callable[[frozenset[str]], fixtures.OracleRun]
+"""The oracle's run of a scenario's program, its starting parameters named in the argument
+rounded to the compute dtype (:func:`_oracle_runs`)."""
+
+
+def _stored_in_compute_dtype(backend: BackendAdapter, sharded: nn.Module, dtype: torch.dtype | None) -> frozenset[str]:
+    """The parameters (original FQNs) of which this rank stores, right after ``shard()``, a part
+    in the compute dtype ``dtype`` (``local_shard``; no collective): a backend that keeps its
+    model in low precision, float32 only as its optimizer's master copy (DeepSpeed's bf16/fp16
+    mode), has only those rounded values to start its masters from."""
+    if dtype is None:
+        return frozenset()
+    stored = set()
+    for name, _ in sharded.named_parameters():
+        fqn = backend.original_fqn(name)
+        if backend.local_shard(sharded, fqn).dtype == dtype:
+            stored.add(fqn)
+    return frozenset(stored)
+
+
+def _oracle_runs(
+    plan: fixtures.TrainingPlan,
+    *,
+    world_size: int,
+    device: torch.device,
+    precision: fixtures.Precision | None = None,
+) -> OracleFor:
+    """``fixtures.train_oracle`` of the scenario's model, as a function of the parameters whose
+    starting values are rounded to ``precision.param_dtype`` first (what a backend that stores
+    them in low precision starts from: the float32 values are gone once it has cast its model),
+    each run made once."""
+    runs: dict[frozenset[str], fixtures.OracleRun] = {}
+
+    def run(rounded: frozenset[str]) -> fixtures.OracleRun:
+        if rounded not in runs:
+            model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+            if precision is not None:
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if name in rounded:
+                            param.copy_(param.to(precision.param_dtype).to(param.dtype))
+            runs[rounded] = fixtures.train_oracle(
+                model, plan, world_size=world_size, device=device, precision=precision
+            )
+        return runs[rounded]
+
+    return run
 
 
 def _state_differences(
@@ -367,8 +429,7 @@ def test_mixed_precision_training(
     problems = []
     for param_dtype in dtypes:
         precision = fixtures.Precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
-        oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device, precision=precision)
+        oracle = _oracle_runs(plan, world_size=world_size, device=device, precision=precision)
         found = _compare_with_oracle(
             backend,
             dataclasses.replace(spec, param_dtype=param_dtype),
@@ -423,8 +484,7 @@ def test_gradient_accumulation(
         require_all(backend, {Capability.NO_SYNC, Capability.for_strategy(strategy), *units})
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
     plan = _plan(program.steps, program.micro_batches, program.zero_grad)
-    model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
-    oracle = fixtures.train_oracle(model, plan, world_size=world_size, device=device)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device)
     problems = _compare_with_oracle(
         backend,
         spec,

@@ -34,193 +34,58 @@ Contract checked here (backend-neutral; see docs/scenarios.md):
   backend that declares none is held to the seeds' (``SEED_REFUSALS``: ``AssertionError``
   "Cannot manually unshard parameters during forward/backward"; ``NotImplementedError`` "is not
   supported"), which the torch adapters declare.
+
+This module holds the scenarios of values, names, storage and options; ``test_unshard_with_grads``
+those with gradients, ``test_unshard_refusals`` a unit below the root and the refusals; what they
+share is ``conformance.scenario_unshard``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 import fixtures
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
-    Misuse,
     ShardingSpec,
-    ShardingStrategy,
     declared_fqn,
     expected_local_numel,
     expected_unsharded_numel,
     flat_param_fqn,
     mixed_precision_dtype,
-    refused,
     require,
-    require_all,
     submodule,
-    unshard_capabilities,
     unsharded_name,
 )
-from harness import current_seed
-
-# Gathering and copying move values bit for bit: every comparison of parameters is exact.
-EXACT = {"rtol": 0.0, "atol": 0.0}
-# Gradients against DDP: both average the same per-rank gradients, but autograd runs on
-# differently laid-out tensors (flat-parameter views vs plain parameters), so fp32 accumulation
-# order may differ in the last bits; torch's default fp32 tolerances (rtol 1.3e-6, atol 1e-5)
-# bound that, while a missing or wrong reduction is off by a factor (>= 1e-1 relative).
-GRAD_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
-WRITEBACK_FACTOR = 2.0  # gradients are scaled by this inside the context to test writeback
-
-
-class TwoLayer(nn.Sequential):
-    """5 -> 5 -> 3 without biases: with unit ``0`` each unit owns exactly one weight."""
-
-    def __init__(self) -> None:
-        super().__init__(nn.Linear(5, 5, bias=False), nn.Linear(5, 3, bias=False))
-
-
-class Singleton(nn.Sequential):
-    """One 1-element weight: at two ranks or more every rank but 0 holds only padding."""
-
-    def __init__(self) -> None:
-        super().__init__(nn.Linear(1, 1, bias=False))
-
-
-class PairOfPairs(nn.Sequential):
-    """Two ``nn.Sequential`` children of two 16x16 linears each: auto-wrap makes both units."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
-            nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
-        )
-
-
-class PartlyUsed(nn.Module):
-    """Forward uses ``used`` only: ``unused`` shares the root unit, unit ``idle`` gets nothing."""
-
-    UNIT_FQNS = ("idle",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(4, 4)
-        self.unused = nn.Linear(4, 4)
-        self.idle = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-class TinyLinear(nn.Sequential):
-    """The smallest model with a backward: one 2 -> 1 linear."""
-
-    def __init__(self) -> None:
-        super().__init__(nn.Linear(2, 1))
-
-
-class CallsBackInForward(nn.Module):
-    """Runs ``during_forward`` inside its forward: how a scenario reaches into forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(5))
-        self.during_forward: Callable[[], None] = lambda: None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.during_forward()
-        return (self.weight * x).sum()
-
-
-def _flag(name: str) -> Callable[[bool], str]:
-    """Readable ids for a bool axis: ``name`` / ``no_name``."""
-    return lambda value: name if value else f"no_{name}"
-
-
-writeback_axis = pytest.mark.parametrize("writeback", [True, False], ids=_flag("writeback"))
-mixed_precision_axis = pytest.mark.parametrize("mixed_precision", [True, False], ids=["mixed", "fp32"])
-param_offload_axis = pytest.mark.parametrize("param_offload", [True, False], ids=_flag("param_offload"))
-orig_params_axis = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
-rank0_only_axis = pytest.mark.parametrize("rank0_only", [True, False], ids=_flag("rank0_only"))
-offload_to_cpu_axis = pytest.mark.parametrize("offload_to_cpu", [True, False], ids=_flag("offload_to_cpu"))
-grad_strategy_axis = pytest.mark.parametrize(
-    "strategy",
-    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
-    ids=lambda s: s.name,
+from conformance.scenario_unshard import (
+    EXACT,
+    Singleton,
+    TwoLayer,
+    fill_stored,
+    flag_ids,
+    full_values,
+    mixed_precision_axis,
+    named_params,
+    offload_to_cpu_axis,
+    orig_params_axis,
+    param_offload_axis,
+    rank0_only_axis,
+    read_only_writeback,
+    require_unshard,
+    sharded_models,
+    shown_dtype,
+    shows_full,
+    unit_param_names,
+    writeback_axis,
 )
-
-
-def _require_unshard(backend: BackendAdapter, **options: bool) -> None:
-    """Skip as unsupported unless the backend offers ``unshard()`` with these options."""
-    require_all(backend, unshard_capabilities(**options))
-
-
-def _read_only_writeback(backend: BackendAdapter, rank0_only: bool) -> bool:
-    """``writeback`` for a context whose body only reads: the seeds' ``not rank0_only`` where
-    the backend has writeback (what is read cannot depend on it), else False, so a backend
-    without writeback still runs every read-only check."""
-    return not rank0_only and backend.supports(Capability.UNSHARD_WRITEBACK)
-
-
-def _sharded_models(
-    backend: BackendAdapter,
-    model_cls: type[nn.Module],
-    spec: ShardingSpec,
-    device: torch.device,
-) -> Iterator[tuple[ApiForm, nn.Module]]:
-    """A freshly built and sharded ``model_cls`` for every form the backend has."""
-    require_all(backend, spec.feature_capabilities())  # skip before building anything
-    for form in backend.forms():
-        model = fixtures.build(model_cls, current_seed(), device)
-        yield form, backend.shard(model, spec, form)
-
-
-def _named_params(backend: BackendAdapter, sharded: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters by name, only the adapter's declared wrapper components removed."""
-    return {declared_fqn(backend, name): p for name, p in sharded.named_parameters()}
-
-
-def _shows_full(tensor: torch.Tensor, shape: torch.Size) -> bool:
-    """A full view is a plain tensor of the original shape (a shard is a DTensor or smaller)."""
-    return not isinstance(tensor, DTensor) and tensor.shape == shape
-
-
-def _unit_param_names(backend: BackendAdapter, sharded: nn.Module, inner: bool) -> list[str]:
-    """Names (flat or original) of the parameters unit ``0`` (inner) or the root (outer)
-    manages, as the storage accessors take them."""
-    chosen = [name for name in _named_params(backend, sharded) if name.startswith("0.") == inner]
-    assert chosen, f"no parameter of the {'inner' if inner else 'outer'} unit is visible"
-    return chosen
-
-
-def _fill_stored(backend: BackendAdapter, sharded: nn.Module, name: str, value: float) -> None:
-    """Write ``value`` into every element this rank stores of parameter ``name``."""
-    stored = backend.local_shard(sharded, name)
-    backend.set_local_shard(sharded, name, torch.full_like(stored, value))
-
-
-def _shown_dtype(backend: BackendAdapter, param_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype parameters show inside ``unshard()``: float32, or under mixed precision the
-    compute dtype where the adapter declares so (``MIXED_PRECISION_UNSHARD``)."""
-    if param_dtype is not None and type(backend).MIXED_PRECISION_UNSHARD.shows_compute_dtype:
-        return param_dtype
-    return torch.float32
-
-
-def _full_values(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value, read through a discarding unshard."""
-    with backend.unshard(sharded, writeback=False):
-        return {name: p.detach().clone() for name, p in _named_params(backend, sharded).items()}
-
-
-# -- writeback ------------------------------------------------------------------------------
+from harness import current_seed
 
 
 @pytest.mark.world_size(min=1, default=[1, 2])
@@ -248,7 +113,7 @@ def test_unshard_writeback(
     discarding unshard shows the full values agree (the other unit keeps its initial values
     when changes are discarded).
     """
-    _require_unshard(backend, writeback=writeback)
+    require_unshard(backend, writeback=writeback)
     spec = ShardingSpec(
         manual_units=("0",),
         param_dtype=mixed_precision_dtype(backend) if mixed_precision else None,
@@ -259,10 +124,10 @@ def test_unshard_writeback(
     names = ("0.weight", "1.weight")
     checked_name, other_name = names if unit == "inner" else reversed(names)
     changes_persist = writeback or (world_size == 1 and not param_offload)
-    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
-        written = _unit_param_names(backend, sharded, inner=unit == "inner")
+    for form, sharded in sharded_models(backend, TwoLayer, spec, device):
+        written = unit_param_names(backend, sharded, inner=unit == "inner")
         for name in written:
-            _fill_stored(backend, sharded, name, rank + 2)
+            fill_stored(backend, sharded, name, rank + 2)
         with backend.unshard(sharded, writeback=writeback), torch.no_grad():
             for param in sharded.parameters():
                 param.zero_()
@@ -284,9 +149,9 @@ def test_unshard_writeback(
             devices = {p.device.type for p in sharded.parameters()}
             assert devices == {"cpu"}, f"{form.value}: offloaded parameters live on {devices}"
 
-        full = _full_values(backend, sharded)
+        full = full_values(backend, sharded)
         dtypes = {name: value.dtype for name, value in full.items()}
-        shown = _shown_dtype(backend, spec.param_dtype)
+        shown = shown_dtype(backend, spec.param_dtype)
         assert set(dtypes.values()) == {shown}, (
             f"{form.value}: the context shows {dtypes}; full parameters must be in {shown} "
             f"(the original float32, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
@@ -308,9 +173,6 @@ def test_unshard_writeback(
             )
 
 
-# -- parameter data -------------------------------------------------------------------------
-
-
 def _check_param_data(
     backend: BackendAdapter,
     rank0_only: bool,
@@ -323,8 +185,8 @@ def _check_param_data(
     device: torch.device,
 ) -> None:
     """Full parameters of a plain root over several sharded roots match an unsharded copy."""
-    writeback = _read_only_writeback(backend, rank0_only)
-    _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+    writeback = read_only_writeback(backend, rank0_only)
+    require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     if rank0_only:
         require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
@@ -335,7 +197,7 @@ def _check_param_data(
         use_orig_params=use_orig_params,
     )
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+    for form, sharded in sharded_models(backend, fixtures.NestedModel, spec, device):
         outside = _shown_sizes(sharded)
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             if rank0_only and rank != 0:
@@ -386,7 +248,7 @@ def _check_still_sharded(
         f"{form.value}: rank {rank} lists {shown} inside a rank0_only context, "
         f"{outside} outside: ranks other than 0 must keep showing their shards"
     )
-    params = _named_params(backend, sharded)
+    params = named_params(backend, sharded)
     shapes = {name: p.shape for name, p in fixtures.NestedModel().named_parameters()}
     layout = type(backend).SHARD_LAYOUT
     for unit, names in _nested_model_units().items():
@@ -420,7 +282,7 @@ def _check_still_sharded(
             )
             # A flat unit's range may hold a small parameter whole: only a part must not look full.
             if wanted < shapes[name].numel():
-                assert not _shows_full(params[name], shapes[name]), (
+                assert not shows_full(params[name], shapes[name]), (
                     f"{form.value}: rank {rank} shows {name} full ({type(params[name]).__name__} "
                     f"{tuple(params[name].shape)}) inside a rank0_only context, storing {stored} "
                     f"of its {shapes[name].numel()} elements"
@@ -482,14 +344,14 @@ def _check_param_data_inside(
             f"{form.value}: parameter {seen_name!r} where {name!r} was expected"
         )
         assert isinstance(seen, nn.Parameter), f"{form.value}: {name} is {type(seen)}"
-        assert _shows_full(seen, expected.shape), (
+        assert shows_full(seen, expected.shape), (
             f"{form.value}: {name} shows {type(seen).__name__} {tuple(seen.shape)}, "
             f"expected full {tuple(expected.shape)}"
         )
         managed = name not in fixtures.NestedModel.UNMANAGED_PARAMS
         want_device = torch.device("cpu") if offload_to_cpu and managed else device
         assert seen.device == want_device, f"{form.value}: {name} is on {seen.device}, expected {want_device}"
-        shown = _shown_dtype(backend, spec.param_dtype) if managed else expected.dtype
+        shown = shown_dtype(backend, spec.param_dtype) if managed else expected.dtype
         assert seen.dtype == shown, (
             f"{form.value}: {name} shows {seen.dtype}: full parameters must be in {shown} "
             f"(the original {expected.dtype}, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
@@ -557,9 +419,6 @@ def test_unshard_param_data_no_shard(
     _check_param_data(backend, rank0_only, False, param_offload, mixed_precision, use_orig_params, rank, 1, device)
 
 
-# -- padding --------------------------------------------------------------------------------
-
-
 @pytest.mark.world_size(min=2, default=2)
 @orig_params_axis
 def test_unshard_singleton_writeback(
@@ -575,11 +434,11 @@ def test_unshard_singleton_writeback(
     leaves rank 0's stored element and the full weight at 0, and, as the seed checks, the
     padding the other ranks store keeps ``rank + 2``: writeback writes real elements only.
     """
-    _require_unshard(backend, writeback=True)
+    require_unshard(backend, writeback=True)
     spec = ShardingSpec(use_orig_params=use_orig_params)
     layout = type(backend).SHARD_LAYOUT
-    for form, sharded in _sharded_models(backend, Singleton, spec, device):
-        names = list(_named_params(backend, sharded))
+    for form, sharded in sharded_models(backend, Singleton, spec, device):
+        names = list(named_params(backend, sharded))
         sizes = [backend.local_shard(sharded, name).numel() for name in names]
         index = 0 if use_orig_params else None
         wanted = [expected_local_numel(layout, [torch.Size([1, 1])], index, rank, world_size)]
@@ -593,19 +452,19 @@ def test_unshard_singleton_writeback(
                 part = backend.local_shard(sharded, name)
                 part.reshape(-1)[0] = rank + 2
                 backend.set_local_shard(sharded, name, part)
-        shown = _full_values(backend, sharded)["0.weight"].item()
+        shown = full_values(backend, sharded)["0.weight"].item()
         assert shown == 2.0, (
             f"{form.value}: the full 0.weight reads {shown}, expected 2.0, the value rank 0 "
             f"wrote into the element it stores (each rank wrote rank + 2 into the first element "
             f"it stores; this rank, {rank}, stores {dict(zip(names, sizes))} elements)"
         )
         with backend.unshard(sharded, writeback=True), torch.no_grad():
-            weight = _named_params(backend, sharded)["0.weight"]
+            weight = named_params(backend, sharded)["0.weight"]
             assert weight.shape == (1, 1), f"{form.value}: full weight has shape {weight.shape}"
             weight.zero_()
         # Read everything (the full view is a collective) before any rank asserts alone.
         kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if sizes[0] else None
-        shown = _full_values(backend, sharded)["0.weight"].item()
+        shown = full_values(backend, sharded)["0.weight"].item()
         assert shown == 0.0, (
             f"{form.value}: the full 0.weight reads {shown} after a writeback context that zeroed it, expected 0.0"
         )
@@ -616,9 +475,6 @@ def test_unshard_singleton_writeback(
             f"that zeroed the full weight, expected {want_kept} "
             + ("(the real element)" if rank == 0 else "(padding it wrote before: writeback must not touch padding)")
         )
-
-
-# -- reshard behaviour ----------------------------------------------------------------------
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -641,8 +497,8 @@ def test_unshard_respects_reshard(
     again) unless the adapter declares ``MIXED_PRECISION_UNSHARD.root_stays_unsharded``.
     With ``INTROSPECT_STORAGE`` each state is also read as the seed reads it, from the storage:
     exactly the layout's padded size while unsharded, 0 once freed."""
-    writeback = _read_only_writeback(backend, rank0_only)
-    _require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+    writeback = read_only_writeback(backend, rank0_only)
+    require_unshard(backend, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
         manual_units=("0",),
@@ -655,7 +511,7 @@ def test_unshard_respects_reshard(
         assert state == {"": root, "0": False}, f"{when}: unsharded per unit {state}"
         _check_unsharded_storage(backend, sharded, {"": root, "0": False}, use_orig_params, world_size, when)
 
-    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
+    for form, sharded in sharded_models(backend, TwoLayer, spec, device):
         where = form.value
         output = sharded(torch.zeros(5, device=device))
         check(sharded, True, f"{where}: after forward")
@@ -672,8 +528,6 @@ def test_unshard_respects_reshard(
             pass
         check(sharded, False, f"{where}: after an unshard following backward")
 
-
-# -- recurse, names, storage --------------------------------------------------------------
 
 # TwoLayer sharded with manual unit "0" under a sharded root: what each unit manages.
 _TWO_LAYER_UNITS = {"": ("1.weight",), "0": ("0.weight",)}
@@ -729,7 +583,7 @@ def _check_names_and_storage(
     Collective (one all-gather), so every rank calls it at the same point.
     """
     shapes = {name: p.shape for name, p in TwoLayer().named_parameters()}
-    params = _named_params(backend, sharded)
+    params = named_params(backend, sharded)
     wanted_names: set[str] = set()
     for unit, names in _TWO_LAYER_UNITS.items():
         if unsharded[unit] or use_orig_params:
@@ -754,7 +608,7 @@ def _check_names_and_storage(
     for index, name in enumerate(partitioned):
         seen = [int(sizes[index]) for sizes in per_rank]
         wanted = [expected_local_numel(layout, [shapes[name]], 0, r, world_size) for r in range(world_size)]
-        assert not _shows_full(params[name], shapes[name]), (
+        assert not shows_full(params[name], shapes[name]), (
             f"{where}: sharded {name} shows {type(params[name]).__name__} "
             f"{tuple(params[name].shape)} on this rank, its full shape"
         )
@@ -766,7 +620,7 @@ def _check_names_and_storage(
     for unit, names in _TWO_LAYER_UNITS.items():
         if unsharded[unit]:
             for name in names:
-                assert _shows_full(params[name], shapes[name]), (
+                assert shows_full(params[name], shapes[name]), (
                     f"{where}: {name} of unsharded unit {unit!r} shows "
                     f"{type(params[name]).__name__} {tuple(params[name].shape)}, expected full "
                     f"{tuple(shapes[name])}"
@@ -798,11 +652,11 @@ def test_unshard_names_and_storage(
     shapes; after: as before. Only the adapter's declared wrapper components are removed from
     names, so a backend that leaks any other prefix fails.
     """
-    _require_unshard(backend)
+    require_unshard(backend)
     spec = ShardingSpec(manual_units=("0",), use_orig_params=use_orig_params)
     everything = {"": True, "0": True}
     nothing = {"": False, "0": False}
-    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
+    for form, sharded in sharded_models(backend, TwoLayer, spec, device):
         where = f"{form.value}, {'original' if use_orig_params else 'flat'} parameters"
         _check_names_and_storage(backend, sharded, nothing, use_orig_params, world_size, device, f"{where}, before")
         with backend.unshard(sharded, writeback=False):
@@ -819,7 +673,7 @@ def test_unshard_names_and_storage(
 @orig_params_axis
 @mixed_precision_axis
 @pytest.mark.parametrize("target", ["outer", "inner"])
-@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
+@pytest.mark.parametrize("recurse", [True, False], ids=flag_ids("recurse"))
 def test_unshard_recurse(
     backend: BackendAdapter,
     recurse: bool,
@@ -833,7 +687,7 @@ def test_unshard_recurse(
     never unshards the root. Inside, unsharded units show full original parameters and sharded
     ones their shards, with the storage sizes of the module docstring (the seed's numel checks,
     padding included)."""
-    _require_unshard(backend, recurse=recurse)
+    require_unshard(backend, recurse=recurse)
     require(backend, Capability.INTROSPECT_UNSHARDED)
     spec = ShardingSpec(
         manual_units=("0",),
@@ -841,7 +695,7 @@ def test_unshard_recurse(
         use_orig_params=use_orig_params,
     )
     expected = {"": target == "outer", "0": recurse or target == "inner"}
-    for form, sharded in _sharded_models(backend, TwoLayer, spec, device):
+    for form, sharded in sharded_models(backend, TwoLayer, spec, device):
         fqn = "" if target == "outer" else "0"
         with backend.unshard(sharded, fqn, recurse=recurse, writeback=False):
             state = {unit: backend.is_unsharded(sharded, unit) for unit in expected}
@@ -859,7 +713,7 @@ def test_unshard_recurse(
 
 @pytest.mark.world_size(min=2, default=2)
 @orig_params_axis
-@pytest.mark.parametrize("recurse", [True, False], ids=_flag("recurse"))
+@pytest.mark.parametrize("recurse", [True, False], ids=flag_ids("recurse"))
 @pytest.mark.parametrize("prefix", ["", "test_prefix"], ids=["no_prefix", "prefix"])
 def test_unshard_named_parameters_and_buffers(
     backend: BackendAdapter, prefix: str, recurse: bool, use_orig_params: bool, device: torch.device
@@ -870,12 +724,12 @@ def test_unshard_named_parameters_and_buffers(
     only the adapter's declared ``UNSHARDED_NAME_PREFIX`` inserted after ``prefix``. The extra
     buffer is registered on the module ``shard()`` returned, i.e. on what the user holds as the
     root, so its name has no such prefix."""
-    _require_unshard(backend)
+    require_unshard(backend)
     local = fixtures.build(fixtures.NestedModel, current_seed(), device)
     local.register_buffer("buffer", torch.ones(1, device=device))
     spec = ShardingSpec(use_orig_params=use_orig_params)
     own_buffer = f"{prefix}.buffer" if prefix else "buffer"
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
+    for form, sharded in sharded_models(backend, fixtures.NestedModel, spec, device):
         sharded.register_buffer("buffer", torch.ones(1, device=device))
         with backend.unshard(sharded, writeback=False):
             for call in ("named_parameters", "named_buffers"):
@@ -896,263 +750,3 @@ def test_unshard_named_parameters_and_buffers(
                         **EXACT,
                         msg=lambda m, name=name: f"{form.value}: {call} {name} differs\n{m}",
                     )
-
-
-# -- gradients ------------------------------------------------------------------------------
-
-
-def _stored_grads(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's stored gradient of every parameter that has one, by name."""
-    stored = {name: backend.local_grad_shard(sharded, name) for name in _named_params(backend, sharded)}
-    return {name: grad for name, grad in stored.items() if grad is not None}
-
-
-@pytest.mark.world_size(min=2, default=2)
-@grad_strategy_axis
-@offload_to_cpu_axis
-@writeback_axis
-def test_unshard_with_grads(
-    backend: BackendAdapter,
-    writeback: bool,
-    offload_to_cpu: bool,
-    strategy: ShardingStrategy,
-    rank: int,
-    device: torch.device,
-) -> None:
-    """``with_grads`` shows the averaged gradients DDP computes, after backward and between
-    forward and backward; gradients scaled inside persist iff parameter changes would.
-
-    ``offload_to_cpu`` with NO_SHARD is refused (see test_unshard_offload_to_cpu_no_shard_raises).
-    """
-    _require_unshard(backend, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
-    spec = ShardingSpec(strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES)
-    changes_persist = writeback or (strategy is ShardingStrategy.NO_SHARD and not offload_to_cpu)
-    is_refused = offload_to_cpu and strategy is ShardingStrategy.NO_SHARD
-    for form, sharded in _sharded_models(backend, fixtures.TiedTransformer, spec, device):
-        local = fixtures.build(fixtures.TiedTransformer, current_seed(), device)
-        ddp = DistributedDataParallel(local, device_ids=[device] if device.type == "cuda" else None)
-        ddp_params = dict(local.named_parameters())
-        full = _full_values(backend, sharded)
-        assert full.keys() == ddp_params.keys(), f"{form.value}: parameter names differ"
-        for name, value in full.items():
-            torch.testing.assert_close(
-                value,
-                ddp_params[name].detach(),
-                **EXACT,
-                msg=lambda m, name=name: f"{form.value}: full {name} differs from DDP's\n{m}",
-            )
-
-        def check_grads(when: str) -> None:
-            before = _stored_grads(backend, sharded)
-            context = backend.unshard(sharded, writeback=writeback, offload_to_cpu=offload_to_cpu, with_grads=True)
-            if is_refused:
-                with refused(backend, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD, f"{form.value}: {when}"), context:
-                    pass
-                return
-            with context, torch.no_grad():
-                pairs = itertools.zip_longest(local.named_parameters(), sharded.named_parameters())
-                for (name, expected), (seen_name, seen) in pairs:
-                    assert seen_name == unsharded_name(backend, name), (  # raw, as the seed compares
-                        f"{form.value}: {seen_name!r} where {unsharded_name(backend, name)!r} was expected"
-                    )
-                    assert seen.grad is not None, f"{form.value} {when}: {name} shows no gradient"
-                    torch.testing.assert_close(
-                        seen.grad,
-                        expected.grad.to(seen.grad.device),
-                        **GRAD_TOLERANCE,
-                        msg=lambda m, name=name: f"{form.value} {when}: {name} gradient differs from DDP\n{m}",
-                    )
-                    # A zero gradient would make the writeback check below vacuous.
-                    assert seen.grad.count_nonzero() > 0, f"{form.value}: {name} gradient is 0"
-                    seen.grad *= WRITEBACK_FACTOR
-            after = _stored_grads(backend, sharded)
-            assert after.keys() == before.keys(), (
-                f"{form.value} {when}: parameters storing a gradient before the context "
-                f"{sorted(before)}, after it {sorted(after)}"
-            )
-            factor = WRITEBACK_FACTOR if changes_persist else 1.0
-            for name, old in before.items():
-                torch.testing.assert_close(
-                    after[name],
-                    old * factor,
-                    **EXACT,
-                    msg=lambda m, name=name: (
-                        f"{form.value} {when}: {name}: stored gradient after the context is not "
-                        f"{factor} x the one before (writeback={writeback})\n{m}"
-                    ),
-                )
-            if changes_persist:
-                with torch.no_grad():
-                    for param in local.parameters():
-                        param.grad *= WRITEBACK_FACTOR
-
-        for iteration, phase in enumerate(("after backward", "between forward and backward")):
-            inputs = fixtures.local_batch(
-                local,
-                seed=current_seed(),
-                iteration=iteration,
-                rank=rank,
-                batch_size=2,
-                device=device,
-            )
-            ddp_loss = local.loss(ddp(*inputs))
-            sharded_loss = local.loss(sharded(*inputs))
-            if iteration == 0:
-                ddp_loss.backward()  # DDP is the reference, not the backend under test
-                backend.backward(sharded, sharded_loss)
-            check_grads(phase)
-
-
-@pytest.mark.world_size(min=2, default=2)
-@pytest.mark.parametrize("case", ["before_backward", "partly_used"])
-@grad_strategy_axis
-def test_unshard_with_grads_none(
-    backend: BackendAdapter,
-    strategy: ShardingStrategy,
-    case: str,
-    rank: int,
-    device: torch.device,
-) -> None:
-    """Gradients that are None on every rank stay None inside ``with_grads``, and those
-    stored on some rank show up.
-
-    before_backward: no backward ran, so every gradient is None. partly_used: after a
-    backward through ``used`` only, unit ``idle`` has None gradients and ``used`` real ones;
-    ``unused`` (same unit as ``used``) shows whatever the backend stored for it.
-    """
-    _require_unshard(backend, with_grads=True)
-    if case == "before_backward":
-        model_cls: type[nn.Module] = fixtures.TiedTransformer
-        spec = ShardingSpec(strategy=strategy, auto_wrap_classes=fixtures.TiedTransformer.LAYER_CLASSES)
-    else:
-        model_cls = PartlyUsed
-        spec = ShardingSpec(strategy=strategy, manual_units=PartlyUsed.UNIT_FQNS)
-    for form, sharded in _sharded_models(backend, model_cls, spec, device):
-        if case == "partly_used":
-            inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
-            backend.backward(sharded, sharded(inputs.to(device)).sum())
-        stored = _has_grad_on_any_rank(backend, sharded, device)
-        with backend.unshard(sharded, writeback=False, with_grads=True):
-            shown = {name: p.grad is not None for name, p in _named_params(backend, sharded).items()}
-        assert shown == stored, (
-            f"{form.value}: gradient shown inside {shown} differs from gradient stored on some rank {stored}"
-        )
-        # ``unused`` shares a unit with ``used``: a flat-gradient backend may store zeros for
-        # it rather than None (torch FSDP1 does), so only the other two are pinned down.
-        expected = {
-            name: case == "partly_used" and name.startswith("used.")
-            for name in shown
-            if case == "before_backward" or not name.startswith("unused.")
-        }
-        assert {name: shown[name] for name in expected} == expected, (
-            f"{form.value}: parameters showing a gradient {shown}"
-        )
-
-
-def _has_grad_on_any_rank(backend: BackendAdapter, sharded: nn.Module, device: torch.device) -> dict[str, bool]:
-    """Whether any rank stores a gradient for each parameter (shards may be empty locally)."""
-    names = list(_named_params(backend, sharded))
-    flags = torch.tensor([backend.local_grad_shard(sharded, name) is not None for name in names], device=device).int()
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return dict(zip(names, (bool(f) for f in flags.tolist())))
-
-
-# -- submodule ------------------------------------------------------------------------------
-
-
-@pytest.mark.world_size(min=2, default=2)
-def test_unshard_submodule(backend: BackendAdapter, device: torch.device) -> None:
-    """Unsharding unit ``0`` of an auto-wrapped model shows its original parameters (more
-    than one, no flat parameter), full and equal to an unsharded copy."""
-    _require_unshard(backend)
-    spec = ShardingSpec(auto_wrap_classes=(nn.Sequential,))
-    local = dict(fixtures.build(PairOfPairs, current_seed(), device).named_parameters())
-    wanted = {name: p for name, p in local.items() if name.startswith("0.")}
-    for form, sharded in _sharded_models(backend, PairOfPairs, spec, device):
-        with backend.unshard(sharded, "0", writeback=False):
-            seen = {name: p for name, p in _named_params(backend, sharded).items() if name.startswith("0.")}
-            assert seen.keys() == wanted.keys(), f"{form.value}: unit 0 shows {sorted(seen)}, expected {sorted(wanted)}"
-            for name, param in seen.items():
-                assert _shows_full(param, wanted[name].shape), f"{form.value}: {name} not full"
-                torch.testing.assert_close(
-                    param.detach(),
-                    wanted[name].detach(),
-                    **EXACT,
-                    msg=lambda m, name=name: (
-                        f"{form.value}: {name} inside unshard of unit 0 differs from the unsharded model\n{m}"
-                    ),
-                )
-
-
-# -- refusals -------------------------------------------------------------------------------
-
-
-@pytest.mark.world_size(min=2, default=2)
-def test_unshard_from_forward_raises(backend: BackendAdapter, device: torch.device) -> None:
-    """Entering the context from inside forward raises (misuse contract, module docstring)."""
-    _require_unshard(backend)
-    for form, sharded in _sharded_models(backend, CallsBackInForward, ShardingSpec(), device):
-        target = next(m for m in sharded.modules() if isinstance(m, CallsBackInForward))
-
-        def unshard_now(sharded: nn.Module = sharded) -> None:
-            with backend.unshard(sharded, writeback=False):
-                pass
-
-        target.during_forward = unshard_now
-        with refused(backend, Misuse.UNSHARD_DURING_FORWARD, form.value):
-            sharded(torch.ones(5, device=device))
-
-
-@pytest.mark.world_size(min=2, default=2)
-def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.device) -> None:
-    """Entering the context from a hook that runs during backward raises (misuse contract)."""
-    _require_unshard(backend)
-    for form, sharded in _sharded_models(backend, TinyLinear, ShardingSpec(), device):
-        output = sharded(torch.ones(2, device=device))
-        assert output.requires_grad
-
-        def unshard_now(grad: torch.Tensor, sharded: nn.Module = sharded) -> None:
-            with backend.unshard(sharded, writeback=False):
-                pass
-
-        output.register_hook(unshard_now)
-        with refused(backend, Misuse.UNSHARD_DURING_BACKWARD, form.value):
-            backend.backward(sharded, output.sum())
-
-
-@pytest.mark.world_size(min=2, default=2)
-def test_unshard_rank0_only_with_writeback_raises(backend: BackendAdapter, device: torch.device) -> None:
-    """``rank0_only`` with ``writeback`` is refused: other ranks could not persist writes.
-
-    Needs only ``rank0_only``: a backend that has it must refuse this combination whether or not
-    it has writeback."""
-    _require_unshard(backend, rank0_only=True)
-    spec = ShardingSpec(manual_units=fixtures.NestedModel.UNIT_FQNS)
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with (
-            refused(backend, Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK, form.value),
-            backend.unshard(sharded, rank0_only=True, writeback=True),
-        ):
-            pass
-
-
-@pytest.mark.world_size(min=2, default=2)
-@pytest.mark.parametrize("call", ["offload_to_cpu", "seed_call"])
-def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, call: str, device: torch.device) -> None:
-    """``offload_to_cpu`` with NO_SHARD is refused (parameters are never gathered there).
-
-    ``offload_to_cpu``: the intended refusal in isolation (``offload_to_cpu=True,
-    writeback=False``). ``seed_call``: the upstream seed's literal call on the same NO_SHARD
-    model, ``rank0_only=True, writeback=True`` (no ``offload_to_cpu``), which the seed expects
-    refused as "is not supported": the ``rank0_only`` with ``writeback`` refusal, declared as such.
-    """
-    if call == "offload_to_cpu":
-        options, misuse = {"offload_to_cpu": True, "writeback": False}, Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD
-        _require_unshard(backend, offload_to_cpu=True)
-    else:  # needs only rank0_only, as test_unshard_rank0_only_with_writeback_raises
-        options, misuse = {"rank0_only": True, "writeback": True}, Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK
-        _require_unshard(backend, rank0_only=True)
-    spec = ShardingSpec(strategy=ShardingStrategy.NO_SHARD, manual_units=fixtures.NestedModel.UNIT_FQNS)
-    for form, sharded in _sharded_models(backend, fixtures.NestedModel, spec, device):
-        with refused(backend, misuse, form.value), backend.unshard(sharded, **options):
-            pass

@@ -111,6 +111,34 @@ class FlatLayout:
         a, b = self.local_range(info)
         return chunk[a:b]
 
+    def grads_as_chunk(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The gradients of ``params`` (this layout's stored pieces, in its order) laid out as one
+        chunk, zeros where a piece has none; None when none has a gradient."""
+        grads = [param.grad for param in params]
+        first = next((grad for grad in grads if grad is not None), None)
+        if first is None:
+            return None
+        chunk = torch.zeros(self.chunk, dtype=first.dtype, device=first.device)
+        for info, grad in zip(self.params, grads):
+            if grad is not None:
+                self.sharded_view(chunk, info).copy_(grad)
+        return chunk
+
+    def accumulate_grads(
+        self, params: list[torch.Tensor], reduced: torch.Tensor, trainable: list[bool] | None = None
+    ) -> None:
+        """Add a reduced chunk to the gradients of ``params`` (this layout's stored pieces, in its
+        order), the trainable ones only (``trainable``, else each piece's ``requires_grad``); a
+        piece without a gradient gets a view of the chunk."""
+        for index, (info, param) in enumerate(zip(self.params, params)):
+            if not (param.requires_grad if trainable is None else trainable[index]):
+                continue
+            piece = self.sharded_view(reduced, info)
+            if param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)
+
     @property
     def fqns(self) -> tuple[str, ...]:
         return tuple(p.fqn for p in self.params)

@@ -107,14 +107,7 @@ class OriginalParams(_Exposure):
 
     def grad_chunk(self) -> torch.Tensor | None:
         """This rank's gradients laid out as its chunk of the flat buffer (zeros where absent)."""
-        if not self.has_grad():
-            return None
-        first = next(param.grad for param in self.params if param.grad is not None)
-        chunk = torch.zeros(self.layout.chunk, dtype=first.dtype, device=first.device)
-        for info, param in zip(self.layout.params, self.params):
-            if param.grad is not None:
-                self.layout.sharded_view(chunk, info).copy_(param.grad)
-        return chunk
+        return self.layout.grads_as_chunk(self.params)
 
     def stored_grad_views(self) -> list[torch.Tensor | None]:
         """Original-shaped stored gradients; only meaningful when one rank holds everything."""
@@ -128,14 +121,7 @@ class OriginalParams(_Exposure):
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk to the stored gradients (views of it where absent)."""
-        for info, param in zip(self.layout.params, self.params):
-            if not param.requires_grad:
-                continue
-            piece = self.layout.sharded_view(reduced, info)
-            if param.grad is None:
-                param.grad = piece
-            else:
-                param.grad.add_(piece)
+        self.layout.accumulate_grads(self.params, reduced)
 
     def write_grad_chunk(self, chunk: torch.Tensor) -> None:
         """Overwrite the stored gradients (those that exist) with this rank's `chunk`."""

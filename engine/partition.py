@@ -140,14 +140,7 @@ class OptimPartition:
             else:
                 param.grad.add_(reduced)
             return
-        for info, param, needs_grad in zip(self.layout.params, self.params, trainable):
-            if not needs_grad:
-                continue
-            piece = self.layout.sharded_view(reduced, info)
-            if param.grad is None:
-                param.grad = piece
-            else:
-                param.grad.add_(piece)
+        self.layout.accumulate_grads(self.params, reduced, trainable)
 
     def has_grad(self) -> bool:
         return any(param.grad is not None for param in self.params)
@@ -164,12 +157,7 @@ class OptimPartition:
             return None
         if self.flat:
             return self.params[0].grad
-        first = next(param.grad for param in self.params if param.grad is not None)
-        chunk = torch.zeros(self.layout.chunk, dtype=first.dtype, device=first.device)
-        for info, param in zip(self.layout.params, self.params):
-            if param.grad is not None:
-                self.layout.sharded_view(chunk, info).copy_(param.grad)
-        return chunk
+        return self.layout.grads_as_chunk(self.params)
 
     def write_grad_chunk(self, chunk: torch.Tensor) -> None:
         """Overwrite the stored gradient pieces (those that exist) with this rank's `chunk`."""

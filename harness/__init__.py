@@ -11,6 +11,16 @@ what a rank issued so far in the test; `set_interceptor` sees (or replaces) each
 (a `CollectiveRecord`) as a rank issues it; `strip_path_components` sees a name through the path
 components wrappers insert. Report formats plug in through the hooks of `harness.hookspecs`.
 
+Public API for replica drift (ranks whose replicated parameters or buffers differ, with every
+collective matched): the `check_replicas` marker and `--check-replicas` compare, after a test,
+what its models keep replicated (without a collective: each rank digests locally, the parent
+compares); `replicated(model, group)` names a plain model replicated for that check;
+`check_replicas(model, group)` compares now, on every rank (one all-gather; in a test or a plain
+torchrun script) and raises `ReplicaDrift` on every rank when replicas differ. For a caller that
+collects the ranks' digests itself (through files): `replica_snapshot(modules, group)` is this
+rank's `ReplicaSnapshot` (`to_dict()` / `ReplicaSnapshot.from_dict`), `compare_replicas({rank:
+snapshot})` the `DriftReport` or None (docs/harness.md, "Replica drift").
+
 Public API for parent-side SPMD calls (a test that runs in the pytest process, e.g. a Hypothesis
 test, running a function on the ranks): the `spmd_world` fixture gives `spmd_world(n)`, an
 `SpmdWorld` of n ranks on the session's device, served by the same warm pool as the distributed
@@ -45,13 +55,15 @@ from harness.config.preflight import require_writable
 from harness.config.repro import Carried, NotCarried, ReproPolicy
 from harness.config.world_sizes import WorldShape, world_size_of
 from harness.rank.call_sites import asymmetric, skip_call_sites_in
-from harness.rank.fixtures import RankContext, call_context, rank_fixture
 from harness.rank.isolation import current_seed, seed_everything
 from harness.rank.labels import register_label_provider
+from harness.rank.rank_fixtures import RankContext, call_context, rank_fixture
 from harness.rank.tensor_names import name_tensor, strip_path_components
 from harness.report.results import DistributedTestResult, skip_reason
 from harness.report.run_summary import failure_reason, incomplete_reason
 from harness.report.trace_tables import written_trace_file
+from harness.trace.checksums import DriftReport, ReplicaDrift, ReplicaReport, ReplicaSnapshot
+from harness.trace.checksums import compare as compare_replicas
 from harness.trace.divergence import trace_cells
 from harness.trace.records import CollectiveRecord
 
@@ -66,7 +78,11 @@ def collectives_issued() -> int:
 
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import pytest
+    import torch
+    import torch.distributed as dist
 
     from harness.rank.tracing import Interceptor
     from harness.session.spmd import SpmdCallFailed, SpmdResult, SpmdWorld
@@ -134,6 +150,36 @@ def __getattr__(name: str) -> ModuleType | type:
     raise AttributeError(f"module 'harness' has no attribute {name!r}")
 
 
+def check_replicas(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> ReplicaReport:
+    """Compare what `model` keeps replicated across the ranks of `group` (default: the world), now:
+    call it on every rank. One all-gather of the ranks' digests; raises `ReplicaDrift` (the same
+    message on every rank: each drifting tensor's FQN, each rank's value, the first optimizer step
+    it differed at where known) or returns the `ReplicaReport`. Rank side (any process of a
+    torch.distributed world)."""
+    from harness.rank import replicas
+
+    return replicas.check_replicas(model, group)
+
+
+def replicated(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Name `model` replicated over `group` (default: the world) for the running test's replica
+    check (`check_replicas` marker, `--check-replicas`): its plain parameters and buffers are then
+    compared after the body. Does nothing where no check runs. Rank side."""
+    from harness.rank import replicas
+
+    replicas.replicated(model, group)
+
+
+def replica_snapshot(
+    modules: torch.nn.Module | Iterable[torch.nn.Module], group: dist.ProcessGroup | None = None
+) -> ReplicaSnapshot:
+    """This rank's digests of what `modules` keep replicated, locally (no collective): compare the
+    ranks' snapshots with `compare_replicas` wherever they were collected. Rank side."""
+    from harness.rank import replicas
+
+    return replicas.snapshot(modules, group)
+
+
 def trace_report_file(config: pytest.Config, nodeid: str) -> str | None:
     """The collective-trace file (`reports/traces/<test>.txt`) the harness wrote for `nodeid` in
     this session; None when it wrote none. Ask after the test's `pytest_harness_test_result`
@@ -152,8 +198,12 @@ __all__ = [
     "Carried",
     "CollectiveRecord",
     "DistributedTestResult",
+    "DriftReport",
     "NotCarried",
     "RankContext",
+    "ReplicaDrift",
+    "ReplicaReport",
+    "ReplicaSnapshot",
     "ReproPolicy",
     "RunContext",
     "SpmdCallFailed",
@@ -162,7 +212,9 @@ __all__ = [
     "WorldShape",
     "asymmetric",
     "call_context",
+    "check_replicas",
     "collectives_issued",
+    "compare_replicas",
     "current_seed",
     "device_kinds",
     "failure_reason",
@@ -171,6 +223,8 @@ __all__ = [
     "rank_fixture",
     "rank_seed",
     "register_label_provider",
+    "replica_snapshot",
+    "replicated",
     "reports_dir",
     "require_writable",
     "run_context",

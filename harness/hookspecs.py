@@ -3,7 +3,7 @@
 Reports: a distributed test's result reaches `pytest_harness_test_result` once, with every rank's
 case, when pytest's reports of all its phases are final, whoever decided it: the ranks, the trace
 diff, the parent before or instead of any rank (a skip for missing GPUs, a world that could not
-start, an argument that cannot be pickled, lockstep's "world is unusable", a fixture error), an
+start, an argument that cannot be pickled, torchrun mode's "world is unusable", a fixture error), an
 interrupt (Ctrl-C, SIGTERM, pytest-timeout under torchrun: published as failed, then the interrupt goes on), and
 what other plugins made of the outcome (xfail markers, the conformance expectations). A test that
 never started is not published (pytest does not report it either). A new report format is a

@@ -12,13 +12,34 @@ parent-side, is spelled with `Status`.
 from __future__ import annotations
 
 import operator
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
+from harness.trace.checksums import ReplicaSnapshot
+
 DeviceKind = Literal["cpu", "cuda"]
 """The device a world's ranks run on; decided by the parent (`harness.config.devices`), sent in `WorkerConfig`."""
+
+
+PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
+"""The protocol every message and SPMD argument is pickled with on its way to a rank."""
+
+
+def encoded(value: object) -> bytes:
+    """``value`` as the bytes a rank receives (``PICKLE_PROTOCOL``)."""
+    return pickle.dumps(value, PICKLE_PROTOCOL)
+
+
+def picklable(value: object) -> bool:
+    """Whether ``value`` can travel to a rank: pickled as it will be (``PICKLE_PROTOCOL``)."""
+    try:
+        encoded(value)
+    except Exception:  # noqa: BLE001 - any pickling failure has the same fix
+        return False
+    return True
 
 
 def comm_backend(kind: str | None) -> str:
@@ -70,6 +91,9 @@ class TestTask:
     seed: int
     options: dict[str, object]
     sys_path: list[str]
+    check_replicas: bool = False
+    """Digest what the test's models keep replicated after the body (the `check_replicas` marker or
+    `--check-replicas`): the ranks' `RankOutcome.replicas`, compared by the parent's verdict."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,10 @@ class RankOutcome:
     value: bytes | None = None
     """For an `SpmdCall` that returned on this rank: its return value, pickled by the rank (the
     parent unpickles it); None for a test, and for a call that failed."""
+    replicas: ReplicaSnapshot | None = None
+    """For a test run with `TestTask.check_replicas`: this rank's digests of the tensors its models
+    keep replicated, taken locally after the body (`harness.rank.replicas`; no collective, so a
+    failed rank leaves no peer waiting); None when the check was off or could not run."""
 
     def __reduce__(self) -> tuple[type[RankOutcome], tuple[object, ...]]:
         # Pickled as its constructor's arguments, without the field names: a fifth of the

@@ -31,7 +31,7 @@ from harness.config.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunC
 from harness.config.signals import SignalGuard
 from harness.config.torchrun import torchrun_world
 from harness.config.world_sizes import world_size_of  # also imported from here by other plugins
-from harness.rank import fixtures
+from harness.rank import rank_fixtures
 from harness.report.junit import JUnitReport
 from harness.report.run_summary import RunSummary
 from harness.report.trace_tables import TraceFiles
@@ -107,6 +107,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--show-traces", action="store_true", help="print every rank's collective trace after each distributed test"
     )
     group.addoption(
+        "--check-replicas",
+        action="store_true",
+        help="after each distributed test, compare across ranks what its models keep replicated (DDP, "
+        "DTensor Replicate(), FSDP1 NO_SHARD / HYBRID_SHARD, plain parameters whose gradients were all-reduced "
+        "whole) and fail a test whose replicas differ; per test: @pytest.mark.check_replicas (False opts out)",
+    )
+    group.addoption(
         "--reports-dir",
         metavar="DIR",
         default=None,
@@ -146,6 +153,7 @@ def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
         "--world-sizes": repro.Carried(world_sizes.repro_args),  # the failed test's own size, if chosen
         "--repro": repro.NotCarried("it starts the reproduction; the re-run is the recorded command"),
         "--show-traces": repro.NotCarried("it only prints traces (a --repro re-run prints them anyway)"),
+        "--check-replicas": repro.Carried(),  # a drift fails the test
         "--reports-dir": repro.NotCarried(
             "it only says where reports go; a --repro re-run writes to its own --reports-dir or "
             "reports/repro, never over the reports of the run it reproduces"
@@ -167,6 +175,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "expect_divergence: ranks issue different collectives on purpose; the trace diff does not fail the test",
+    )
+    config.addinivalue_line(
+        "markers",
+        "check_replicas(enabled=True): after the body, compare across ranks what the test's models keep replicated "
+        "and fail the test when replicas differ (the default is --check-replicas)",
     )
     for name in ("collective_timeout", "test_timeout", "straggler_grace"):
         value = getattr(config.option, name)
@@ -193,9 +206,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if torchrun is not None:
         # Imported only here: a pool parent never loads the rank-side runner, nor through it
         # the module that patches torch.distributed.
-        from harness.session.lockstep import LockstepSession
+        from harness.session.torchrun_session import TorchrunSession
 
-        session = LockstepSession(config, modules, reports_dir, torchrun)
+        session = TorchrunSession(config, modules, reports_dir, torchrun)
     else:
         session = PoolSession(config, modules, reports_dir)
         if config.pluginmanager.has_plugin(PYTEST_TIMEOUT_PLUGIN):
@@ -279,7 +292,7 @@ def _register_placeholders(config: pytest.Config) -> None:
     or device, and could pass having run nothing distributed: it errors instead, naming the fix.
     """
     holder = types.ModuleType("harness_rank_fixture_placeholders")
-    for name in fixtures.registered_names():
+    for name in rank_fixtures.registered_names():
 
         def placeholder(request: pytest.FixtureRequest, _name: str = name) -> str:
             if not world_sizes.is_distributed(request.node):

@@ -8,3 +8,37 @@ import os
 # harness.process.zygote_fork). Ranks get OMP_NUM_THREADS=1 anyway (harness.process.launcher). A user's own
 # setting is kept: its sessions then start their zygotes cold.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# The self-tests the torch legs of CI leave out (.ci/torch-leg runs `-m "not torch_independent"`):
+# those whose subject is the session's own logic, which reads what ranks report and never what
+# torch did. The rule: a module here drives no torch.distributed machinery below the harness's
+# own API (no tracer, dispatcher hooks, faults, replicas, torchrun or trace_script, no backend):
+# its ranks at most block in a plain collective to be stopped. Everything else, and the whole
+# conformance suite, runs on every torch CI proves (docs/ci.md). tests/test_torch_legs.py holds a
+# module here to the rule.
+TORCH_INDEPENDENT = {
+    "tests/harness/test_preflight.py": "usage errors decided before any rank starts",
+    "tests/harness/test_pytest_timeout.py": "pytest-timeout's limits as the deadlines of distributed tests",
+    "tests/harness/test_reports.py": "the per-rank report files' contents",
+    "tests/harness/test_repro.py": "the REPRO line and the options it carries",
+    "tests/harness/test_session_ends.py": "what an interrupted or stopped session reports",
+    "tests/harness/test_shared_helpers.py": "helpers of the self-tests",
+    "tests/harness/test_world_sizes.py": "which world sizes a session runs",
+    "tests/harness/test_warm_pytest.py": "the self-tests' forked inner sessions",
+}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "torch_independent: a self-test of the session's own logic; CI's torch legs leave it out"
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    import pytest
+
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix() if item.path.is_relative_to(config.rootpath) else ""
+        if path in TORCH_INDEPENDENT:
+            item.add_marker(pytest.mark.torch_independent)

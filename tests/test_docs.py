@@ -102,7 +102,9 @@ def help_options() -> dict[str, tuple[str, str]]:
 
 @cache
 def _code_text() -> str:
-    """The sources the docs describe: Python packages, scripts, CI scripts and the project file."""
+    """The sources the docs describe: Python packages, scripts, CI scripts, the project file, the
+    self-tests' conftest (docs/ci.md names what it declares for the CI legs) and the import test
+    (docs/architecture.md names its side tables)."""
     patterns = (
         "harness/**/*.py",
         "conformance/**/*.py",
@@ -112,7 +114,11 @@ def _code_text() -> str:
         "scripts/*",
         ".ci/*",
     )
-    files = [path for pattern in patterns for path in ROOT.glob(pattern) if path.is_file()] + [ROOT / "pyproject.toml"]
+    files = [path for pattern in patterns for path in ROOT.glob(pattern) if path.is_file()] + [
+        ROOT / "pyproject.toml",
+        ROOT / "tests" / "conftest.py",
+        ROOT / "tests" / "test_import_graph.py",
+    ]
     return "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
 
 
@@ -222,3 +228,80 @@ def test_the_documented_gpu_lock_directory_is_the_code_default(monkeypatch: pyte
     assert named, "the docs no longer say where the GPU locks live"
     wrong = sorted(f"{where}: {found}" for where, found in named if found != default)
     assert wrong == [], f"the GPU locks live in {default} ({gpu_locks.LOCK_DIR_ENV} overrides it):\n" + "\n".join(wrong)
+
+
+# -- the architecture's tree table against the import test's side tables -------------------------
+_TREE_ROW = re.compile(r"^\| `(?P<path>[^`]+)`(?P<top> top level)? \| (?P<side>[^|]+) \| (?P<concern>.*) \|$")
+_MODULE_WORD = re.compile(r"`([a-z_][a-z0-9_]*)/?`")
+
+
+def _tree_rows() -> dict[str, tuple[str, str]]:
+    """docs/architecture.md's "The tree" table: module name (``harness.config``,
+    ``conformance.test_*``) -> (its "runs in" cell, its concern cell)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## The tree", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        found = _TREE_ROW.match(line.strip())
+        if found is None or found["path"] == "package":
+            continue
+        module = found["path"].removesuffix("/").removesuffix(".py").replace("/", ".")
+        rows[module] = (found["side"].strip(), found["concern"])
+    return rows
+
+
+def _package_sources(module: str) -> list[Path]:
+    """The source files of a side table's entry: a package's tree, or the modules a pattern names."""
+    if "*" in module:
+        parent, _, pattern = module.rpartition(".")
+        return sorted((ROOT / parent.replace(".", "/")).glob(pattern + ".py"))
+    directory = ROOT / module.replace(".", "/")
+    # The top level: its own modules (the sub-packages have rows of their own).
+    return sorted(directory.glob("*.py")) if module in ("harness", "conformance") else sorted(directory.rglob("*.py"))
+
+
+def _names_in(module: str) -> set[str]:
+    """What a concern cell may name of ``module``: its modules and sub-packages, and every name its
+    sources define at the start of a line (functions, classes, assignments)."""
+    names = set()
+    for source in _package_sources(module):
+        names.add(source.stem)
+        names.update(part for part in source.relative_to(ROOT).parts[:-1])
+        for found in re.finditer(
+            r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)|^(\w+)\s*[:=]", source.read_text(encoding="utf-8"), re.M
+        ):
+            names.add(found.group(1) or found.group(2))
+    return names
+
+
+def test_the_architecture_table_says_each_packages_side_as_the_import_test_enforces_it() -> None:
+    from tests.test_import_graph import CONFORMANCE_SIDES, HARNESS_SIDES, SIDE_WORDS
+
+    rows = _tree_rows()
+    tables = {**HARNESS_SIDES, **CONFORMANCE_SIDES}
+    # A row per package and per pattern of modules (a top-level module is in its package's row).
+    packages = [
+        name
+        for name in tables
+        if name != "conformance" and ("*" in name or (ROOT / name.replace(".", "/")).is_dir()) and name.count(".") <= 1
+    ]
+    missing = [name for name in packages if name not in rows]
+    assert missing == [], (
+        f"docs/architecture.md's tree table lacks a row for {missing} (tests/test_import_graph.py's tables)"
+    )
+    wrong = []
+    for name in packages:
+        said, word = rows[name][0], SIDE_WORDS[tables[name]]
+        if not (said == word or said.startswith((word + " (", word + ","))):
+            wrong.append(f"{name}: the table says {said!r}, the import test enforces {tables[name]!r} ({word!r})")
+    assert wrong == [], "docs/architecture.md's 'runs in' column disagrees with the import test:\n" + "\n".join(wrong)
+
+
+def test_the_architecture_table_names_only_modules_and_names_that_exist() -> None:
+    stale = []
+    for module, (_side, concern) in _tree_rows().items():
+        if not module.startswith(("harness", "conformance")):
+            continue
+        known = _names_in(module)
+        stale += [f"{module}: `{word}`" for word in _MODULE_WORD.findall(concern) if word not in known]
+    assert stale == [], "docs/architecture.md's tree table names what its package does not have:\n" + "\n".join(stale)

@@ -8,7 +8,7 @@ is a dependency too; the engine's unit <-> state circle was one).  Imports by na
 the designed late binding and are not edges.  Relative imports are refused by ruff
 (`tests/test_lint.py`, flake8-tidy-imports), so every edge here is an absolute name.
 
-The rules (`LAYER_RULES`; `PACKAGE_RULES` over `HARNESS_SIDES` and `CONFORMANCE_PACKAGES`; private
+The rules (`LAYER_RULES`; `PACKAGE_RULES` over `HARNESS_SIDES` and `CONFORMANCE_SIDES`; private
 names) are documented in docs/architecture.md, "Import rules".
 """
 
@@ -130,34 +130,42 @@ HARNESS_SIDES = {
     "harness.rank.call_runner": RANK,  # runs an SpmdCall in a rank, beside the test runner
     "harness.trace": SHARED,
     "harness.messages": SHARED,
-    "harness.text": SHARED,
+    "harness.message_text": SHARED,
     "harness.tools": TOOL,
 }
-CONFORMANCE_PACKAGES = (
-    "conformance",  # its __init__
-    "conformance.protocol",
-    "conformance.suite",
-    "conformance.report",
-    "conformance.adapters",
-    "conformance.programs",  # generated programs: drawn in the parent, run in the ranks
-    "conformance.test_*",  # the scenarios (expectation ids embed their paths: they stay at the top)
-    "conformance.scenario_specs",
-)
+# The conformance suite's packages and layers, each with the process its code runs in. "both":
+# imported in pytest and in the ranks (the gate builds every adapter in pytest to read its
+# declarations; the plugin and the generated programs' draw use the protocol there).
+CONFORMANCE_SIDES = {
+    "conformance": API,  # its __init__
+    "conformance.protocol": SHARED,
+    "conformance.suite": SHARED,  # the pytest plugin, and the rank-side backend fixture
+    "conformance.report": PARENT,
+    "conformance.adapters": SHARED,
+    "conformance.programs": SHARED,  # generated programs: drawn in the parent, run in the ranks
+    "conformance.test_*": RANK,  # the scenarios (expectation ids embed their paths: they stay at the top)
+    "conformance.scenario_*": RANK,  # what several scenario modules share (specs, the unshard models and helpers)
+}
+CONFORMANCE_PACKAGES = tuple(CONFORMANCE_SIDES)
+SIDE_WORDS = {PARENT: "parent", RANK: "rank", SHARED: "both", TOOL: "a plain script", API: "-"}
+"""How docs/architecture.md's "runs in" column says each side (tests/test_docs.py holds it to these tables)."""
 
 
-def _side_packages(side: str) -> tuple[str, ...]:
-    return tuple(package for package, its_side in HARNESS_SIDES.items() if its_side == side and package != "harness")
+def _side_packages(side: str, table: dict[str, str] = HARNESS_SIDES) -> tuple[str, ...]:
+    return tuple(
+        package for package, its_side in table.items() if its_side == side and package not in ("harness", "conformance")
+    )
 
 
 PACKAGE_RULES = (
     LayerRule(
         "parent-side-never-imports-the-rank-side",
         importers=_side_packages(PARENT),
-        # A torchrun process is itself a rank (lockstep runs the rank's runner in pytest).
-        exempt=("harness.session.lockstep",),
+        # A torchrun process is itself a rank (torchrun mode runs the rank's runner in pytest).
+        exempt=("harness.session.torchrun_session",),
         forbidden=("harness.rank",),
         # The rank-fixture registry: the parent registers placeholders by name; it patches nothing.
-        allowed=("harness.rank.fixtures",),
+        allowed=("harness.rank.rank_fixtures",),
         why="harness.rank runs in rank processes (harness.rank.tracing patches torch.distributed when "
         "imported); the parent reads what ranks did through harness.messages and harness.trace.records",
     ),
@@ -173,7 +181,7 @@ PACKAGE_RULES = (
             "harness.process",
         ),
         # What both sides of a rank's process boundary agree on: /proc helpers, a rank's side files.
-        allowed=("harness.process.procfs", "harness.process.rank_files"),
+        allowed=("harness.process.procfs", "harness.process.rank_files", "harness.process.fork_probe"),
         why="a rank gets its configuration in harness.messages.WorkerConfig / TestTask and answers with "
         "RankOutcome; parent-side modules carry pytest state a rank does not have",
     ),
@@ -204,8 +212,8 @@ PACKAGE_RULES = (
         why="the pool, launcher and reaper manage processes for whichever session owns them",
     ),
     LayerRule(
-        "verdict-and-lockstep-never-import-the-pool",
-        importers=("harness.session.verdict", "harness.session.lockstep"),
+        "verdict-and-torchrun-session-never-import-the-pool",
+        importers=("harness.session.verdict", "harness.session.torchrun_session"),
         forbidden=("harness.process.pool",),
         why="a verdict is pure (it judges outcomes however they were run), and torchrun mode has no pool",
     ),
@@ -216,6 +224,19 @@ PACKAGE_RULES = (
         why="the command-line tools run without pytest (a plain torchrun script, Flight Recorder dumps)",
     ),
     LayerRule(
+        "conformance-parent-side-never-imports-the-rank-side",
+        importers=_side_packages(PARENT, CONFORMANCE_SIDES),
+        forbidden=_side_packages(RANK, CONFORMANCE_SIDES),
+        why="the reports render in pytest what the ranks' scenarios did; a scenario module imported "
+        "there would run its module-level code in the wrong process",
+    ),
+    LayerRule(
+        "conformance-rank-side-never-imports-the-parent-side",
+        importers=_side_packages(RANK, CONFORMANCE_SIDES),
+        forbidden=_side_packages(PARENT, CONFORMANCE_SIDES),
+        why="a scenario runs in a rank, where the session's reports do not exist",
+    ),
+    LayerRule(
         "the-protocol-is-the-bottom-of-the-suite",
         importers=("conformance.protocol",),
         forbidden=(
@@ -224,14 +245,14 @@ PACKAGE_RULES = (
             "conformance.adapters",
             "conformance.programs",
             "conformance.test_*",
-            "conformance.scenario_specs",
+            "conformance.scenario_*",
         ),
         why="adapters written out of tree import only the protocol; it must not drag in the suite's machinery",
     ),
     LayerRule(
         "programs-open-a-backend-as-the-fixture-does",
         importers=("conformance.programs",),
-        forbidden=("conformance.report", "conformance.test_*", "conformance.scenario_specs"),
+        forbidden=("conformance.report", "conformance.test_*", "conformance.scenario_*"),
         why="a generated program runs a backend exactly as a scenario's backend fixture opens it "
         "(conformance.suite.backend_fixture) and judges through the protocol; it renders nothing and "
         "borrows no scenario's code",
@@ -244,7 +265,7 @@ PACKAGE_RULES = (
     ),
     LayerRule(
         "scenarios-never-reach-the-suite-machinery",
-        importers=("conformance.test_*", "conformance.scenario_specs"),
+        importers=("conformance.test_*", "conformance.scenario_*"),
         forbidden=("conformance.suite", "conformance.report"),
         why="a scenario is backend-neutral test code: it receives its adapter from the backend fixture",
     ),
@@ -448,7 +469,7 @@ def test_every_module_has_a_side() -> None:
             "modules outside every package of the layer tables:\n  "
             + "\n  ".join(unplaced)
             + "\nwhy: the sub-package says which process a module runs in (harness: HARNESS_SIDES) or which "
-            "layer of the suite it is (conformance: CONFORMANCE_PACKAGES), and the package rules check its "
+            "side and layer of the suite it is (conformance: CONFORMANCE_SIDES), and the package rules check its "
             "imports. Move the module into the package of its concern (docs/architecture.md, 'The tree').",
             pytrace=False,
         )
@@ -553,10 +574,10 @@ def test_checker_refuses_a_parent_module_that_imports_the_tracer_and_a_module_wi
             "harness/__init__.py": "",
             "harness/rank/__init__.py": "",
             "harness/rank/tracing.py": "",
-            "harness/rank/fixtures.py": "",
+            "harness/rank/rank_fixtures.py": "",
             "harness/session/__init__.py": "",
-            "harness/session/flow.py": "from harness.rank import fixtures\n",  # allowed: the names registry
-            "harness/session/lockstep.py": "from harness.rank import tracing\n",  # exempt: a torchrun rank
+            "harness/session/flow.py": "from harness.rank import rank_fixtures\n",  # allowed: the names registry
+            "harness/session/torchrun_session.py": "from harness.rank import tracing\n",  # exempt: a torchrun rank
             "harness/report/__init__.py": "",
             "harness/report/junit.py": "def write():\n    from harness.rank.tracing import record\n",
             "harness/stray.py": "",  # a top-level module no side table names

@@ -64,7 +64,7 @@ RENDERED_PHRASES = (
     "REPRO:",
     "first divergence",
     "no divergence between",
-    "NOT RETURNED",
+    "NOT COMPLETED",
     "(fault:",
     "(asymmetric)",
 )

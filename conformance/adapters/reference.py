@@ -41,6 +41,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    UnshardRequest,
     innermost_first,
     strip_path_components,
     submodule,
@@ -64,7 +65,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     # The engine's ZeRO partitions flat local pieces of whole parameters; a tensor-parallel
@@ -198,24 +199,14 @@ class ReferenceAdapter(BackendAdapter):
         return engine.no_sync(model)
 
     # -- unshard ------------------------------------------------------------------------
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> contextlib.AbstractContextManager[None]:
         return engine.unshard_params(
-            _module_at(model, fqn),
-            recurse=recurse,
-            writeback=writeback,
-            rank0_only=rank0_only,
-            offload_to_cpu=offload_to_cpu,
-            with_grads=with_grads,
+            _module_at(model, request.fqn),
+            recurse=request.recurse,
+            writeback=request.writeback,
+            rank0_only=request.rank0_only,
+            offload_to_cpu=request.offload_to_cpu,
+            with_grads=request.with_grads,
         )
 
     # -- state dicts ----------------------------------------------------------------------

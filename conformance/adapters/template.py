@@ -15,7 +15,7 @@ before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` mo
 
 A backend that owns its training loop (it builds the optimizer itself and runs its own backward
 and step, as DeepSpeed does) overrides ``make_optimizer`` / ``backward`` / ``step`` /
-``zero_grad``; see ``conformance/adapters/deepspeed.py`` for a complete one. The contract each
+``zero_grad``; see ``conformance/adapters/deepspeed/`` for a complete one. The contract each
 method must honour is in docs/writing-an-adapter.md.
 """
 
@@ -46,6 +46,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardLayout,
     StateDictKind,
+    UnshardRequest,
     declared_fqn,
 )
 
@@ -55,7 +56,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 5
+    PROTOCOL_VERSION = 6
     # Test ids, reports and expectations use it. The expectations file is <name>.toml in
     # --expectations-dir when given, else the file EXPECTATIONS names (next to your module), else
     # conformance/expectations/<name>.toml (docs/writing-an-adapter.md, section 8).
@@ -138,7 +139,8 @@ class TemplateAdapter(BackendAdapter):
 
     def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
         # Read only where MIXED_PRECISION is declared: the low-precision dtypes you compute in
-        # on self.env.device, preferred first.
+        # on self.env.device, preferred first. Ask the backend, not the machine's name: a CPU
+        # accelerator may offer float16 only on CPUs with AVX512-FP16 / AMX-FP16 (DeepSpeed's does).
         return (torch.float16, torch.bfloat16)
 
     def original_fqn(self, name: str) -> str:
@@ -169,19 +171,9 @@ class TemplateAdapter(BackendAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
         # DDP's parameters are always full: nothing to gather, and changes made inside are
-        # made to the stored parameters (they persist whatever `writeback` says).
+        # made to the stored parameters (they persist whatever `request.writeback` says).
         yield
 
     # -- state dicts ----------------------------------------------------------------------

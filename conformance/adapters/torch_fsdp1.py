@@ -46,6 +46,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    UnshardRequest,
     innermost_first,
     submodule,
 )
@@ -101,7 +102,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
@@ -227,24 +228,14 @@ class TorchFSDP1Adapter(TorchAdapter):
             yield
 
     # -- unshard ------------------------------------------------------------------------
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> contextlib.AbstractContextManager[None]:
         return FSDP.summon_full_params(
-            _wrapped_submodule(model, fqn),
-            recurse=recurse,
-            writeback=writeback,
-            rank0_only=rank0_only,
-            offload_to_cpu=offload_to_cpu,
-            with_grads=with_grads,
+            _wrapped_submodule(model, request.fqn),
+            recurse=request.recurse,
+            writeback=request.writeback,
+            rank0_only=request.rank0_only,
+            offload_to_cpu=request.offload_to_cpu,
+            with_grads=request.with_grads,
         )
 
     # -- state dicts ----------------------------------------------------------------------

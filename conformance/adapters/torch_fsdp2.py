@@ -48,6 +48,7 @@ from conformance.protocol import (
     ShardingStrategy,
     ShardLayout,
     StateDictKind,
+    UnshardRequest,
     innermost_first,
     submodule,
 )
@@ -75,7 +76,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
@@ -232,19 +233,9 @@ class TorchFSDP2Adapter(TorchAdapter):
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
-        target = submodule(model, fqn)
-        if recurse:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+        target = submodule(model, request.fqn)
+        if request.recurse:
             units = [m for m in target.modules() if isinstance(m, FSDPModule)]
         else:
             units = [_fsdp_module(target)]

@@ -57,6 +57,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    UnshardRequest,
     submodule,
 )
 
@@ -79,7 +80,7 @@ _NO_PUBLIC_MIXED_PRECISION = (
 
 
 class TorchZeroAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "torch-zero"
     WRAPPER_COMPONENTS = frozenset({"module"})  # DistributedDataParallel holds the model as .module
     CAPABILITIES = frozenset(
@@ -225,21 +226,11 @@ class TorchZeroAdapter(BackendAdapter):
 
     # -- unshard ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
         # Parameters (and their all-reduced gradients) are whole on every rank at all times:
         # the context only checks that the submodule exists. rank0_only and offload_to_cpu
         # are declared missing, so they never reach here.
-        submodule(self._user_module(model), fqn)
+        submodule(self._user_module(model), request.fqn)
         yield
 
     # -- state dicts ----------------------------------------------------------------------

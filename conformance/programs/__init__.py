@@ -6,6 +6,9 @@ The map, in the order a program travels:
   (``Program.lines``) and with what it requires of a backend;
 - ``declared``: a backend's declarations as plain data (asked of rank 0 once per test);
 - ``draw``: the hypothesis strategies, drawing only what the backend admits;
+- ``operations``: one handler per kind of operation, found by its type: what may be drawn, its
+  rank step and checks, its oracle step, what patterns read of it, its lines in a script (a new
+  kind is its dataclass in ``program`` and a module there; a checklist test names what is missing);
 - ``seeds``: the program of each scenario family every run starts with;
 - ``model``, ``shadow``: the generated model and the single-process oracle that runs the same
   program;

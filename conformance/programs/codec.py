@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import enum
 import json
+import typing
 import zlib
 from typing import Any
 
@@ -23,15 +24,7 @@ _TYPES = {
         program_module.Program,
         program_module.ModelShape,
         program_module.Setup,
-        program_module.Backward,
-        program_module.ZeroGrad,
-        program_module.Step,
-        program_module.SetMode,
-        program_module.EvalForward,
-        program_module.SwapRoute,
-        program_module.Unshard,
-        program_module.SaveLoad,
-        program_module.OptimRoundTrip,
+        *typing.get_args(program_module.Operation),  # every kind of operation, as it is added there
     )
 }
 _ENUMS = {"ShardingStrategy": ShardingStrategy, "ApiForm": ApiForm}

@@ -71,7 +71,7 @@ def declared_axes(selection: str) -> Declared:
     from conformance.suite import registry
 
     ctx = harness.call_context()
-    adapter_cls = registry.load(selection)
+    adapter_cls = registry.adapter_class(selection)
     adapter = adapter_cls(
         BackendEnv(rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, local_rank=ctx.local_rank)
     )

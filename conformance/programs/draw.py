@@ -6,11 +6,12 @@ admitted only where ``require_all`` would admit it (no unsupported combination),
 never skips. Choices are listed simplest first, which is where hypothesis shrinks to: one rank
 pair, a narrow model, FULL_SHARD-like strategies first, fewer operations, plain options.
 
-The operations are drawn as a small state machine (what may follow what): backward only in
-training mode, a step only after a backward since the last step, gradients read only while they
-exist, an optimizer round trip only once the optimizer has state, and a first iteration whose
-order differs between ranks only where the backend checks the order, as the only other
-operation (the program ends at the refusal).
+The operations are drawn as a small state machine (what may follow what), each kind's part of it
+in its handler (``conformance.programs.operations``): backward only in training mode, a step only
+after a backward since the last step, gradients read only while they exist, an optimizer round
+trip only once the optimizer has state; and a first iteration whose order differs between ranks
+only where the backend checks the order, as the only other operation (the program ends at the
+refusal).
 """
 
 from __future__ import annotations
@@ -21,25 +22,19 @@ from hypothesis import strategies as st
 
 import fixtures
 from conformance.programs.declared import Declared
+from conformance.programs.operations import DRAW_ORDER, HANDLERS, TWO_D_DRAW_ORDER, DrawContext, DrawState, handler_for
 from conformance.programs.program import (
     TENSOR_PARALLEL_DEGREE,
     UNIT_PLANS,
     Backward,
-    EvalForward,
     ModelShape,
     Operation,
-    OptimRoundTrip,
     Program,
-    SaveLoad,
-    SetMode,
     Setup,
-    Step,
     SwapRoute,
-    Unshard,
-    ZeroGrad,
     spec_requirements,
 )
-from conformance.protocol import ApiForm, Capability, Holding, Phase, Requirement, ShardingStrategy, storage_claim
+from conformance.protocol import ApiForm, Capability, ShardingStrategy
 
 MAX_OPERATIONS = 8
 # Widths that no world size divides (3, 5, 7) beside ones that some do: uneven shards and
@@ -166,127 +161,27 @@ def model_shapes(draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = 
     )
 
 
-class _ProgramState:
-    """What the operations drawn so far leave behind: what may come next."""
-
-    def __init__(self) -> None:
-        self.training = True
-        self.backward_since_step = False
-        self.grads_exist = False
-        self.stepped = False
-
-
-def _unshard_options(declared: Declared, setup: Setup, base: set[Requirement], world_size: int) -> list[Unshard]:
-    if setup.param_dtype is not None:
-        return []  # what unshard shows under mixed precision is a backend fact of its own
-    # Units whose parameters are whole on every rank at rest: NO_SHARD and ZeRO-1/2, or
-    # HYBRID_SHARD with shard groups of one rank (a world of 2 on one host: a (2, 1) mesh).
-    strategies = {s for s in (setup.strategy, setup.other_strategy) if s is not None}
-    unsharded_units = any(storage_claim(s).parameters[Phase.AT_REST] is Holding.WHOLE for s in strategies) or (
-        ShardingStrategy.HYBRID_SHARD in strategies and fixtures.hybrid_shard_group_size(world_size, world_size) == 1
-    )
-    options = []
-    for writeback in (False, True):
-        for rank0_only in (False, True):
-            for offload_to_cpu in (False, True):
-                for with_grads in (False, True):
-                    if writeback and rank0_only:
-                        continue  # a misuse the backends refuse (Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK)
-                    if with_grads and (setup.offload_params or offload_to_cpu):
-                        continue  # torch FSDP1 gathers offloaded gradients into device buffers only
-                    if offload_to_cpu and unsharded_units:
-                        continue  # a misuse the backends refuse (Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD)
-                    for write in (False, True) if writeback else (False,):
-                        op = Unshard(writeback, rank0_only, offload_to_cpu, with_grads, write)
-                        if declared.admits(base | op.requirements()):
-                            options.append(op)
-    return options
-
-
 @st.composite
 def operations(
     draw: st.DrawFn, declared: Declared, setup: Setup, shape: ModelShape, world_size: int
 ) -> tuple[Operation, ...]:
-    base = spec_requirements(setup) | {Capability.for_form(setup.form)}
-    if setup.tensor_parallel:
-        return draw(_two_d_operations(declared, base))
+    """The program's operations: each drawn from what every kind's handler offers after the
+    operations before it (``conformance.programs.operations``), in the kinds' draw order."""
+    base = frozenset(spec_requirements(setup) | {Capability.for_form(setup.form)})
+    two_d = setup.tensor_parallel
     order_checked = setup.check_exec_order and setup.unit_plan != "none" and shape.depth >= 2 and world_size >= 2
-    if order_checked and draw(st.integers(0, 9)) == 0:
+    if not two_d and order_checked and draw(st.integers(0, 9)) == 0:
+        # The first iteration's misuse, a program of its own: it ends at the backend's refusal.
         return (SwapRoute(odd_ranks_only=True), Backward())
-    unshards = _unshard_options(declared, setup, base, world_size)
-    saves = [
-        SaveLoad(kind)
-        for kind in ("full", "sharded", "native")
-        if declared.admits(base | SaveLoad(kind).requirements())
-    ]
-    optim_trips = [
-        OptimRoundTrip(kind)
-        for kind in ("full", "sharded")
-        if declared.admits(base | OptimRoundTrip(kind).requirements())
-    ]
-    micro_batches = [1, 2, 3]
-    state = _ProgramState()
+    context = DrawContext(declared, setup, shape, world_size, base, two_d=two_d)
+    kinds = TWO_D_DRAW_ORDER if two_d else DRAW_ORDER
+    state = DrawState()
     ops: list[Operation] = []
     for _ in range(draw(st.integers(1, MAX_OPERATIONS))):
-        choices: list[Operation] = []
-        if state.training:
-            choices += [Backward(k) for k in micro_batches]
-            if declared.has(Capability.NO_SYNC) and declared.admits(base | {Capability.NO_SYNC}):
-                choices += [Backward(k, no_sync=True) for k in micro_batches[1:]]
-        if state.backward_since_step:
-            choices.append(Step())
-        choices.append(ZeroGrad(True))
-        if declared.zero_grad_keeps_zeros:
-            choices.append(ZeroGrad(False))
-        choices.append(SetMode(not state.training))
-        if not state.training:
-            choices.append(EvalForward())
-        if shape.depth >= 2:
-            choices.append(SwapRoute())
-        choices += [u for u in unshards if not u.with_grads or state.grads_exist]
-        choices += saves
-        if state.stepped:
-            choices += optim_trips
+        choices = [choice for kind in kinds for choice in HANDLERS[kind].choices(context, state)]
         op = draw(st.sampled_from(choices))
         ops.append(op)
-        if isinstance(op, Backward):
-            state.backward_since_step = state.grads_exist = True
-        elif isinstance(op, Step):
-            state.backward_since_step = False
-            state.stepped = True
-        elif isinstance(op, ZeroGrad) and op.set_to_none:
-            # No gradient left to step with: a step needs a backward first again.
-            state.grads_exist = state.backward_since_step = False
-        elif isinstance(op, SetMode):
-            state.training = op.train
-        elif isinstance(op, SaveLoad):
-            state.grads_exist = state.backward_since_step = False
-            if op.kind != "native":
-                state.stepped = False
-        elif isinstance(op, OptimRoundTrip):
-            state.grads_exist = state.backward_since_step = False
-    return tuple(ops)
-
-
-@st.composite
-def _two_d_operations(draw: st.DrawFn, declared: Declared, base: set[Requirement]) -> tuple[Operation, ...]:
-    """Training, eval forwards and model state dict round trips of a 2-D program."""
-    saves = [SaveLoad(kind) for kind in ("full", "sharded") if declared.admits(base | SaveLoad(kind).requirements())]
-    state = _ProgramState()
-    ops: list[Operation] = []
-    for _ in range(draw(st.integers(1, MAX_OPERATIONS))):
-        choices: list[Operation] = [Backward(k) for k in (1, 2)] if state.training else [EvalForward()]
-        if state.backward_since_step:
-            choices.append(Step())
-        choices += [ZeroGrad(True), SetMode(not state.training), *saves]
-        op = draw(st.sampled_from(choices))
-        ops.append(op)
-        if isinstance(op, Backward):
-            state.backward_since_step = True
-        elif isinstance(op, Step) or (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, SaveLoad):
-            state.backward_since_step = False
-        elif isinstance(op, SetMode):
-            state.training = op.train
+        handler_for(op).advance(state, op)
     return tuple(ops)
 
 

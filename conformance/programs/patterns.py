@@ -4,24 +4,22 @@ A ``[[generated_finding]]`` entry of a backend's expectations (``conformance.sui
 names one of these and a failure text: a failing example whose program has the pattern, and
 whose every finding contains one of the entry's texts, shows that known finding and is set
 aside, so the campaign goes on looking for others. A pattern is a predicate over the program
-alone (plain data), never over what the backend did.
+alone (plain data), never over what the backend did: over what each operation does, as its
+handler states it (``OperationFacts``), never over an operation's type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from conformance.programs.program import (
-    TENSOR_PARALLEL_DEGREE,
-    Backward,
-    OptimRoundTrip,
-    Program,
-    SaveLoad,
-    Step,
-    Unshard,
-    ZeroGrad,
-)
+from conformance.programs.operations import OperationFacts, facts
+from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Program
 from conformance.protocol import ShardingStrategy
+
+
+def _facts(program: Program) -> list[OperationFacts]:
+    """What each operation does, in order (its handler's pattern form)."""
+    return [facts(op) for op in program.operations]
 
 
 def gradients_kept_across_steps(program: Program) -> bool:
@@ -29,14 +27,14 @@ def gradients_kept_across_steps(program: Program) -> bool:
     torch's optimizers keep the gradients a step used, so that second step sees their sum."""
     after_step = False
     pending = False
-    for op in program.operations:
-        if isinstance(op, Step):
+    for does in _facts(program):
+        if does.steps:
             if pending:
                 return True
             after_step = True
-        elif isinstance(op, (ZeroGrad, SaveLoad, OptimRoundTrip)):  # zero-filled or dropped: nothing to sum
+        elif does.zeroes_gradients:  # zero-filled or dropped: nothing to sum
             after_step = pending = False
-        elif isinstance(op, Backward) and after_step:
+        elif does.backward and after_step:
             pending = True
     return False
 
@@ -51,14 +49,14 @@ def zero12_several_synced_backwards_per_step(program: Program) -> bool:
     ):
         return False
     synced = 0
-    for op in program.operations:
-        if isinstance(op, Backward):
-            synced += 1 if op.no_sync else op.micro_batches
-        elif isinstance(op, Step):
+    for does in _facts(program):
+        if does.backward:
+            synced += does.reductions
+        elif does.steps:
             if synced >= 2:
                 return True
             synced = 0
-        elif (isinstance(op, ZeroGrad) and op.set_to_none) or isinstance(op, (SaveLoad, OptimRoundTrip)):
+        elif does.drops_gradients:
             synced = 0
     return False
 
@@ -66,7 +64,7 @@ def zero12_several_synced_backwards_per_step(program: Program) -> bool:
 def zero1_backward(program: Program) -> bool:
     """A backward under SHARD_OPTIM_STATE (ZeRO-1 claims whole gradients after it)."""
     return program.setup.strategy is ShardingStrategy.SHARD_OPTIM_STATE and any(
-        isinstance(op, Backward) for op in program.operations
+        does.backward for does in _facts(program)
     )
 
 
@@ -83,38 +81,38 @@ def native_checkpoint_before_first_step(program: Program) -> bool:
     """A native checkpoint saved while the optimizer holds no state yet (no step since it was
     made), then loaded into a fresh model and optimizer."""
     stepped = False
-    for op in program.operations:
-        if isinstance(op, Step):
+    for does in _facts(program):
+        if does.steps:
             stepped = True
-        elif isinstance(op, SaveLoad):
-            if op.kind == "native" and not stepped:
-                return True
-            if op.kind != "native":
-                stepped = False  # a new optimizer
+        elif does.native_checkpoint and not stepped:
+            return True
+        elif does.fresh_optimizer:
+            stepped = False
     return False
 
 
 def frozen_parameters(program: Program) -> bool:
     """A model with frozen blocks (parameters with requires_grad=False) and a backward."""
-    return bool(program.model.frozen) and any(isinstance(op, Backward) for op in program.operations)
+    return bool(program.model.frozen) and any(does.backward for does in _facts(program))
 
 
 def adam_state_loaded(program: Program) -> bool:
     """Adam's state (moments) loaded into a freshly sharded model's new optimizer."""
-    return program.setup.optimizer == "adam" and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+    return program.setup.optimizer == "adam" and any(does.optimizer_state_loaded for does in _facts(program))
 
 
 def stateless_optimizer_state_loaded(program: Program) -> bool:
     """Plain SGD's optimizer state dict (no state, only its parameter groups) loaded into a freshly
     sharded model's new optimizer."""
-    return program.setup.optimizer == "sgd" and any(isinstance(op, OptimRoundTrip) for op in program.operations)
+    return program.setup.optimizer == "sgd" and any(does.optimizer_state_loaded for does in _facts(program))
 
 
 def optimizer_state_with_exec_order_check(program: Program) -> bool:
     """An optimizer state dict read (a round trip, or a native checkpoint) while the forward-order
     check is on (``check_exec_order``)."""
-    reads = [op for op in program.operations if isinstance(op, (OptimRoundTrip, SaveLoad))]
-    return program.setup.check_exec_order and any(isinstance(op, OptimRoundTrip) or op.kind == "native" for op in reads)
+    return program.setup.check_exec_order and any(
+        does.optimizer_state_loaded or does.native_checkpoint for does in _facts(program)
+    )
 
 
 def two_d_full_state_dict(program: Program) -> bool:
@@ -130,24 +128,22 @@ def two_d_uneven_full_load(program: Program) -> bool:
         return False
     tp_rows = program.model.width // TENSOR_PARALLEL_DEGREE
     uneven = tp_rows % program.data_parallel_size != 0
-    return uneven and any(isinstance(op, SaveLoad) and op.kind == "full" for op in program.operations)
+    return uneven and any(does.full_model_load for does in _facts(program))
 
 
 def native_checkpoint_four_ranks(program: Program) -> bool:
     """A native checkpoint saved and loaded at world size 4 or more."""
-    return program.world_size >= 4 and any(
-        isinstance(op, SaveLoad) and op.kind == "native" for op in program.operations
-    )
+    return program.world_size >= 4 and any(does.native_checkpoint for does in _facts(program))
 
 
 def write_inside_unshard_then_step(program: Program) -> bool:
     """Parameters written inside unshard(writeback=True), then an optimizer step or a native
     checkpoint (what the optimizer holds of the parameters is used again)."""
     written = False
-    for op in program.operations:
-        if isinstance(op, Unshard) and op.write:
+    for does in _facts(program):
+        if does.writes_parameters:
             written = True
-        elif written and (isinstance(op, Step) or (isinstance(op, SaveLoad) and op.kind == "native")):
+        elif written and (does.steps or does.native_checkpoint):
             return True
     return False
 

@@ -267,6 +267,12 @@ class Program:
         """Whose batch ``rank`` feeds: its own, or its dp group's under 2-D (mesh ranks row-major)."""
         return rank // TENSOR_PARALLEL_DEGREE if self.setup.tensor_parallel else rank
 
+    @property
+    def divergent_order(self) -> bool:
+        """The first iteration's misuse program: only odd ranks swap blocks 0 and 1, so the ranks
+        disagree on the forward order (a backend that checks the order must refuse it)."""
+        return any(isinstance(op, SwapRoute) and op.odd_ranks_only for op in self.operations)
+
     def unit_fqns(self) -> tuple[str, ...]:
         """The manual units of the plan, innermost first."""
         blocks = tuple(f"blocks.{index}" for index in range(self.model.depth))

@@ -26,14 +26,13 @@ the harness's (the parent asks for the trace).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
-import shutil
 import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,21 +47,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fixtures
 import harness
 from conformance.programs.model import Block, GeneratedModel, build_model
-from conformance.programs.program import (
-    TENSOR_PARALLEL_DEGREE,
-    Backward,
-    EvalForward,
-    Operation,
-    OptimRoundTrip,
-    Program,
-    SaveLoad,
-    SetMode,
-    Step,
-    SwapRoute,
-    Unshard,
-    ZeroGrad,
-)
-from conformance.programs.shadow import EVAL_ITERATIONS, FRESH_SEED_OFFSET, LOCAL_BATCH, Shadow, make_optimizer
+from conformance.programs.operations import handler_for
+from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Program
+from conformance.programs.shadow import FRESH_SEED_OFFSET, Shadow, make_optimizer
 from conformance.programs.storage_probe import StorageProbe
 from conformance.programs.tolerances import bounds_for, dtype_named
 from conformance.protocol import (
@@ -122,7 +109,7 @@ def program_report(
         watch,
     ):
         try:
-            _ProgramRun(adapter, program, report, rank, device).run()
+            ProgramRun(adapter, program, report, rank, device).run()
         except pytest.skip.Exception as skipped:
             report.unsupported = str(skipped.msg)
             return report
@@ -137,7 +124,12 @@ def program_report(
     return report
 
 
-class _ProgramRun:
+class ProgramRun:
+    """One program on this rank: the sharded model, its oracle, and the checks every operation's
+    rank step (``conformance.programs.operations``) runs after it. A step reads and sets the
+    state below (the model, the oracle, the iteration counters, the first route) and reports
+    through :meth:`find`; every check that issues a collective runs on every rank alike."""
+
     def __init__(
         self, adapter: BackendAdapter, program: Program, report: ProgramReport, rank: int, device: torch.device
     ):
@@ -191,7 +183,7 @@ class _ProgramRun:
             fields["mesh"] = fixtures.hybrid_mesh(self.world_size, self.device)
         return ShardingSpec(**fields)
 
-    def _build(self, seed: int) -> None:
+    def build(self, seed: int) -> None:
         """Build and shard the model (values from ``seed``) and make its optimizer."""
         model = build_model(self.program.model, seed, self.device)
         self.numels = {name: param.numel() for name, param in model.named_parameters()}
@@ -205,6 +197,18 @@ class _ProgramRun:
         self.order_warned = False
         self.divergent_route = False
         self.probes = self._probes()
+
+    @contextlib.contextmanager
+    def fresh_model(self) -> Iterator[None]:
+        """A freshly built and sharded model (other values: seed + FRESH_SEED_OFFSET) and its new
+        optimizer, for a load into them; when the block ends, the route and the mode the program
+        had are the new model's too (a block that raises ends the program: nothing to carry)."""
+        swapped, training = self.model.swapped, self.shadow.model.training
+        self.build(self.program.seed + FRESH_SEED_OFFSET)
+        yield
+        self.model.swapped = swapped
+        if not training:
+            self.sharded.train(False)
 
     def _probes(self) -> list[tuple[StorageProbe, frozenset[str]]]:
         """One storage probe per strategy in the spec, each with the parameters it leaves to the
@@ -234,33 +238,36 @@ class _ProgramRun:
     # -- the program ------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            self._build(self.program.seed)
+            self.build(self.program.seed)
         except BaseException as error:
             if _is_outcome(error):
                 raise
-            self._find(
+            self.find(
                 f"sharding the model raised {_described(error)}", f"sharding the model raised {type(error).__name__}"
             )
             self.report.raised_at = time.time()
             return
-        self._check_storage(Stored.PARAMETERS, Phase.AT_REST)
+        # A backend that stores its model in the compute dtype (DeepSpeed's bf16/fp16 mode, float32
+        # only as its optimizer's master copy) starts from those rounded values: so does the oracle.
+        self.shadow.round_to(self._stored_in_compute_dtype(), dtype_named(self.setup.param_dtype))
+        self.check_storage(Stored.PARAMETERS, Phase.AT_REST)
         for index, op in enumerate(self.program.operations):
             self.op_index = index
             try:
-                stop = self._apply(op)
+                stop = handler_for(op).run(self, op)  # the operation and its checks
             except BaseException as error:
                 if _is_outcome(error):
                     raise
                 # The program cannot go on; what the checks found before stays in the report.
                 # Ranks that raised alike (the usual case: the same call on the same program)
                 # all return; a rank left waiting for a peer is stopped by the harness.
-                self._find(f"raised {_described(error)}", f"{type(op).__name__} raised {type(error).__name__}")
+                self.find(f"raised {_described(error)}", f"{type(op).__name__} raised {type(error).__name__}")
                 self.report.raised_at = time.time()
                 return
             self.report.operations_run = index + 1
             if stop:
                 return
-        self._check_params("at the end")
+        self.check_params("at the end")
 
     def _where(self) -> str:
         if self.op_index < 0:
@@ -268,7 +275,7 @@ class _ProgramRun:
         op = self.program.operations[self.op_index]
         return f"op {self.op_index} ({op.describe()})"
 
-    def _find(self, text: str, check: str) -> None:
+    def find(self, text: str, check: str) -> None:
         """Report ``text`` at this operation; ``check`` names what found it, without numbers and
         without the operation: a check that runs after several kinds of operation (the full state
         dict at the end of any program) finds one defect, whichever operation came last."""
@@ -278,197 +285,8 @@ class _ProgramRun:
         if self.op_index == self.root_op:
             self.report.root_cause.append(check)
 
-    def _apply(self, op: Operation) -> bool:
-        """Run one operation and its checks; True when the program cannot go on."""
-        if isinstance(op, Backward):
-            return self._backward(op)
-        if isinstance(op, ZeroGrad):
-            self._zero_grad(op)
-        elif isinstance(op, Step):
-            self.adapter.step(self.sharded, self.optimizer)
-            self.shadow.step()
-            self._check_params("after the step")
-            for stored in Stored:
-                self._check_storage(stored, Phase.AT_REST)
-        elif isinstance(op, SetMode):
-            self.sharded.train(op.train)
-            self.shadow.set_mode(op.train)
-        elif isinstance(op, EvalForward):
-            self._eval_forward()
-        elif isinstance(op, SwapRoute):
-            if op.odd_ranks_only:
-                self.divergent_route = True
-                if self.rank % 2 == 1:
-                    self.model.swapped = not self.model.swapped
-            else:
-                self.model.swapped = not self.model.swapped
-                self.shadow.swap_route()
-        elif isinstance(op, Unshard):
-            self._unshard(op)
-        elif isinstance(op, SaveLoad):
-            self._save_load(op)
-        elif isinstance(op, OptimRoundTrip):
-            self._optim_round_trip(op)
-        return False
-
-    # -- operations -------------------------------------------------------------------------
-    def _backward(self, op: Backward) -> bool:
-        expected = [self.shadow.backward() for _ in range(op.micro_batches)] if not self.divergent_route else []
-        for micro_batch in range(op.micro_batches):
-            inputs = fixtures.local_batch(
-                self.model,
-                seed=self.program.seed,
-                iteration=self.iteration,
-                rank=self.data_rank,
-                batch_size=LOCAL_BATCH,
-                device=self.device,
-            )
-            self.iteration += 1
-            unsynced = op.no_sync and micro_batch < op.micro_batches - 1
-            route = self.model.route()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    with self.adapter.no_gradient_sync(self.sharded) if unsynced else contextlib.nullcontext():
-                        loss = self.model.loss(self.sharded(*inputs))
-                        self.adapter.backward(self.sharded, loss)
-                except Exception as error:
-                    if self.divergent_route and self.first_route is None:
-                        self.report.refused = f"{type(error).__name__}: {error}"
-                        return True
-                    raise
-            if self.divergent_route:
-                self._find(
-                    "the ranks ran the first iteration in different forward orders (blocks 0 and 1 swapped on "
-                    "odd ranks) and the backend, which declares EXEC_ORDER_CHECK and was asked to check "
-                    "(check_exec_order=True), did not refuse it",
-                    "a rank-divergent first iteration not refused",
-                )
-                return True
-            self._check_order_warnings(caught, route, training=True)
-            if self.first_route is None:
-                self.first_route = route
-            want = expected[micro_batch][self.data_rank]
-            if not self.bounds.losses_close(loss.item(), want):
-                self._find(
-                    f"micro-batch {micro_batch}: loss {loss.item():.9g}, the oracle's {want:.9g} "
-                    f"(difference {abs(loss.item() - want):.3g}; bound {self.bounds.loss_atol:g} + "
-                    f"{self.bounds.loss_rtol:g} x |oracle|)",
-                    "the loss",
-                )
-        self._check_grads()
-        self._check_storage(Stored.PARAMETERS, Phase.AFTER_BACKWARD)
-        self._check_storage(Stored.GRADIENTS, Phase.AFTER_BACKWARD)
-        return False
-
-    def _zero_grad(self, op: ZeroGrad) -> None:
-        if op.set_to_none:
-            self.adapter.zero_grad(self.sharded, self.optimizer)
-        else:
-            self.adapter.zero_grad(self.sharded, self.optimizer, set_to_none=False)  # type: ignore[call-arg]
-        self.shadow.zero_grad(op.set_to_none)
-
-    def _eval_forward(self) -> None:
-        (x,) = fixtures.local_batch(
-            self.model,
-            seed=self.program.seed,
-            iteration=EVAL_ITERATIONS + self.evals,
-            rank=self.data_rank,
-            batch_size=LOCAL_BATCH,
-            device=self.device,
-        )
-        self.evals += 1
-        expected = self.shadow.eval_losses()[self.data_rank]
-        route = self.model.route()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with torch.no_grad():
-                loss = self.model.loss(self.sharded(x)).item()
-        self._check_order_warnings(caught, route, training=False)
-        if not self.bounds.losses_close(loss, expected):
-            mode = "training" if self.shadow.model.training else "eval"
-            self._find(
-                f"loss {loss:.9g} under no_grad in {mode} mode, the oracle's {expected:.9g} "
-                f"(difference {abs(loss - expected):.3g})",
-                f"the loss under no_grad in {mode} mode",
-            )
-
-    def _unshard(self, op: Unshard) -> None:
-        expected = self.shadow.params()
-        expected_grads = self.shadow.grads()
-        with self.adapter.unshard(
-            self.sharded,
-            writeback=op.writeback,
-            rank0_only=op.rank0_only,
-            offload_to_cpu=op.offload_to_cpu,
-            with_grads=op.with_grads,
-        ):
-            if not op.rank0_only or self.rank == 0:
-                shown = self._shown(grads=False)
-                self._compare(shown, expected, self.bounds.params, "full parameters inside unshard")
-                if op.with_grads and expected_grads:
-                    self._compare_grads(self._shown(grads=True), "gradients inside unshard")
-            if op.write:
-                with torch.no_grad():
-                    for param in self.sharded.parameters():
-                        param.add_(0.01)
-        if op.write:
-            self.shadow.add_to_parameters(0.01)
-            self._check_params("after the write inside unshard(writeback=True)")
-
-    def _save_load(self, op: SaveLoad) -> None:
-        if op.kind == "native":
-            directory = self._shared_directory()
-            self.adapter.save_checkpoint(self.sharded, self.optimizer, directory)
-            swapped, training = self.model.swapped, self.shadow.model.training
-            self._build(self.program.seed + FRESH_SEED_OFFSET)
-            self.adapter.load_checkpoint(self.sharded, self.optimizer, directory)
-            # Only on success: after a rank raised, its peers may be inside a collective of the
-            # backend's, and a barrier here would pair with it (the directory is left behind).
-            dist.barrier()
-            if self.rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)
-            self.shadow.reload(keep_optimizer=True)
-        else:
-            kind = StateDictKind(op.kind)
-            state = self.adapter.state_dict(self.sharded, kind)
-            rounded: set[str] = set()
-            if kind is StateDictKind.FULL:
-                rounded = self._compare_state(state, "the full state dict saved")
-            else:
-                self._check_sharded_layout(state)
-                rounded = self._in_compute_dtype(state)
-            swapped, training = self.model.swapped, self.shadow.model.training
-            self._build(self.program.seed + FRESH_SEED_OFFSET)
-            self.adapter.load_state_dict(self.sharded, state, kind)
-            self.shadow.reload(keep_optimizer=False)
-            # What the state dict held in the compute dtype is all a load can restore.
-            self.shadow.round_to(rounded, dtype_named(self.setup.param_dtype))
-        self.model.swapped = swapped
-        if not training:
-            self.sharded.train(False)
-        self._check_params("after loading into a freshly sharded model")
-
-    def _optim_round_trip(self, op: OptimRoundTrip) -> None:
-        """As a resumed job does (and ``test_optim_state_dict_round_trip``): the model's and the
-        optimizer's state dicts (copies) into a freshly sharded model and its new optimizer."""
-        kind = StateDictKind(op.kind)
-        model_state = copy.deepcopy(self.adapter.state_dict(self.sharded, kind))
-        optim_state = copy.deepcopy(self.adapter.optim_state_dict(self.sharded, self.optimizer, kind))
-        swapped, training = self.model.swapped, self.shadow.model.training
-        self._build(self.program.seed + FRESH_SEED_OFFSET)
-        self.adapter.load_state_dict(self.sharded, model_state, kind)
-        self.adapter.load_optim_state_dict(self.sharded, self.optimizer, optim_state, kind)
-        self.model.swapped = swapped
-        if not training:
-            self.sharded.train(False)
-        # Gradients do not travel in state dicts: the oracle drops its own, keeps its optimizer.
-        for param in self.shadow.model.parameters():
-            param.grad = None
-        self._check_params("after loading model and optimizer state into a freshly sharded model")
-
     # -- checks -------------------------------------------------------------------------------
-    def _shown(self, grads: bool) -> dict[str, torch.Tensor]:
+    def shown(self, grads: bool) -> dict[str, torch.Tensor]:
         shown = {}
         for name, param in self.sharded.named_parameters():
             value = param.grad if grads else param
@@ -476,7 +294,7 @@ class _ProgramRun:
                 shown[declared_fqn(self.adapter, name)] = value.detach().float().cpu().clone()
         return shown
 
-    def _compare(
+    def compare(
         self, actual: dict[str, Any], expected: dict[str, torch.Tensor], tolerance: Tolerance, what: str
     ) -> None:
         actual = {
@@ -487,7 +305,7 @@ class _ProgramRun:
         }
         found = differences(actual, expected, tolerance)
         if found:
-            self._find(report(f"{what} differ from the oracle's", found, len(expected), tolerance), what)
+            self.find(report(f"{what} differ from the oracle's", found, len(expected), tolerance), what)
 
     def _admits(self, *needed: Capability) -> bool:
         """Whether the backend declares what a check needs, with this program's spec (the rule of
@@ -497,7 +315,20 @@ class _ProgramRun:
             return False
         return not any(combination <= requirements for combination in self.adapter.unsupported_combinations())
 
-    def _in_compute_dtype(self, state: dict[str, Any]) -> set[str]:
+    def _stored_in_compute_dtype(self) -> set[str]:
+        """The parameters of which this rank stores a part in the compute dtype (``local_shard``,
+        no collective), by the names the oracle's model has."""
+        compute = dtype_named(self.setup.param_dtype)
+        if compute is None:
+            return set()
+        stored = set()
+        for name, _ in self.sharded.named_parameters():
+            fqn = self.adapter.original_fqn(name)
+            if self.adapter.local_shard(self.sharded, fqn).dtype == compute:
+                stored.add(fqn)
+        return stored
+
+    def in_compute_dtype(self, state: dict[str, Any]) -> set[str]:
         """The entries a backend keeps in the compute dtype (``MIXED_PRECISION_UNSHARD.
         shows_compute_dtype``: its model parameters live in low precision, float32 only in its
         optimizer, DeepSpeed's case)."""
@@ -506,20 +337,20 @@ class _ProgramRun:
             return set()
         return {name for name, value in state.items() if isinstance(value, torch.Tensor) and value.dtype == compute}
 
-    def _compare_state(self, state: dict[str, Any], what: str) -> set[str]:
+    def compare_state(self, state: dict[str, Any], what: str) -> set[str]:
         """A full state dict against the oracle's; entries the backend keeps in the compute dtype
         against the oracle's rounded to it, one ulp of it allowed on top (the float32 masters may
         straddle a rounding boundary). Returns those entries."""
         sharded_values = sorted(name for name, value in state.items() if _is_sharded_tensor(value))
         if sharded_values:
-            self._find(
+            self.find(
                 f"{what} holds DTensors or ShardedTensors for {sharded_values}: a full state dict holds plain, "
                 "whole tensors (StateDictKind.FULL)",
                 "a full state dict holds DTensors or ShardedTensors",
             )
-        rounded = self._in_compute_dtype(state)
+        rounded = self.in_compute_dtype(state)
         expected = self.shadow.state()
-        self._compare(
+        self.compare(
             {k: v for k, v in state.items() if k not in rounded},
             {k: v for k, v in expected.items() if k not in rounded},
             self.bounds.params,
@@ -529,7 +360,7 @@ class _ProgramRun:
             compute = dtype_named(self.setup.param_dtype)
             assert compute is not None
             one_ulp = dataclasses.replace(self.bounds.params, rtol=self.bounds.params.rtol + torch.finfo(compute).eps)
-            self._compare(
+            self.compare(
                 {k: state[k] for k in rounded},
                 {k: expected[k].to(compute).float() for k in rounded if k in expected},
                 one_ulp,
@@ -537,17 +368,17 @@ class _ProgramRun:
             )
         return rounded
 
-    def _check_params(self, when: str) -> None:
+    def check_params(self, when: str) -> None:
         """The full parameters against the oracle's (collective: every rank, same order)."""
         if self._admits(Capability.FULL_STATE_DICT):
             state = self.adapter.state_dict(self.sharded, StateDictKind.FULL)
-            self._compare_state(state, f"the full state dict {when}")
+            self.compare_state(state, f"the full state dict {when}")
         elif self._admits(Capability.UNSHARD) and self.setup.param_dtype is None:
             with self.adapter.unshard(self.sharded, writeback=False):
-                shown = self._shown(grads=False)
-            self._compare(shown, self.shadow.params(), self.bounds.params, f"the full parameters {when}")
+                shown = self.shown(grads=False)
+            self.compare(shown, self.shadow.params(), self.bounds.params, f"the full parameters {when}")
 
-    def _check_grads(self) -> None:
+    def check_grads(self) -> None:
         """The full gradients after a backward, where the backend shows them (collective)."""
         if not (
             self._admits(Capability.UNSHARD, Capability.UNSHARD_WITH_GRADS)
@@ -557,22 +388,22 @@ class _ProgramRun:
         ):
             return
         with self.adapter.unshard(self.sharded, writeback=False, with_grads=True):
-            shown = self._shown(grads=True)
-        self._compare_grads(shown, "the full gradients after backward")
+            shown = self.shown(grads=True)
+        self.compare_grads(shown, "the full gradients after backward")
 
-    def _compare_grads(self, shown: dict[str, torch.Tensor], what: str) -> None:
+    def compare_grads(self, shown: dict[str, torch.Tensor], what: str) -> None:
         """Gradients against the oracle's; a frozen parameter must show none (its own finding)."""
         frozen_shown = sorted(name for name in shown if name in self.frozen)
         if frozen_shown:
-            self._find(
+            self.find(
                 f"frozen parameters (requires_grad=False) show a gradient inside unshard(with_grads=True): "
                 f"{frozen_shown}; torch leaves their .grad None",
                 "frozen parameters show a gradient",
             )
         trained = {name: grad for name, grad in shown.items() if name not in self.frozen}
-        self._compare(trained, self.shadow.grads(), self.bounds.grads, what)
+        self.compare(trained, self.shadow.grads(), self.bounds.grads, what)
 
-    def _check_storage(self, stored: Stored, phase: Phase) -> None:
+    def check_storage(self, stored: Stored, phase: Phase) -> None:
         """The strategy's storage claim for ``stored`` at ``phase`` (collective: every rank)."""
         if stored is Stored.OPTIMIZER_STATE and (self.setup.optimizer != "adam" or not _has_state(self.optimizer)):
             return  # plain SGD keeps none; nothing stepped yet (or a fresh optimizer): none yet
@@ -583,9 +414,9 @@ class _ProgramRun:
             before = len(probe.problems)
             probe.check(stored, phase, optimizer=optimizer, exempt=left_to_others | self.frozen)
             for problem in probe.problems[before:]:
-                self._find(problem, f"the storage claim for {stored.name} {phase.name}")
+                self.find(problem, f"the storage claim for {stored.name} {phase.name}")
 
-    def _check_order_warnings(self, caught: list[warnings.WarningMessage], route: list[int], training: bool) -> None:
+    def check_order_warnings(self, caught: list[warnings.WarningMessage], route: list[int], training: bool) -> None:
         issued = [str(w.message) for w in caught if ORDER_WARNING in str(w.message)]
         expected = int(
             training
@@ -599,32 +430,32 @@ class _ProgramRun:
         if not self.setup.check_exec_order:
             return
         if expected and not issued:
-            self._find(
+            self.find(
                 f"a training forward whose order differs from the first iteration's ({route} after "
                 f"{self.first_route}) issued no forward-order warning",
                 "no forward-order warning",
             )
         elif issued and not expected:
             what = "a training" if training else "an eval"
-            self._find(
+            self.find(
                 f"{what} forward issued forward-order warnings it should not: {issued}",
                 "a forward-order warning unasked",
             )
 
-    def _check_sharded_layout(self, state: dict[str, Any]) -> None:
+    def check_sharded_layout(self, state: dict[str, Any]) -> None:
         """A sharded state dict's DTensors shard dimension 0 over the (first) data-parallel mesh dim."""
         for name, value in state.items():
             if isinstance(value, DTensor) and value.dim() >= 1:
                 first = value.placements[0]
                 if isinstance(first, Shard) and first.dim != 0:
-                    self._find(
+                    self.find(
                         f"sharded state dict entry {name!r} is laid out {value.placements} over its mesh: "
                         f"dimension {first.dim} sharded over data parallelism, where rows (Shard(0)) are "
                         "what every backend's sharded state dict holds",
                         "the sharded state dict's layout",
                     )
 
-    def _shared_directory(self) -> str:
+    def shared_directory(self) -> str:
         """One new directory, the same on every rank (made by rank 0)."""
         made = [tempfile.mkdtemp(prefix="generated-checkpoint-") if self.rank == 0 else ""]
         dist.broadcast_object_list(made, src=0)

@@ -86,6 +86,7 @@ from conformance.protocol.vocabulary import (
     ShardingStrategy,
     SpecCondition,
     StateDictKind,
+    UnshardRequest,
 )
 
 __all__ = [
@@ -117,6 +118,7 @@ __all__ = [
     "StateDictKind",
     "StorageClaim",
     "Stored",
+    "UnshardRequest",
     "declared_facts",
     "declared_fqn",
     "declared_refusal",

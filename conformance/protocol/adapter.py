@@ -34,7 +34,11 @@ from conformance.protocol.vocabulary import (
     ShardEvent,
     ShardingSpec,
     StateDictKind,
+    UnshardRequest,
 )
+
+# The protocol version from which ``_unshard`` takes one UnshardRequest (before: keyword options).
+UNSHARD_REQUEST_VERSION = 6
 
 # The public methods that check the declared capabilities, then call the adapter's
 # implementation: public name -> the method an adapter implements.
@@ -133,40 +137,31 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         with_grads: bool = False,
     ) -> Iterator[None]:
         """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters, after
-        checking the capabilities these options exercise (:func:`unshard_capabilities`)."""
-        options = {
-            "writeback": writeback,
-            "rank0_only": rank0_only,
-            "offload_to_cpu": offload_to_cpu,
-            "recurse": recurse,
-            "with_grads": with_grads,
-        }
-        require_all(self, unshard_capabilities(**options) | self._spec_requirements(model))
-        with _implementation(self, "unshard")(model, fqn, **options):
+        checking the capabilities these options exercise (:func:`unshard_capabilities`); the
+        options reach the adapter's ``_unshard`` as one :class:`UnshardRequest`."""
+        request = UnshardRequest(fqn, writeback, rank0_only, offload_to_cpu, recurse, with_grads)
+        require_all(self, unshard_capabilities(**request.options()) | self._spec_requirements(model))
+        implementation = _implementation(self, "unshard")
+        if type(self).PROTOCOL_VERSION >= UNSHARD_REQUEST_VERSION:
+            context = implementation(model, request)
+        else:  # written for protocol 5 or earlier: the options as keywords (conformance.protocol.versions)
+            context = implementation(model, request.fqn, **request.options())
+        with context:
             yield
 
     @abc.abstractmethod
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> AbstractContextManager[None]:
-        """Context in which the submodule at ``fqn`` ("" = root) exposes full parameters.
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> AbstractContextManager[None]:
+        """Context in which the submodule at ``request.fqn`` ("" = root) exposes full parameters.
 
         Inside, ``named_parameters()`` of the module :meth:`shard` returned shows full
         tensors under the original FQNs once the declared :attr:`WRAPPER_COMPONENTS` are
-        removed (also with flat parameters: the originals, not the flat parameter).
-        ``writeback``: changes made inside persist after exit. ``rank0_only``: only rank 0
-        materialises full parameters. ``offload_to_cpu``: the full parameters live on CPU.
-        ``recurse=False``: only the unit at ``fqn`` is unsharded, not units nested in it.
-        ``with_grads``: gradients are unsharded too. Invalid combinations raise the backend's
-        own error, declared in :attr:`REFUSALS` (scenarios check it exactly).
+        removed (also with flat parameters: the originals, not the flat parameter). The
+        request's options (:class:`UnshardRequest`): ``writeback``, changes made inside persist
+        after exit; ``rank0_only``, only rank 0 materialises full parameters;
+        ``offload_to_cpu``, the full parameters live on CPU; ``recurse=False``, only the unit at
+        ``fqn`` is unsharded, not units nested in it; ``with_grads``, gradients are unsharded
+        too. Invalid combinations raise the backend's own error, declared in :attr:`REFUSALS`
+        (scenarios check it exactly).
         """
 
     # -- state dicts ----------------------------------------------------------------------

@@ -76,7 +76,8 @@ class BackendCapabilities:
         preferred first (scenarios with a mixed-precision axis use the first; see
         :func:`mixed_precision_dtype`). Default: float16, then bfloat16. Override when the
         backend computes in only some of them on ``env.device`` (DeepSpeed's CPU accelerator
-        has bfloat16 but no float16). Only read where ``MIXED_PRECISION`` is declared."""
+        has bfloat16, and float16 only on a CPU with AVX512-FP16 or AMX-FP16). Only read where
+        ``MIXED_PRECISION`` is declared."""
         return (torch.float16, torch.bfloat16)
 
 

@@ -17,7 +17,7 @@ from conformance.protocol.vocabulary import Capability
 # The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
 # an older one keeps running, with one warning naming what it does not declare of what came
 # later and how many scenarios that costs (:func:`shortfall`).
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Additions:
     capabilities: frozenset[Capability] = frozenset()
     hooks: tuple[str, ...] = ()  # optional methods with defaults
     facts: tuple[str, ...] = ()  # declared class attributes with defaults (the seeds')
+    signatures: tuple[str, ...] = ()  # implementations whose arguments changed: an older one keeps its form
 
 
 # Version 1: the first published protocol (forms, the four FSDP strategies, mixed precision,
@@ -67,6 +68,14 @@ ADDED: dict[int, Additions] = {
         hooks=("local_optim_state",),
         facts=("BACKEND_MODULES",),
     ),
+    # One value per call (issue 42): ``_unshard(model, request)`` takes an UnshardRequest; an
+    # adapter written for an earlier version is still called with the options as keywords.
+    6: Additions(signatures=("_unshard",)),
+}
+# What changed in each signature of ``Additions.signatures``, as the warning says it.
+_CHANGES = {
+    "_unshard": "from version 6 it takes one UnshardRequest: _unshard(self, model, request), the options as "
+    "request.fqn, request.writeback, ...",
 }
 assert max(ADDED) == PROTOCOL_VERSION, "conformance.protocol.versions.ADDED must describe every protocol version"
 
@@ -84,6 +93,7 @@ class Shortfall:
     capabilities: frozenset[Capability] = frozenset()
     hooks: tuple[str, ...] = ()
     facts: tuple[str, ...] = ()
+    signatures: tuple[str, ...] = ()
 
     def costs(self, skip_reason: str) -> bool:
         """Whether a test skipped with ``skip_reason`` was lost to an undeclared capability."""
@@ -102,6 +112,9 @@ class Shortfall:
             parts.append(f"runs the default {', '.join(self.hooks)}")
         if self.facts:
             parts.append(f"is held to the seeds' {', '.join(self.facts)}")
+        for method in self.signatures:
+            change = _CHANGES[method]
+            parts.append(f"implements {method} in its version-{self.version} form, which still runs ({change})")
         return (
             f"backend {name!r} was written for protocol version {self.version} (current: {PROTOCOL_VERSION}): it "
             + "; it ".join(parts)
@@ -125,6 +138,7 @@ def shortfall(adapter_cls: type[BackendAdapter]) -> Shortfall | None:
     facts = tuple(
         fact for a in later for fact in a.facts if getattr(adapter_cls, fact) is getattr(BackendAdapter, fact)
     )
-    if not (capabilities or hooks or facts):
+    signatures = tuple(method for a in later for method in a.signatures)
+    if not (capabilities or hooks or facts or signatures):
         return None
-    return Shortfall(version, capabilities, hooks, facts)
+    return Shortfall(version, capabilities, hooks, facts, signatures)

@@ -243,6 +243,39 @@ class Misuse(enum.Enum):
 
 
 @dataclass(frozen=True)
+class UnshardRequest:
+    """What :meth:`BackendAdapter.unshard` was asked for, handed to an adapter's ``_unshard`` as
+    one value (protocol version 6; an adapter written for an earlier version takes the options as
+    keyword arguments, and still does).
+
+    fqn: the submodule whose parameters are shown full ("" = the root).
+    writeback: changes made inside persist after exit.
+    rank0_only: only rank 0 materialises full parameters.
+    offload_to_cpu: the full parameters live on CPU.
+    recurse: False unshards only the unit at ``fqn``, not units nested in it.
+    with_grads: gradients are unsharded too.
+    """
+
+    fqn: str = ""
+    writeback: bool = True
+    rank0_only: bool = False
+    offload_to_cpu: bool = False
+    recurse: bool = True
+    with_grads: bool = False
+
+    def options(self) -> dict[str, bool]:
+        """The options by keyword (``unshard_capabilities``; an adapter written for version 5 or
+        earlier takes them so)."""
+        return {
+            "writeback": self.writeback,
+            "rank0_only": self.rank0_only,
+            "offload_to_cpu": self.offload_to_cpu,
+            "recurse": self.recurse,
+            "with_grads": self.with_grads,
+        }
+
+
+@dataclass(frozen=True)
 class BackendEnv:
     """Where an adapter runs: the default process group is already initialised."""
 

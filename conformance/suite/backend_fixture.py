@@ -59,7 +59,7 @@ def opened_backend(
     the harness's trace and the library packages it declares (``BACKEND_MODULES``) are left out
     of their call sites; afterwards its ``close`` runs and both are taken back. The
     :class:`ShardWatch` says whether what ran was vacuous (``finding``, before the exit)."""
-    adapter_cls = registry.load(selection)
+    adapter_cls = registry.adapter_class(selection)  # from its resolved target: no name looked up again
     _skip_adapter_call_sites(adapter_cls)
     take_back_backend_sites = skip_backend_call_sites(adapter_cls)
     try:

@@ -1,10 +1,16 @@
 """pytest plugin: ``--backend`` selection, backend parametrization, expected-failure outcomes.
 
 Loaded by the root conftest (``pytest_plugins = ["harness.plugin", "conformance.suite.backend_plugin"]``).
-Every test that takes a ``backend`` argument runs once per selected backend: the parameter is
-the selection as given (the rank-side fixture in ``conformance.suite.backend_fixture`` loads it in each
-rank), the test id, the matrix column, the JUnit ``backend`` property and the expectations are
-the adapter's ``name`` (``registry.name_of``). Expected failures are matched by scenario id and
+This module holds the options and ``pytest_configure``, which resolves every ``--backend`` once
+into a :class:`SelectedBackend` (its selection, adapter name, ``module:attr`` target, adapter
+class, expectations, origin, and the gate's refusal) and registers the run's one
+:class:`ConformanceRun`: it owns the run's state (the selected backends, the matrix, what ran,
+what skipped, the stale entries) and every other hook is its method. Every test that takes a
+``backend`` argument runs once per admitted backend: the parameter is a
+``registry.BackendParam`` (the selection as given, carrying the name and the target), which the
+rank-side fixture (``conformance.suite.backend_fixture``) opens from its target, resolving
+nothing again; the test id, the matrix column, the JUnit ``backend`` property and the
+expectations are the adapter's ``name``. Expected failures are matched by scenario id and
 run context (device, torch version, world size); entries that describe nothing the run checked
 are reported as stale, and fail the run under ``--strict-expectations``.
 
@@ -17,13 +23,14 @@ without ranks). Every selected test is planned in its cell, so one that never ra
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import shlex
 import sys
 import sysconfig
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ import pytest
 import torch
 
 import harness
-from conformance.protocol import versions
+from conformance.protocol import BackendAdapter, versions
 from conformance.report.html import render_html
 from conformance.report.matrix import Matrix, RunDetails, classify, classify_status, render_markdown
 from conformance.report.trace_view import TraceView
@@ -41,27 +48,32 @@ from harness import skip_reason as skip_reason_of
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
 pytest_plugins = ["harness.plugin"]
 
-_STATE = pytest.StashKey["BackendSelection"]()
-_MATRIX = pytest.StashKey[Matrix]()
-_RUN = pytest.StashKey[expectations.RunRecord]()
-_STALE = pytest.StashKey["list[expectations.StaleEntry]"]()
-_SKIPS = pytest.StashKey["dict[str, list[str]]"]()  # backend name -> skip reasons of its tests
-_REFUSED = pytest.StashKey["dict[str, str]"]()  # backend name -> why `all` left it out
-_INCOMPLETE = pytest.StashKey[
-    "str | None"
-]()  # why the run stopped early (harness.incomplete_reason), at session finish
+_RUN = pytest.StashKey["ConformanceRun"]()
 _JUDGED = pytest.StashKey["Judged"]()  # a distributed test's call phase, as the expectations judged it
 
 
 @dataclass(frozen=True)
-class BackendSelection:
-    backends: list[str]  # selections, in the order given: the parametrize values
-    names: dict[str, str]  # selection -> the adapter's name: test ids, reports, expectations
-    expected: dict[str, expectations.Expectations]  # name -> that backend's entries
-    origins: dict[str, str]  # name -> where it came from (registry.origin), for the header
+class SelectedBackend:
+    """One ``--backend`` selection, resolved once in pytest: everything the run needs of it."""
 
-    def name(self, selection: str) -> str:
-        return self.names[selection]
+    selection: str
+    """As the user gave it (the REPRO line's ``--backend``)."""
+    name: str
+    """The adapter's ``name``: test ids, reports and expectations."""
+    target: str
+    """The ``module:attr`` it resolved to (what a rank imports)."""
+    adapter_cls: type[BackendAdapter]
+    expectations: expectations.Expectations
+    origin: str
+    """Where it came from (``registry.origin``), for the header."""
+    refusal: str | None = None
+    """Why it cannot run in this session (``conformance.suite.gate``; only one ``all`` brought in:
+    a refused backend the user named stops the run)."""
+
+    @property
+    def param(self) -> registry.BackendParam:
+        """The value the backend's tests are parametrized with."""
+        return registry.BackendParam(self.selection, self.name, self.target)
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,18 @@ def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
     }
 
 
+def _backend_path_args(item: pytest.Item) -> list[str]:
+    return _run_of(item.config).backend_path_args(item)
+
+
+def _backend_args(item: pytest.Item) -> list[str]:
+    return _run_of(item.config).backend_args(item)
+
+
+def _expectations_dir_args(item: pytest.Item) -> list[str]:
+    return _run_of(item.config).expectations_dir_args(item)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -150,22 +174,15 @@ def pytest_configure(config: pytest.Config) -> None:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        config.stash[_STATE] = _admit(config, _select(config))
+        selected = select_backends(config)
     except (registry.BackendSelectionError, expectations.ExpectationsError, gate.BackendRefused) as error:
         raise pytest.UsageError(str(error)) from None
-    config.stash[_RUN] = expectations.RunRecord()
-    config.stash[_SKIPS] = {}
+    run = config.stash[_RUN] = ConformanceRun(config, selected)
+    config.pluginmanager.register(run, "conformance-run")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Before the first test (the harness knows its reports directory only once configured):
-    a matrix that could not be written would be lost at the end of the run."""
-    directory = Path(harness.reports_dir(session.config))
-    harness.require_writable(
-        files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
-    )
-    session.config.stash[_MATRIX] = Matrix(run=_run_details(session.config, session.config.stash[_STATE]))
+def _run_of(config: pytest.Config) -> ConformanceRun:
+    return config.stash[_RUN]
 
 
 def _require_harness(config: pytest.Config) -> None:
@@ -179,73 +196,53 @@ def _require_harness(config: pytest.Config) -> None:
         )
 
 
-def _run_details(config: pytest.Config, state: BackendSelection) -> RunDetails:
-    """What the matrix pages say about the run, above the matrix."""
-    return RunDetails(
-        command=f"cd {shlex.quote(str(config.invocation_params.dir))} && python -m pytest "
-        + shlex.join(config.invocation_params.args),
-        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        seed=str(config.getoption("seed", None)),
-        torch_version=torch.__version__,
-        python_version=sys.version.split()[0],
-        backends=dict(state.origins),
-    )
-
-
-def _select(config: pytest.Config) -> BackendSelection:
-    backends: list[str] = []
-    names: dict[str, str] = {}
-    owners: dict[str, str] = {}  # name -> the selection that has it
-    for selection in registry.select(config.getoption("backend") or [registry.DEFAULT]):
-        name = registry.name_of(selection)
-        other = owners.get(name)
+def select_backends(config: pytest.Config) -> list[SelectedBackend]:
+    """Every ``--backend`` selection resolved once (``registry.resolve``), with its expectations
+    and the gate's verdict for the device kinds this session's worlds get: one the user named
+    that cannot run is a usage error (``gate.BackendRefused``), one `all` brought in is kept with
+    its refusal, left out of the run and named in the header."""
+    requested = config.getoption("backend") or [registry.DEFAULT]
+    explicit = config.getoption("expectations_dir")
+    selected: list[SelectedBackend] = []
+    for selection, target, adapter_cls in registry.resolve(requested):
+        name = adapter_cls.name if ":" in selection else selection
+        other = next((backend for backend in selected if backend.name == name), None)
         if other is not None:
-            if registry.target_of(other) == registry.target_of(selection):
+            if other.target == target:
                 continue  # the same adapter selected twice, by name and by import path
             raise registry.BackendSelectionError(
-                f"backends {other!r} and {selection!r} are both named {name!r}; test ids, "
+                f"backends {other.selection!r} and {selection!r} are both named {name!r}; test ids, "
                 "reports and expectations are keyed by the adapter's name, so give one of "
                 "them another `name`"
             )
-        owners[name] = selection
-        backends.append(selection)
-        names[selection] = name
-    explicit = config.getoption("expectations_dir")
-    expected = {names[selection]: _expectations(selection, names[selection], explicit) for selection in backends}
-    origins = {names[selection]: registry.origin(selection) for selection in backends}
-    return BackendSelection(backends, names, expected, origins)
-
-
-def _admit(config: pytest.Config, state: BackendSelection) -> BackendSelection:
-    """``state`` without the backends that cannot run on the device kinds this session's worlds
-    get (conformance.suite.gate): one the user named is a usage error, one `all` brought in is
-    left out and named in the header."""
-    named = [s for s in config.getoption("backend") or [registry.DEFAULT] if s != registry.ALL]
+        selected.append(
+            SelectedBackend(
+                selection,
+                name,
+                target,
+                adapter_cls,
+                _expectations(adapter_cls, name, explicit),
+                registry.origin(selection, target),
+            )
+        )
+    named = [s for s in requested if s != registry.ALL]
     refused = gate.refused_backends(
-        {selection: registry.load(selection) for selection in state.backends},
+        {backend.selection: backend.adapter_cls for backend in selected},
         named,
         gate.session_devices(config),
         torch.__version__,
     )
-    config.stash[_REFUSED] = {state.names[s]: why for s, why in refused.items()}
-    if not refused:
-        return state
-    kept = [s for s in state.backends if s not in refused]
-    if not kept:
+    selected = [dataclasses.replace(backend, refusal=refused.get(backend.selection)) for backend in selected]
+    if all(backend.refusal is not None for backend in selected):
         raise gate.BackendRefused("no selected backend can run here: " + "; ".join(refused.values()))
-    return BackendSelection(
-        kept,
-        {s: state.names[s] for s in kept},
-        {state.names[s]: state.expected[state.names[s]] for s in kept},
-        {state.names[s]: state.origins[state.names[s]] for s in kept},
-    )
+    return selected
 
 
-def _expectations(selection: str, name: str, explicit: str | None) -> expectations.Expectations:
+def _expectations(adapter_cls: type[BackendAdapter], name: str, explicit: str | None) -> expectations.Expectations:
     """``--expectations-dir`` when given, else the adapter's own file, else the built-in one."""
     if explicit is not None:
         return expectations.load(name, Path(explicit))
-    own = expectations.adapter_file(registry.load(selection))
+    own = expectations.adapter_file(adapter_cls)
     if own is None:
         return expectations.load(name)
     if not own.exists():
@@ -256,40 +253,21 @@ def _expectations(selection: str, name: str, explicit: str | None) -> expectatio
     return expectations.load_file(name, own)
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """The backends, each with where it came from and its expectations file, and, for
-    ``--backend all``, the optional built-ins it could not pick up."""
-    state = config.stash[_STATE]
-    lines = [f"conformance backends: {', '.join(state.names[s] for s in state.backends)}"]
-    for selection in state.backends:
-        name = state.names[selection]
-        entries = state.expected[name]
-        source = (
-            f"{_shown_path(entries.source, config)} ({len(entries)} entries)"
-            if entries.source is not None and entries.source.exists()
-            else "none"
-        )
-        lines.append(f"  {name}: {state.origins[name]}; expected failures: {source}")
-    if registry.ALL in (config.getoption("backend") or []):
-        for name, install in registry.missing_optional().items():
-            lines.append(f"  {name}: not installed, left out of 'all' (install: {install})")
-    for name, why in config.stash.get(_REFUSED, {}).items():
-        lines.append(f"  {name}: left out of 'all': {why}")
-    return lines
+@pytest.fixture(name="generation")
+def generation_fixture(request: pytest.FixtureRequest, backend: str) -> Iterator[generation.Generation]:
+    """The session's side of ``conformance/test_generated.py`` for this backend: budget, seed,
+    known findings, REPRO lines, progress (``conformance.suite.generation``)."""
+    selected = _run_of(request.config).backend_of(request.node)
+    if selected is None:
+        raise LookupError("the generation fixture serves tests the conformance plugin parametrized with a backend")
+    yield from generation.backend_generation(request, backend, selected.name, selected.expectations)
 
 
-def _shown_path(path: Path, config: pytest.Config) -> str:
-    try:
-        return str(path.resolve().relative_to(config.rootpath.resolve()))
-    except ValueError:
-        return str(path)
-
-
-@pytest.hookimpl(tryfirst=True)  # first, so the backend leads the test id
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames and not _parametrizes_backend_itself(metafunc):
-        state = metafunc.config.stash[_STATE]
-        metafunc.parametrize("backend", state.backends, ids=[state.names[s] for s in state.backends])
+def run_context(item: pytest.Item) -> expectations.RunContext:
+    """Device, torch version and world size an item runs with (what ``when`` conditions test):
+    the harness's own decision (``harness.run_context``), never a second one."""
+    chosen = harness.run_context(item)
+    return expectations.RunContext(device=chosen.device, torch_version=torch.__version__, world_size=chosen.world_size)
 
 
 def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
@@ -301,203 +279,17 @@ def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
     return False
 
 
-@pytest.fixture(name="generation")
-def generation_fixture(request: pytest.FixtureRequest, backend: str) -> Iterator[generation.Generation]:
-    """The session's side of ``conformance/test_generated.py`` for this backend: budget, seed,
-    known findings, REPRO lines, progress (``conformance.suite.generation``)."""
-    state = request.config.stash[_STATE]
-    name = state.name(backend)
-    yield from generation.backend_generation(request, backend, name, state.expected[name])
-
-
-def _selection(item: Any) -> str | None:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or "backend" not in callspec.params:
-        return None
-    return callspec.params["backend"]
-
-
-def _backend_name(item: Any) -> str | None:
-    """The adapter name of a test parametrized by the plugin (None for any other test)."""
-    selection = _selection(item)
-    state = item.config.stash.get(_STATE, None)
-    if selection is None or state is None or selection not in state.names:
-        return None
-    return state.name(selection)
-
-
-def pytest_collectreport(report: pytest.CollectReport) -> None:
-    """Note every test collected with a backend, before any deselection (-k, -m, --lf), and the
-    file of every other test (an entry naming a test without a backend matches nothing)."""
-    for node in report.result:
-        name = _backend_name(node) if isinstance(node, pytest.Item) else None
-        record = node.config.stash.get(_RUN, None)
-        if record is None or not isinstance(node, pytest.Item):
-            continue
-        if name is not None:
-            record.note_collected(name, expectations.scenario_id(node.nodeid, name))
-        else:
-            record.collected_files.add(node.nodeid.split("::", 1)[0])
-
-
-def run_context(item: pytest.Item) -> expectations.RunContext:
-    """Device, torch version and world size an item runs with (what ``when`` conditions test):
-    the harness's own decision (``harness.run_context``), never a second one."""
-    chosen = harness.run_context(item)
-    return expectations.RunContext(device=chosen.device, torch_version=torch.__version__, world_size=chosen.world_size)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    selection = _backend_name(item)
-    if selection is None:
-        return report
-    scenario = expectations.scenario_id(item.nodeid, selection)
-    context = run_context(item)
-    entry = None
-    if report.when == "call":
-        entries = item.config.stash[_STATE].expected.get(selection)
-        matching = entries.matching(scenario, context) if entries else []
-        if len(matching) > 1:
-            judgement = expectations.ambiguous(matching)
-        else:
-            entry = matching[0] if matching else None
-            judgement = expectations.judge(entry, report.outcome, report.longreprtext)
-        if judgement is not None:
-            report.outcome = judgement.outcome  # type: ignore[assignment]
-            if judgement.xfail_reason is not None:
-                report.wasxfail = judgement.xfail_reason
-            if judgement.message is not None:
-                original = report.longreprtext
-                report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
-        item.stash[_JUDGED] = Judged(entry, judgement.message if judgement is not None else None)
-    # A distributed test's entry comes with the harness's result (pytest_harness_test_result).
-    if context.world_size is None and (report.when == "call" or report.failed or report.skipped):
-        _record(item, selection, report, entry)
-    if report.skipped and not getattr(report, "wasxfail", None):
-        item.config.stash[_SKIPS].setdefault(selection, []).append(skip_reason_of(report))
-        # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
-        # the entry: only skips of a test that had its devices make an entry stale.
-        if context.device is not None or context.world_size is None:
-            item.config.stash[_RUN].note_skipped(selection, scenario, context, skip_reason_of(report) or "skipped")
-    return report
-
-
-def pytest_harness_test_result(item: pytest.Item, result: harness.DistributedTestResult) -> None:
-    """A distributed scenario's matrix entry: the harness's result (pytest's final verdict, why the
-    ranks failed it, its REPRO line and traces) and what the expectations made of its call phase."""
-    selection = _backend_name(item)
-    if selection is None or _MATRIX not in item.config.stash:
-        return
-    judged = item.stash.get(_JUDGED, Judged(None, None))
-    outcome = classify_status(result.outcome, result.message if result.outcome == "skipped" else "")
-    reason = ""
-    if outcome == "expected-fail" and judged.entry is not None:
-        reason = judged.entry.reason
-    elif outcome == "fail" and judged.message is not None:
-        reason = harness.failure_reason(None, judged.message)  # the expectations' verdict, not the ranks'
-    elif outcome == "fail":
-        reason = harness.failure_reason(result.reason, result.message)
-    failed = outcome == "fail"
-    _enter(
-        item,
-        selection,
-        outcome,
-        result.message,
-        reason,
-        judged.entry,
-        repro=result.repro if failed else "",
-        trace=TraceView(result.nodeid, result.traces, result.divergence, result.diverged_at)
-        if failed and result.traces
-        else None,
-    )
-
-
-def _record(
-    item: pytest.Item, selection: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
-) -> None:
-    """The matrix entry of a test without ranks (the harness publishes none), from pytest's
-    reports: the call phase, or the setup/teardown phase that failed or skipped."""
-    skip_reason = skip_reason_of(report)
-    outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
-    text = skip_reason if outcome == "unsupported" else report.longreprtext
-    reason = (
-        entry.reason
-        if outcome == "expected-fail" and entry
-        else harness.failure_reason(None, text)
-        if outcome == "fail"
-        else ""
-    )
-    _enter(item, selection, outcome, text, reason, entry)
-
-
-def _enter(
-    item: pytest.Item,
-    selection: str,
-    outcome: str,
-    text: str,
-    reason: str,
-    entry: expectations.ExpectedFailure | None,
-    **failure: Any,
-) -> None:
-    """Record one test in its matrix cell, with where it ran (`failure`: its REPRO line and trace view)."""
-    context = run_context(item)
-    item.config.stash[_MATRIX].record(
-        _scenario(item),
-        selection,
-        item.nodeid,
-        outcome,
-        text,
-        reason=reason,
-        link=entry.link if entry else None,
-        device=context.device,
-        world_size=context.world_size,
-        **failure,
-    )
-
-
 def _scenario(item: pytest.Item) -> str:
     """The matrix row of a test: its file's name and function, without parameters."""
     module, _, function = item.nodeid.partition("::")
     return f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Every selected test is planned in its matrix cell: one that never reports is "not run"."""
-    matrix = session.config.stash.get(_MATRIX, None)
-    if matrix is None:
-        return
-    for item in session.items:
-        name = _backend_name(item)
-        if name is not None:
-            matrix.plan(_scenario(item), name)
-
-
-def _backend_path_args(item: pytest.Item) -> list[str]:
-    """What makes the failed test's import-path backend importable (when plain pytest would not find it)."""
-    selection = _selection(item)
-    if _backend_name(item) is None or selection is None:
-        return []
-    return [arg for directory in _import_directories(selection, item.config) for arg in ("--backend-path", directory)]
-
-
-def _backend_args(item: pytest.Item) -> list[str]:
-    """The one backend the failed test ran with, as it was given."""
-    selection = _selection(item)
-    if _backend_name(item) is None or selection is None:
-        return []
-    return ["--backend", selection]
-
-
-def _expectations_dir_args(item: pytest.Item) -> list[str]:
-    """The expectations directory when one was given, absolute (the re-run starts in the root directory)."""
-    directory = item.config.getoption("expectations_dir")
-    if _backend_name(item) is None or directory is None:
-        return []
-    return ["--expectations-dir", str(Path(directory).resolve())]
+def _shown_path(path: Path, config: pytest.Config) -> str:
+    try:
+        return str(path.resolve().relative_to(config.rootpath.resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _import_directories(selection: str, config: pytest.Config) -> list[str]:
@@ -519,12 +311,6 @@ def _import_directories(selection: str, config: pytest.Config) -> list[str]:
     return [str(entry)]
 
 
-def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
-    """Per-rank reports group the scenarios by backend (JUnit: one suite per backend name)."""
-    name = _backend_name(item)
-    return {} if name is None else {"backend": name}
-
-
 def _covered_files(config: pytest.Config) -> set[Path]:
     """Files and directories the run asked for whole (a ``file::test`` argument covers nothing)."""
     covered = set()
@@ -535,107 +321,339 @@ def _covered_files(config: pytest.Config) -> set[Path]:
     return covered
 
 
-def _stale(config: pytest.Config) -> list[expectations.StaleEntry]:
-    roots = _covered_files(config)
+@dataclass(eq=False)  # a plugin is registered by identity
+class ConformanceRun:
+    """The conformance plugin's state for one pytest run, and its hooks (registered by
+    ``pytest_configure`` as the plugin ``conformance-run``)."""
 
-    def covered(file: str) -> bool:
-        path = (config.rootpath / file).resolve()
-        return any(path == root or root in path.parents for root in roots)
+    config: pytest.Config
+    selected: list[SelectedBackend]
+    """Every selection, in the order given, refused ones included (with their refusal)."""
+    record: expectations.RunRecord = field(default_factory=expectations.RunRecord)
+    matrix: Matrix | None = None
+    skips: dict[str, list[str]] = field(default_factory=dict)
+    """Backend name -> the skip reasons of its tests."""
+    stale: list[expectations.StaleEntry] = field(default_factory=list)
+    incomplete: str | None = None
+    """Why the run stopped early (``harness.incomplete_reason``), at session finish."""
+    backends: list[SelectedBackend] = field(init=False)
+    """The backends that run: the selected ones the gate admitted."""
+    _by_name: dict[str, SelectedBackend] = field(init=False)  # asked per test, per phase
 
-    def never_collected(file: str) -> str | None:
-        path = config.rootpath / file
-        if not path.is_file():
-            return f"its file {file} does not exist (under {config.rootpath})"
-        patterns = config.getini("python_files")
-        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
-            return f"its file {file} is not a test file (python_files: {' '.join(patterns)})"
-        return None
+    def __post_init__(self) -> None:
+        self.backends = [backend for backend in self.selected if backend.refusal is None]
+        self._by_name = {backend.name: backend for backend in self.backends}
 
-    return expectations.stale_entries(config.stash[_STATE].expected, config.stash[_RUN], covered, never_collected)
+    def backend_of(self, item: Any) -> SelectedBackend | None:
+        """The backend a test was parametrized with by this plugin (None for any other test, a
+        self-test that parametrizes ``backend`` itself included)."""
+        callspec = getattr(item, "callspec", None)
+        value = None if callspec is None else callspec.params.get("backend")
+        return self._by_name.get(value.name) if isinstance(value, registry.BackendParam) else None
 
+    def _name(self, item: Any) -> str | None:
+        backend = self.backend_of(item)
+        return None if backend is None else backend.name
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    config = session.config
-    if _STATE not in config.stash:
-        return
-    stale = config.stash[_STALE] = _stale(config)
-    matrix = config.stash.get(_MATRIX, None)
-    if matrix is not None:  # the matrix is written later (pytest_harness_write_reports), without the session
-        config.stash[_INCOMPLETE] = harness.incomplete_reason(
-            session, sum(sum(c.values()) for c in matrix.cells.values())
+    # -- the session ------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Before the first test (the harness knows its reports directory only once configured):
+        a matrix that could not be written would be lost at the end of the run."""
+        directory = Path(harness.reports_dir(self.config))
+        harness.require_writable(
+            files=[("the conformance matrix", str(directory / name)) for name in ("conformance.md", "conformance.html")]
         )
-    if stale and config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        self.matrix = Matrix(run=self._run_details())
 
+    def _run_details(self) -> RunDetails:
+        """What the matrix pages say about the run, above the matrix."""
+        config = self.config
+        return RunDetails(
+            command=f"cd {shlex.quote(str(config.invocation_params.dir))} && python -m pytest "
+            + shlex.join(config.invocation_params.args),
+            date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            seed=str(config.getoption("seed", None)),
+            torch_version=torch.__version__,
+            python_version=sys.version.split()[0],
+            backends={backend.name: backend.origin for backend in self.backends},
+        )
 
-def pytest_harness_write_reports(config: pytest.Config) -> list[str]:
-    """The conformance matrix, a report plugin like the harness's own (after ``pytest_sessionfinish``
-    has found the stale entries it lists and whether the run stopped early)."""
-    matrix = config.stash.get(_MATRIX, None)
-    stale = config.stash.get(_STALE, [])
-    if matrix is None or not (matrix.cells or matrix.planned or stale):
-        return []
-    matrix.stale = [str(entry) for entry in stale]
-    matrix.incomplete = config.stash.get(_INCOMPLETE, None)
-    directory = Path(harness.reports_dir(config))
-    linked = [failure.test_id for failures in matrix.failures.values() for failure in failures]
-    linked += [expected.test_id for expected in matrix.expected_failures]
-    matrix.traces = {test_id: path for test_id in linked if (path := harness.trace_report_file(config, test_id))}
-    written = []
-    for name, text in (
-        ("conformance.md", render_markdown(matrix)),
-        ("conformance.html", render_html(matrix, str(directory))),
-    ):
-        (directory / name).write_text(text, encoding="utf-8")
-        written.append(str(directory / name))
-    return written
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        """The backends, each with where it came from and its expectations file, and, for
+        ``--backend all``, the optional built-ins it could not pick up."""
+        lines = [f"conformance backends: {', '.join(backend.name for backend in self.backends)}"]
+        for backend in self.backends:
+            entries = backend.expectations
+            source = (
+                f"{_shown_path(entries.source, config)} ({len(entries)} entries)"
+                if entries.source is not None and entries.source.exists()
+                else "none"
+            )
+            lines.append(f"  {backend.name}: {backend.origin}; expected failures: {source}")
+        if registry.ALL in (config.getoption("backend") or []):
+            for name, install in registry.missing_optional().items():
+                lines.append(f"  {name}: not installed, left out of 'all' (install: {install})")
+        for backend in self.selected:
+            if backend.refusal is not None:
+                lines.append(f"  {backend.name}: left out of 'all': {backend.refusal}")
+        return lines
 
+    # -- collection -------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)  # first, so the backend leads the test id
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "backend" in metafunc.fixturenames and not _parametrizes_backend_itself(metafunc):
+            metafunc.parametrize(
+                "backend", [backend.param for backend in self.backends], ids=[backend.name for backend in self.backends]
+            )
 
-def pytest_harness_summary_lines(config: pytest.Config) -> list[str]:
-    """The backends this run tested, first in the end-of-run summary (-q hides the header)."""
-    state = config.stash.get(_STATE, None)
-    return [] if state is None else [f"backends: {', '.join(state.name(s) for s in state.backends)}"]
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """Note every test collected with a backend, before any deselection (-k, -m, --lf), and the
+        file of every other test (an entry naming a test without a backend matches nothing)."""
+        for node in report.result:
+            if not isinstance(node, pytest.Item):
+                continue
+            name = self._name(node)
+            if name is not None:
+                self.record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+            else:
+                self.record.collected_files.add(node.nodeid.split("::", 1)[0])
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Every selected test is planned in its matrix cell: one that never reports is "not run"."""
+        if self.matrix is None:
+            return
+        for item in session.items:
+            name = self._name(item)
+            if name is not None:
+                self.matrix.plan(_scenario(item), name)
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    _warn_older_protocols(terminalreporter, config)
-    _summarise_stale(terminalreporter, config)
+    # -- each test --------------------------------------------------------------------------
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        backend = self.backend_of(item)
+        if backend is None:
+            return report
+        name = backend.name
+        scenario = expectations.scenario_id(item.nodeid, name)
+        context = run_context(item)
+        entry = None
+        if report.when == "call":
+            matching = backend.expectations.matching(scenario, context)
+            if len(matching) > 1:
+                judgement = expectations.ambiguous(matching)
+            else:
+                entry = matching[0] if matching else None
+                judgement = expectations.judge(entry, report.outcome, report.longreprtext)
+            if judgement is not None:
+                report.outcome = judgement.outcome  # type: ignore[assignment]
+                if judgement.xfail_reason is not None:
+                    report.wasxfail = judgement.xfail_reason
+                if judgement.message is not None:
+                    original = report.longreprtext
+                    report.longrepr = f"{judgement.message}\n\n{original}" if original else judgement.message
+            item.stash[_JUDGED] = Judged(entry, judgement.message if judgement is not None else None)
+        # A distributed test's entry comes with the harness's result (pytest_harness_test_result).
+        if context.world_size is None and (report.when == "call" or report.failed or report.skipped):
+            self._record(item, name, report, entry)
+        if report.skipped and not getattr(report, "wasxfail", None):
+            self.skips.setdefault(name, []).append(skip_reason_of(report))
+            # A test this machine cannot run (too few GPUs for --device cuda) says nothing about
+            # the entry: only skips of a test that had its devices make an entry stale.
+            if context.device is not None or context.world_size is None:
+                self.record.note_skipped(name, scenario, context, skip_reason_of(report) or "skipped")
+        return report
 
+    def pytest_harness_test_result(self, item: pytest.Item, result: harness.DistributedTestResult) -> None:
+        """A distributed scenario's matrix entry: the harness's result (pytest's final verdict, why the
+        ranks failed it, its REPRO line and traces) and what the expectations made of its call phase."""
+        name = self._name(item)
+        if name is None or self.matrix is None:
+            return
+        judged = item.stash.get(_JUDGED, Judged(None, None))
+        outcome = classify_status(result.outcome, result.message if result.outcome == "skipped" else "")
+        reason = ""
+        if outcome == "expected-fail" and judged.entry is not None:
+            reason = judged.entry.reason
+        elif outcome == "fail" and judged.message is not None:
+            reason = harness.failure_reason(None, judged.message)  # the expectations' verdict, not the ranks'
+        elif outcome == "fail":
+            reason = harness.failure_reason(result.reason, result.message)
+        failed = outcome == "fail"
+        self._enter(
+            item,
+            name,
+            outcome,
+            result.message,
+            reason,
+            judged.entry,
+            repro=result.repro if failed else "",
+            trace=TraceView(result.nodeid, result.traces, result.divergence, result.diverged_at)
+            if failed and result.traces
+            else None,
+        )
 
-def _warn_older_protocols(terminalreporter: Any, config: pytest.Config) -> None:
-    """One warning per backend written for an older protocol: what it does not declare of what
-    came later, and how many of this run's scenarios that cost (conformance.protocol.versions)."""
-    state = config.stash.get(_STATE, None)
-    if state is None:
-        return
-    lines = []
-    for selection in state.backends:
-        name = state.name(selection)
-        shortfall = versions.shortfall(registry.load(selection))
-        if shortfall is not None:
-            cost = sum(shortfall.costs(reason) for reason in config.stash[_SKIPS].get(name, []))
-            lines.append(shortfall.describe(name, cost))
-    if lines:
-        terminalreporter.section("protocol versions", sep="=", yellow=True)
-        for line in lines:
-            terminalreporter.write_line(line, yellow=True)
+    def _record(
+        self, item: pytest.Item, name: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
+    ) -> None:
+        """The matrix entry of a test without ranks (the harness publishes none), from pytest's
+        reports: the call phase, or the setup/teardown phase that failed or skipped."""
+        skip_reason = skip_reason_of(report)
+        outcome = classify(report.outcome, getattr(report, "wasxfail", None), skip_reason)
+        text = skip_reason if outcome == "unsupported" else report.longreprtext
+        reason = (
+            entry.reason
+            if outcome == "expected-fail" and entry
+            else harness.failure_reason(None, text)
+            if outcome == "fail"
+            else ""
+        )
+        self._enter(item, name, outcome, text, reason, entry)
 
+    def _enter(
+        self,
+        item: pytest.Item,
+        name: str,
+        outcome: str,
+        text: str,
+        reason: str,
+        entry: expectations.ExpectedFailure | None,
+        **failure: Any,
+    ) -> None:
+        """Record one test in its matrix cell, with where it ran (`failure`: its REPRO line and trace view)."""
+        if self.matrix is None:
+            return
+        context = run_context(item)
+        self.matrix.record(
+            _scenario(item),
+            name,
+            item.nodeid,
+            outcome,
+            text,
+            reason=reason,
+            link=entry.link if entry else None,
+            device=context.device,
+            world_size=context.world_size,
+            **failure,
+        )
 
-def _summarise_stale(terminalreporter: Any, config: pytest.Config) -> None:
-    stale = config.stash.get(_STALE, [])
-    if not stale:
-        return
-    strict = config.getoption("strict_expectations")
-    terminalreporter.section("stale expectations", sep="=", red=strict, yellow=not strict)
-    for entry in stale:
-        terminalreporter.write_line(str(entry))
-    terminalreporter.write_line(
-        f"{len(stale)} stale expected-failure entr{'y' if len(stale) == 1 else 'ies'}: remove "
-        "or fix them" + ("; --strict-expectations fails the run" if strict else "")
-    )
-    if strict:
-        # pytest's last line counts every key of its stats: a strict run that fails for stale
-        # entries alone must not end in "4 passed" with exit status 1.
-        noun = "stale expectation" if len(stale) == 1 else "stale expectations"
-        terminalreporter.stats.setdefault(f"{noun} (--strict-expectations: run failed)", []).extend(stale)
+    def pytest_harness_suite_properties(self, item: pytest.Item) -> dict[str, str]:
+        """Per-rank reports group the scenarios by backend (JUnit: one suite per backend name)."""
+        name = self._name(item)
+        return {} if name is None else {"backend": name}
+
+    # -- a failed test's REPRO line ---------------------------------------------------------
+    def backend_path_args(self, item: pytest.Item) -> list[str]:
+        """What makes the failed test's import-path backend importable (when plain pytest would not find it)."""
+        backend = self.backend_of(item)
+        if backend is None:
+            return []
+        directories = _import_directories(backend.selection, self.config)
+        return [arg for directory in directories for arg in ("--backend-path", directory)]
+
+    def backend_args(self, item: pytest.Item) -> list[str]:
+        """The one backend the failed test ran with, as it was given."""
+        backend = self.backend_of(item)
+        return [] if backend is None else ["--backend", backend.selection]
+
+    def expectations_dir_args(self, item: pytest.Item) -> list[str]:
+        """The expectations directory when one was given, absolute (the re-run starts in the root directory)."""
+        directory = self.config.getoption("expectations_dir")
+        if self.backend_of(item) is None or directory is None:
+            return []
+        return ["--expectations-dir", str(Path(directory).resolve())]
+
+    # -- the end of the run -----------------------------------------------------------------
+    def _find_stale(self) -> list[expectations.StaleEntry]:
+        config = self.config
+        roots = _covered_files(config)
+
+        def covered(file: str) -> bool:
+            path = (config.rootpath / file).resolve()
+            return any(path == root or root in path.parents for root in roots)
+
+        def never_collected(file: str) -> str | None:
+            path = config.rootpath / file
+            if not path.is_file():
+                return f"its file {file} does not exist (under {config.rootpath})"
+            patterns = config.getini("python_files")
+            if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
+                return f"its file {file} is not a test file (python_files: {' '.join(patterns)})"
+            return None
+
+        expected = {backend.name: backend.expectations for backend in self.backends}
+        return expectations.stale_entries(expected, self.record, covered, never_collected)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        stale = self.stale = self._find_stale()
+        if self.matrix is not None:  # the matrix is written later (pytest_harness_write_reports), without the session
+            self.incomplete = harness.incomplete_reason(
+                session, sum(sum(c.values()) for c in self.matrix.cells.values())
+            )
+        if stale and self.config.getoption("strict_expectations") and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_harness_write_reports(self, config: pytest.Config) -> list[str]:
+        """The conformance matrix, a report plugin like the harness's own (after ``pytest_sessionfinish``
+        has found the stale entries it lists and whether the run stopped early)."""
+        matrix = self.matrix
+        if matrix is None or not (matrix.cells or matrix.planned or self.stale):
+            return []
+        matrix.stale = [str(entry) for entry in self.stale]
+        matrix.incomplete = self.incomplete
+        directory = Path(harness.reports_dir(config))
+        linked = [failure.test_id for failures in matrix.failures.values() for failure in failures]
+        linked += [expected.test_id for expected in matrix.expected_failures]
+        matrix.traces = {test_id: path for test_id in linked if (path := harness.trace_report_file(config, test_id))}
+        written = []
+        for name, text in (
+            ("conformance.md", render_markdown(matrix)),
+            ("conformance.html", render_html(matrix, str(directory))),
+        ):
+            (directory / name).write_text(text, encoding="utf-8")
+            written.append(str(directory / name))
+        return written
+
+    def pytest_harness_summary_lines(self, config: pytest.Config) -> list[str]:
+        """The backends this run tested, first in the end-of-run summary (-q hides the header)."""
+        return [f"backends: {', '.join(backend.name for backend in self.backends)}"]
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        self._warn_older_protocols(terminalreporter)
+        self._summarise_stale(terminalreporter)
+
+    def _warn_older_protocols(self, terminalreporter: Any) -> None:
+        """One warning per backend written for an older protocol: what it does not declare of what
+        came later, and how many of this run's scenarios that cost (conformance.protocol.versions)."""
+        lines = []
+        for backend in self.backends:
+            shortfall = versions.shortfall(backend.adapter_cls)
+            if shortfall is not None:
+                cost = sum(shortfall.costs(reason) for reason in self.skips.get(backend.name, []))
+                lines.append(shortfall.describe(backend.name, cost))
+        if lines:
+            terminalreporter.section("protocol versions", sep="=", yellow=True)
+            for line in lines:
+                terminalreporter.write_line(line, yellow=True)
+
+    def _summarise_stale(self, terminalreporter: Any) -> None:
+        stale = self.stale
+        if not stale:
+            return
+        strict = self.config.getoption("strict_expectations")
+        terminalreporter.section("stale expectations", sep="=", red=strict, yellow=not strict)
+        for entry in stale:
+            terminalreporter.write_line(str(entry))
+        terminalreporter.write_line(
+            f"{len(stale)} stale expected-failure entr{'y' if len(stale) == 1 else 'ies'}: remove "
+            "or fix them" + ("; --strict-expectations fails the run" if strict else "")
+        )
+        if strict:
+            # pytest's last line counts every key of its stats: a strict run that fails for stale
+            # entries alone must not end in "4 passed" with exit status 1.
+            noun = "stale expectation" if len(stale) == 1 else "stale expectations"
+            terminalreporter.stats.setdefault(f"{noun} (--strict-expectations: run failed)", []).extend(stale)

@@ -10,8 +10,9 @@ when, for every one of those kinds,
   (device kind -> the torch versions it runs on there, written as an expectation's
   ``when.torch``: ``">=2.7"``, ``""`` for every torch; a kind left out is not supported) and
   ``PLATFORM_REASONS`` (device kind -> why, for the refusal); and
-* it has a usable API form there: built in the pytest process as rank 0 of a world of one on
-  that device, its ``capabilities()`` include WRAPPER or COMPOSABLE (a backend that finds out
+* it has a usable API form there: built as rank 0 of a world of one on that device, in a child
+  forked for that kind (``conformance.suite.probe``: pytest imports no backend library), its
+  ``capabilities()`` include WRAPPER or COMPOSABLE (a backend that finds out
   only at run time that it needs CUDA drops both on cpu; every scenario looping over its forms
   would pass having sharded nothing).
 
@@ -22,15 +23,14 @@ the report header says why.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 import harness
-from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, Capability
+from conformance.protocol import ApiForm, BackendAdapter, Capability
+from conformance.suite import probe
 from conformance.suite.expectations import torch_matches
 
 _DECLARE = "docs/writing-an-adapter.md, 'Backends that run only on CUDA'"
@@ -78,8 +78,13 @@ def no_usable_form(adapter_cls: type[BackendAdapter], device_kind: str) -> str |
     if not overrides:
         return None  # CAPABILITIES itself must name a form (checked when the class is defined)
     try:
-        forms = _probe_forms(adapter_cls, torch.device(device_kind))
-    except Exception as error:  # noqa: BLE001 - any failure is the adapter's, reported with its cause
+        forms = probe.forms_on(adapter_cls, device_kind)
+    except probe.ProbeFailed as error:
+        return (
+            f"building it on {device_kind} to ask for its capabilities() failed: {error}; the adapter must "
+            "be constructible in any rank of its devices"
+        )
+    except Exception as error:  # noqa: BLE001 - built in pytest (more than one thread): the adapter's failure
         return (
             f"building it on {device_kind} to ask for its capabilities() raised {type(error).__name__}: "
             f"{error}; the adapter must be constructible in any rank of its devices"
@@ -91,25 +96,6 @@ def no_usable_form(adapter_cls: type[BackendAdapter], device_kind: str) -> str |
         f"its capabilities() on {device_kind} include neither {wanted}, so no scenario could shard anything "
         f"on {device_kind}"
     )
-
-
-def _probe_forms(adapter_cls: type[BackendAdapter], device: torch.device) -> list[ApiForm]:
-    """The API forms of an adapter built as a rank of a world of one on ``device`` would build it,
-    so that ``capabilities()`` answers as it will in the ranks; then it is closed. Closing matters
-    beyond resources: the ranks are forked from this process (through the zygote), so whatever
-    an adapter leaves installed here (a patched function, an environment variable) would be every
-    rank's starting state. Its constructor may set the environment (libraries read torchrun's
-    variables): the parent's is put back."""
-    saved = dict(os.environ)
-    try:
-        adapter = adapter_cls(BackendEnv(rank=0, world_size=1, device=device, local_rank=0))
-        try:
-            return adapter.forms()
-        finally:
-            adapter.close()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def refusal(name: str, adapter_cls: type[BackendAdapter], devices: SessionDevices, torch_version: str) -> str | None:

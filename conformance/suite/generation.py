@@ -6,7 +6,8 @@ each on a warm pool through the harness's SPMD calls; this module gives it, as t
 
 - **the budget.** By default (the README's test command, CI) a fixed, derandomized set of
   :data:`CI_EXAMPLES` programs per backend at world size 2, no example database: the same
-  programs every run, in about a minute per backend on 2 cores. ``--generate-examples N`` or
+  programs every run, in seconds per backend (docs/generated.md, "Budgets and campaigns", has
+  the figures). ``--generate-examples N`` or
   ``--generate-seconds S`` make it a campaign: random programs from a seed printed at the start
   (``--generate-seed`` replays one), at the world sizes of ``--world-sizes`` (default 2 and 4),
   with an example database per backend (``--generate-database``, default
@@ -44,8 +45,8 @@ from conformance.suite import expectations
 
 CI_EXAMPLES = 30
 """Drawn programs per backend in the derandomized default run, after the seed programs (9 to 26
-per backend): measured at 2 to 6 programs a second on 2 cores, so well inside a minute per
-backend (the figures are in docs/generated.md)."""
+per backend): a count, not a time; what it takes per backend is measured in docs/generated.md
+("Budgets and campaigns")."""
 CI_HYPOTHESIS = "6.170.17"
 """The hypothesis release the derandomized set was recorded against (pinned by the ``draws`` extra
 in pyproject.toml, which the ``test`` extra and every CI leg install): derandomized draws are the
@@ -305,7 +306,7 @@ class Generation:
 @dataclass(frozen=True)
 class CampaignFinding:
     """One distinct finding of a campaign: the whole report of its shrunk program, and its root
-    cause (``conformance.programs.verdict.ExampleVerdict.root_cause``), by which later examples
+    cause (``conformance.programs.example_verdict.ExampleVerdict.root_cause``), by which later examples
     that repeat it are known."""
 
     report: str

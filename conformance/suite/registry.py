@@ -1,7 +1,9 @@
 """Backend names -> adapter classes: built-ins, entry points, and ``package.module:attr``.
 
-A *selection* is the string a user passes to ``--backend``; it is the parametrize value, and
-what the rank side turns back into an adapter class with :func:`load`. Test ids, reports and
+A *selection* is the string a user passes to ``--backend``. The conformance plugin resolves each
+once (:func:`load`) and parametrizes tests with a :class:`BackendParam`: the selection, with the
+adapter's name and the ``module:attr`` it resolved to, which the rank side imports directly
+(:func:`adapter_class`). Test ids, reports and
 expectations use the adapter's ``name`` instead (:func:`name_of`): the same as the selection
 for a registered name, the class's ``name`` for ``module:attr``. Built-in names win over entry
 points of the same name.
@@ -63,13 +65,14 @@ def _entry_point_targets() -> dict[str, str]:
     return {name: ep.value for name, ep in _entry_points().items()}
 
 
-def origin(selection: str) -> str:
+def origin(selection: str, target: str | None = None) -> str:
     """Where an accepted selection comes from, for the run's header: ``built-in``,
     ``optional built-in (deepspeed 0.19.8)``, ``entry point of vendor-pkg 1.2``, or
-    ``import path``; each followed by the ``module:attr`` it loads."""
+    ``import path``; each followed by the ``module:attr`` it loads (``target``, when the caller
+    resolved it already)."""
     if _is_target(selection):
         return f"import path {selection}"
-    target = target_of(selection)
+    target = target or target_of(selection)
     if selection in BUILTIN:
         return f"built-in {target}"
     if selection in OPTIONAL_BUILTIN:
@@ -112,20 +115,37 @@ def select(requested: list[str]) -> list[str]:
     ``module:attr`` selections are imported right away: the user named code explicitly, so a
     typo should stop the run before any test starts.
     """
+    selected = _expanded(requested)
+    for selection in selected:
+        if _is_target(selection):
+            load(selection)
+    return selected
+
+
+def resolve(requested: list[str]) -> list[tuple[str, str, type[BackendAdapter]]]:
+    """What :func:`select` selects, each resolved once: (selection, its ``module:attr`` target,
+    the adapter class). The conformance plugin's one resolution of ``--backend``."""
+    resolved = []
+    for selection in _expanded(requested):
+        target = target_of(selection)
+        resolved.append((selection, target, load_target(target, selection)))
+    return resolved
+
+
+def _expanded(requested: list[str]) -> list[str]:
     names = known_names()
     selected: list[str] = []
     for item in requested:
         expanded = names if item == ALL else [item]
         for selection in expanded:
-            if _is_target(selection):
-                load(selection)
-            elif selection in OPTIONAL_BUILTIN and selection not in names:
+            # An import path is imported by the caller (select, resolve); a name must be known.
+            if not _is_target(selection) and selection in OPTIONAL_BUILTIN and selection not in names:
                 library, _target, install = OPTIONAL_BUILTIN[selection]
                 raise BackendSelectionError(
                     f"backend {selection!r} needs the {library!r} package, which is not installed "
                     f"here; install it with: {install}"
                 )
-            elif selection not in names:
+            if not _is_target(selection) and selection not in names:
                 raise BackendSelectionError(
                     f"unknown backend {selection!r}; known backends: {', '.join(names)} "
                     f"(or '{ALL}', or an adapter class as 'package.module:attr', or register one "
@@ -148,7 +168,13 @@ def target_of(selection: str) -> str:
 
 def load(selection: str) -> type[BackendAdapter]:
     """Import the adapter class behind ``selection``, with an error that names the fix."""
-    target = target_of(selection)
+    return load_target(target_of(selection), selection)
+
+
+def load_target(target: str, selection: str | None = None) -> type[BackendAdapter]:
+    """Import the adapter class at ``target`` (``module:attr``, already resolved from a selection:
+    no name is looked up again); errors name ``selection``, the value the user gave."""
+    selection = target if selection is None else selection
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise BackendSelectionError(f"backend {selection!r}: expected 'package.module:attr', got {target!r}")
@@ -181,6 +207,39 @@ def load(selection: str) -> type[BackendAdapter]:
             "implement them (docs/writing-an-adapter.md; conformance/adapters/template.py lists every method)"
         )
     return adapter
+
+
+class BackendParam(str):
+    """The value a backend parametrizes a test with: the selection as given (what it equals and
+    prints as: a parent-side test may compare it with ``"torch-fsdp2"``, and REPRO lines carry
+    it), with what pytest resolved it to once: the adapter's ``name`` and the ``module:attr``
+    ``target``. A rank opens the backend from ``target`` (:func:`adapter_class`), resolving no
+    name again (no entry-point scan per test)."""
+
+    name: str
+    target: str
+
+    def __new__(cls, selection: str, name: str, target: str) -> BackendParam:
+        value = super().__new__(cls, selection)
+        value.name = name
+        value.target = target
+        return value
+
+    @property
+    def selection(self) -> str:
+        return str.__str__(self)
+
+    def __reduce__(self) -> tuple[type[BackendParam], tuple[str, str, str]]:
+        return (BackendParam, (self.selection, self.name, self.target))
+
+
+def adapter_class(backend: str) -> type[BackendAdapter]:
+    """The adapter class of a test's ``backend`` value: a :class:`BackendParam` is imported from
+    its resolved target; a plain selection string (a caller of the suite's own helpers) is
+    resolved by name first."""
+    if isinstance(backend, BackendParam):
+        return load_target(backend.target, backend.selection)
+    return load(backend)
 
 
 def name_of(selection: str) -> str:

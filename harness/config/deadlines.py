@@ -26,7 +26,7 @@ The parent-side phases of a distributed test (its fixtures' setup and teardown i
 process) keep pytest-timeout's own timer, each phase armed and cancelled around itself: a parent
 fixture that hangs is still pytest-timeout's to stop, the usual way.
 
-Under torchrun (`harness.session.lockstep`) the test's body runs in this process, as a rank:
+Under torchrun (`harness.session.torchrun_session`) the test's body runs in this process, as a rank:
 pytest-timeout is left as it is there.
 """
 

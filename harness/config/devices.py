@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from harness.config.gpu_count import visible_gpu_count
 from harness.config.torchrun import TorchrunWorld
 from harness.messages import DeviceKind, comm_backend
 
@@ -25,11 +24,6 @@ class DevicePlan:
     @property
     def comm_backend(self) -> str:
         return comm_backend(self.kind)
-
-
-def visible_gpu_count() -> int:
-    """GPUs this process may use (counted without creating a CUDA context)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def plan_devices(requested: str, world_size: int) -> DevicePlan:

@@ -3,7 +3,7 @@
 torchrun's agent starts every worker with `TORCHELASTIC_RUN_ID` (how the harness knows it runs
 under torchrun: a pool rank never inherits it, see `harness.process.rank_env`) and with RANK,
 LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE. Every part of the harness that needs the world (the
-world sizes, the device decision, the lockstep session, the JUnit files) asks `torchrun_world()`
+world sizes, the device decision, the torchrun session, the JUnit files) asks `torchrun_world()`
 and gets these four numbers as one `TorchrunWorld`, with one rule for a missing variable and one
 error for a malformed one. The pool writes the same contract for its own ranks through
 `TorchrunWorld.environment()`, so the variable names live here only.

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from harness.message_text import read_tail
 from harness.process import procfs, zygote_fork
 from harness.process.rank_env import session_environment
-from harness.text import read_tail
 
 _HARNESS_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the harness package
 LOG_TAIL_BYTES = 4000

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import pickle
 import select
 import signal
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from harness.message_text import describe_exception, read_tail
 from harness.messages import (
     DeviceKind,
     RankLoss,
@@ -37,13 +37,13 @@ from harness.messages import (
     TestTask,
     WorkerConfig,
     WorkerReady,
+    encoded,
 )
 from harness.process import procfs
 from harness.process.gpu_locks import GpuReservation
 from harness.process.launcher import LOG_TAIL_BYTES, WorkerLauncher, WorkerProcess, describe_exit
 from harness.process.rank_env import AgentStore, rank_environment
 from harness.process.rank_files import RankFiles
-from harness.text import describe_exception, read_tail
 
 _POLL_S = 0.1  # how often exit status is polled where the kernel gives no pidfd to wait on
 _HOPELESS_POLL_S = 0.25  # how often `hopeless` is asked while ranks are pending
@@ -334,7 +334,7 @@ class WorkerPool:
         results: dict[int, RankResult] = {}
         pending: dict[int, _RankProcess] = {}
         # Pickled once for all ranks (the worker's `recv` unpickles it as `send` would have sent it).
-        message = pickle.dumps(task, pickle.HIGHEST_PROTOCOL)
+        message = encoded(task)
         work = "SPMD call" if isinstance(task, SpmdCall) else "test"
         for proc in self._ranks:
             proc.work = work

@@ -13,6 +13,11 @@ its baseline (each test then starts from these values):
   collective stuck past the collective timeout and ends the rank, whose death fails the test.
 * CUDA_VISIBLE_DEVICES (CUDA pools): the GPUs the pool reserved, so `cuda:{LOCAL_RANK}` is this
   rank's own GPU whichever physical GPUs the pool got.
+* TORCH_FR_BUFFER_SIZE (and its older name TORCH_NCCL_TRACE_BUFFER_SIZE) and
+  TORCH_NCCL_DUMP_ON_TIMEOUT=1 (CUDA pools, unless set): Flight Recorder keeps each rank's last
+  2000 collectives and NCCL's watchdog dumps them when it fires, so a watchdog timeout leaves
+  what `python -m harness.tools.flight_recorder` reads (torch writes the dumps to
+  TORCH_FR_DUMP_TEMP_FILE's prefix, /tmp/nccl_trace_rank_ by default).
 * GLOO_SOCKET_IFNAME: the loopback interface. Without it gloo resolves the host name for every
   process group it creates; on a host whose name is in no hosts file and whose resolver does not
   answer, each lookup waits the resolver timeout (10 s by default), per group, per test.
@@ -39,6 +44,12 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 LOOPBACK_ADDR = "127.0.0.1"
 _IFF_LOOPBACK = 0x8
 _NOT_INHERITED = (LAUNCHED_BY_TORCHRUN, "LOCAL_SIZE")
+FLIGHT_RECORDER_DEFAULTS = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # its name before torch 2.7
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+"""What a CUDA pool's ranks get unless the user set it: Flight Recorder on, dumped by the watchdog."""
 
 
 def loopback_interface() -> str:
@@ -85,6 +96,8 @@ def rank_environment(
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if cuda_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_devices)
+        for name, value in FLIGHT_RECORDER_DEFAULTS.items():
+            env.setdefault(name, value)
     return env
 
 

@@ -1,6 +1,6 @@
 """This process's TCP connections: which are open, and shutting them down to end a blocked wait.
 
-Why: a torchrun rank (`harness.session.lockstep`) cannot be killed to end a collective that can
+Why: a torchrun rank (`harness.session.torchrun_session`) cannot be killed to end a collective that can
 never complete, as a pool rank is; it must go on to the next test. gloo gives no way to cancel a
 wait in progress: `ProcessGroup.abort()` and `shutdown()` leave a blocked `wait()` waiting until
 the collective timeout (measured on torch 2.13). What does end it at once is the connection under

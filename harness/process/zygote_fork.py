@@ -26,6 +26,8 @@ import warnings
 from types import ModuleType
 from typing import NoReturn
 
+from harness.process.fork_probe import forks_are_marked_bad
+
 # [Note: a zygote forked from pytest]
 # The child of the fork is a copy of a pytest process in the middle of a test; before it serves
 # forks it must be what `python -m harness.rank.zygote` started with the session's environment is:
@@ -99,6 +101,11 @@ def refusal(env: dict[str, str]) -> str:
         return f"pytest has {threads} threads (a fork copies only one)"
     if torch.cuda.is_initialized():
         return "pytest initialised CUDA, which a forked child cannot use"
+    if forks_are_marked_bad():
+        return (
+            "pytest asked the CUDA runtime (torch.cuda.is_available or device_count), so torch marks "
+            "its forks unable to use CUDA"
+        )
     start = {key: value for key, value in env.items() if key.startswith("PYTHON") and key != "PYTHONPATH"}
     if start != _START_ENV:
         return "the session's PYTHON* variables differ from pytest's start-up ones"

@@ -30,20 +30,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from harness.message_text import describe_exception
 from harness.messages import RankOutcome, SpmdCall, Status
-from harness.rank import fixtures, tracing
-from harness.rank.isolation import seed_everything, sync_state
+from harness.rank import rank_fixtures
 from harness.rank.runner import (
     TestRunner,
     format_failure,
     harness_failure,
     import_test_module,
     note_raised,
-    take_injected_faults,
+    run_bracketed,
 )
-from harness.text import describe_exception
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -74,16 +72,16 @@ class CallRunner:
         self._rank_context = self._context_with({})
         self._sys_path: list[str] = []
 
-    def _context_with(self, options: dict[str, Any]) -> fixtures.RankContext:
+    def _context_with(self, options: dict[str, Any]) -> rank_fixtures.RankContext:
         tests = self._tests
-        return fixtures.RankContext(tests.rank, tests.world_size, tests.local_rank, tests.device, options=options)
+        return rank_fixtures.RankContext(tests.rank, tests.world_size, tests.local_rank, tests.device, options=options)
 
     def sys_path(self, call: SpmdCall) -> list[str]:
         """The session's sys.path for this call (see `_decode_context`)."""
         self._decode_context(call)
         return self._sys_path
 
-    def _decode_context(self, call: SpmdCall) -> fixtures.RankContext:
+    def _decode_context(self, call: SpmdCall) -> rank_fixtures.RankContext:
         """The call's `RankContext` (what `call_context()` returns) with its forwarded options, and its
         sys.path: unpickled and built again only when they changed since the last call."""
         if call.context != self._context_bytes:
@@ -100,38 +98,8 @@ class CallRunner:
             return harness_failure(self.rank, started, error)
 
     def _run(self, call: SpmdCall, started: float) -> RankOutcome:
-        isolation = self._tests.isolation
-        if call.isolate:
-            isolation.enter(call.seed)
-        else:
-            seed_everything(call.seed)
-        if call.trace:
-            tracing.begin_test(self._tests.trace_path)
-        try:
-            # In its own frame, as for a test: nothing of the call is referenced from here once
-            # isolation collects garbage.
-            status, summary, failure, failed_at, value = self._invoke(call)
-        finally:
-            if call.trace:
-                tracing.end_test()
-            injected = take_injected_faults()
-        if call.isolate:
-            state, replace_reason = isolation.exit()
-        elif dist.is_initialized():
-            state, replace_reason = sync_state(), ""
-        else:
-            state, replace_reason = (0, 0), "the call destroyed the default process group"
-        return RankOutcome(
-            rank=self.rank,
-            status=status,
-            duration_s=time.perf_counter() - started,
-            summary=summary,
-            traceback=failure,
-            sync_state=state,
-            injected_faults=injected,
-            replace_reason=replace_reason,
-            failed_at=failed_at,
-            value=value,
+        return run_bracketed(
+            self._tests, started, lambda: self._invoke(call), seed=call.seed, isolate=call.isolate, trace=call.trace
         )
 
     def _invoke(self, call: SpmdCall) -> tuple[Status, str, str, float | None, bytes | None]:
@@ -140,11 +108,11 @@ class CallRunner:
         try:
             function = self._function(call)
             args, kwargs = self._arguments(call)
-            fixtures.enter_call(self._decode_context(call))
+            rank_fixtures.enter_call(self._decode_context(call))
             try:
                 returned = function(*args, **kwargs)
             finally:
-                fixtures.enter_call(None)
+                rank_fixtures.enter_call(None)
         except BaseException as error:  # noqa: BLE001 - SystemExit and friends fail the call, not the rank
             failed_at = time.time()
             summary, failure = describe_exception(error), format_failure(error, __file__)

@@ -165,10 +165,95 @@ FUNCOL_SPECS: dict[str, OpSpec] = {
     "permute_tensor": OpSpec("funcol.permute_tensor", ("self",), functional=True),
 }
 
+
+@dataclass(frozen=True)
+class DispatchedSpec:
+    """How to read one dispatcher op's arguments (by the names of its schema, which stay stable
+    across torch versions while their positions move): the ops every process-group collective
+    passes through, whoever issued it (`harness.rank.dispatch_hooks`).
+
+    op: the canonical name the record carries (the Python entry point's, so a rank that issued a
+        collective from Python and one whose C++ issued it compare equal).
+    inputs: the argument holding the tensors every member must agree on.
+    group: the process group argument (a `ProcessGroup` script object, or a functional op's group name).
+    root / peer: the argument holding the root's / the other side's rank within the group.
+    reduce_op: the argument holding the reduction.
+    functional: an op of `_c10d_functional`: it returns its output, done when that is waited for.
+    """
+
+    op: str
+    inputs: str
+    group: str = "process_group"
+    root: str | None = None
+    peer: str | None = None
+    reduce_op: str | None = None
+    functional: bool = False
+    always_uneven: bool = False
+    uneven_when: tuple[str, ...] = ()
+
+
+_GROUP_NAME = "group_name"
+_DISPATCHED_SPLITS = ("output_split_sizes", "input_split_sizes")
+
+# torch.ops.c10d: what ProcessGroup's C++ methods dispatch to (DDP's reducer, Python's entry points,
+# `ProcessGroup.allreduce(...)` called directly).
+C10D_DISPATCHED: dict[str, DispatchedSpec] = {
+    "allreduce_": DispatchedSpec("all_reduce", "tensors", reduce_op="reduce_op"),
+    "allreduce_coalesced_": DispatchedSpec("all_reduce_coalesced", "tensors", reduce_op="reduce_op"),
+    "broadcast_": DispatchedSpec("broadcast", "tensors", root="root_rank"),
+    "reduce_": DispatchedSpec("reduce", "tensors", root="root_rank", reduce_op="reduce_op"),
+    "allgather_": DispatchedSpec("all_gather", "input_tensors"),
+    "_allgather_base_": DispatchedSpec("all_gather_into_tensor", "input_tensor"),
+    "allgather_coalesced_": DispatchedSpec("all_gather_coalesced", "input_list"),
+    "allgather_into_tensor_coalesced_": DispatchedSpec("all_gather_into_tensor_coalesced", "inputs"),
+    "reduce_scatter_": DispatchedSpec("reduce_scatter", "input_tensors", reduce_op="reduce_op"),
+    "_reduce_scatter_base_": DispatchedSpec("reduce_scatter_tensor", "input_tensor", reduce_op="reduce_op"),
+    "reduce_scatter_tensor_coalesced_": DispatchedSpec(
+        "reduce_scatter_tensor_coalesced", "inputs", reduce_op="reduce_op"
+    ),
+    "alltoall_": DispatchedSpec("all_to_all", "input_tensors", always_uneven=True),
+    "alltoall_base_": DispatchedSpec("all_to_all_single", "input", uneven_when=_DISPATCHED_SPLITS),
+    "gather_": DispatchedSpec("gather", "input_tensors", root="root_rank"),
+    "scatter_": DispatchedSpec("scatter", "output_tensors", root="root_rank"),
+    "barrier": DispatchedSpec("barrier", ""),
+    "send": DispatchedSpec("send", "tensors", peer="dst"),
+    "recv_": DispatchedSpec("recv", "tensors", peer="src"),
+}
+
+# torch.ops._c10d_functional: functional collectives (DTensor, compiled graphs), whose C++ calls the
+# process group below the dispatcher's autograd layer, so they are met here rather than in c10d's.
+FUNCTIONAL_DISPATCHED: dict[str, DispatchedSpec] = {
+    name: DispatchedSpec(op, inputs, group=_GROUP_NAME, functional=True, **extra)
+    for name, (op, inputs, extra) in {
+        "all_reduce": ("funcol.all_reduce", "input", {"reduce_op": "reduce_op"}),
+        "all_reduce_": ("funcol.all_reduce", "input", {"reduce_op": "reduce_op"}),
+        "all_reduce_coalesced": ("funcol.all_reduce_coalesced", "inputs", {"reduce_op": "reduce_op"}),
+        "all_reduce_coalesced_": ("funcol.all_reduce_coalesced", "inputs", {"reduce_op": "reduce_op"}),
+        "all_gather_into_tensor": ("funcol.all_gather", "input", {}),
+        "all_gather_into_tensor_out": ("funcol.all_gather", "input", {}),
+        "all_gather_into_tensor_coalesced": ("funcol.all_gather_coalesced", "inputs", {}),
+        "reduce_scatter_tensor": ("funcol.reduce_scatter", "input", {"reduce_op": "reduce_op"}),
+        "reduce_scatter_tensor_out": ("funcol.reduce_scatter", "input", {"reduce_op": "reduce_op"}),
+        "reduce_scatter_tensor_coalesced": ("funcol.reduce_scatter_coalesced", "inputs", {"reduce_op": "reduce_op"}),
+        "all_to_all_single": ("funcol.all_to_all_single", "input", {"uneven_when": _DISPATCHED_SPLITS}),
+        "broadcast": ("funcol.broadcast", "input", {"root": "src"}),
+        "broadcast_": ("funcol.broadcast", "input", {"root": "src"}),
+    }.items()
+}
+
 KNOWN_OPS: frozenset[str] = frozenset(
-    spec.op for spec in (*C10D_SPECS.values(), *FUNCOL_SPECS.values(), BROADCAST_COALESCED)
+    spec.op
+    for spec in (
+        *C10D_SPECS.values(),
+        *FUNCOL_SPECS.values(),
+        BROADCAST_COALESCED,
+        *C10D_DISPATCHED.values(),
+        *FUNCTIONAL_DISPATCHED.values(),
+    )
 )
-"""Every op name a record can carry (canonical names; aliases are folded)."""
+"""Every op name a record can carry (canonical names; aliases are folded). A few only dispatched
+records carry: process-group methods without a Python entry point of their own, such as the
+coalesced all-gather into one tensor."""
 
 SAME_TENSOR_OPS: frozenset[str] = frozenset(
     {
@@ -179,6 +264,7 @@ SAME_TENSOR_OPS: frozenset[str] = frozenset(
         "reduce",
         "reduce_scatter",
         "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
         "funcol.all_reduce",
         "funcol.all_reduce_coalesced",
         "funcol.broadcast",

@@ -3,7 +3,8 @@
 A warm worker runs many tests; each must start from the same state a fresh process would
 give it, or results would depend on test order. `TestIsolation` covers the interpreter state a
 test body commonly changes (seeds, dtype, grad mode, warnings, environment, cwd, process groups,
-torch.distributed's functions) and runs in both modes; `ProcessIsolation` covers process-wide
+torch.distributed's functions, and torch's device settings: `harness.rank.device_state`) and
+runs in both modes; `ProcessIsolation` covers process-wide
 state only a process the harness owns may reset (file descriptors 0-2, signal handlers and
 timers, child processes) and runs in pool workers only: under torchrun the process is pytest's.
 """
@@ -29,8 +30,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.device_mesh as device_mesh
 import torch.distributed.distributed_c10d as c10d
 
+from harness.message_text import describe_exception
 from harness.process import procfs
-from harness.text import describe_exception
+from harness.rank.device_state import CudaState, current_settings, restore_settings
 
 _current_seed = 0
 # Before torch 2.9 (at least 2.6; pytorch/pytorch#154976 fixed it in June 2025) a gloo group's
@@ -200,6 +202,8 @@ class TestIsolation:
         self._environ_data = _encoded_environ()
         self._cwd = os.getcwd()
         self._default_dtype = torch.get_default_dtype()
+        self._device_settings = current_settings()
+        self._cuda = CudaState()
         self._groups_before: set[Any] = set()
         self._stack = ExitStack()
         self._functions = _ModuleFunctions((dist, c10d, funcol))
@@ -216,6 +220,7 @@ class TestIsolation:
         self._groups_before = set(c10d._world.pg_map)
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
+        self._cuda.enter()
         torch.set_grad_enabled(True)
         if torch.are_deterministic_algorithms_enabled():
             # Only when a test turned it on: the setter imports torch._inductor and torch._dynamo
@@ -231,6 +236,10 @@ class TestIsolation:
         this rank cannot run another test ("" when it can)."""
         self._stack.close()
         self._functions.restore()
+        restore_settings(self._device_settings)
+        cuda_failure = self._cuda.exit()
+        if cuda_failure:
+            return (0, 0), cuda_failure
         if not dist.is_initialized():
             return (0, 0), "the test destroyed the default process group"
         destroyed, failure = _destroy_groups_created_since(self._groups_before, self._held_groups)

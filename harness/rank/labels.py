@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.modules.module as nn_module
 
-from harness.rank import tensor_names, torch_fsdp_labels
+from harness.rank import ddp_buckets, tensor_names, torch_fsdp_labels
 
 LabelProvider = Callable[[], "str | None"]
 
@@ -118,6 +118,7 @@ def reset() -> None:
     _stack.modules.clear()
     _child_paths.clear()
     tensor_names.reset()
+    ddp_buckets.reset()
     torch_fsdp_labels.reset()
 
 
@@ -162,6 +163,11 @@ def _pop_module(module: torch.nn.Module, _inputs: object, _output: object) -> No
     modules = _stack.modules
     if modules and modules[-1] is module:
         modules.pop()
+        if not modules:  # an outermost forward ended: a DDP module's buckets are reduced next, from C++
+            try:
+                ddp_buckets.note_forward(module)
+            except Exception:  # noqa: BLE001 - as in _push_module
+                pass
         return
     for position in range(len(modules) - 1, -1, -1):  # unbalanced after an exception elsewhere
         if modules[position] is module:

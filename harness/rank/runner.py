@@ -1,4 +1,4 @@
-"""Runs one test body inside a rank: the part shared by warm workers and torchrun lockstep mode.
+"""Runs one test body inside a rank: the part shared by warm workers and torchrun mode.
 
 It imports the test module (with pytest's assertion rewriting), resolves rank fixtures, wraps the
 body in per-test isolation and the collective trace, and turns whatever happened into a
@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from harness.message_text import clip, describe_exception
 from harness.messages import RankOutcome, Status, TestTask
-from harness.rank import faults, fixtures, tracing
-from harness.rank.isolation import TestIsolation
+from harness.rank import faults, rank_fixtures, replicas, tracing
+from harness.rank.isolation import TestIsolation, seed_everything, sync_state
 from harness.rank.labels import load_label_providers
-from harness.text import clip, describe_exception
 
 _TRACEBACK_LIMIT = 256 * 1024  # characters of one rank's failure text sent to the parent
 
@@ -117,31 +118,16 @@ class TestRunner:
             return harness_failure(self.rank, started, error)
 
     def _run(self, task: TestTask, started: float) -> RankOutcome:
-        # Order matters. Isolation brackets everything; the trace brackets the body and the rank
-        # fixtures' setup and teardown (their collectives belong to the test, and a fixture that
-        # diverges is found like a body that does). Faults are read and disarmed in `finally`,
-        # whatever the body did, so a fault armed but not fired never reaches the next test.
-        self.isolation.enter(task.seed)
-        tracing.begin_test(self.trace_path)
-        try:
-            # In its own frame: by the time isolation runs, nothing of the test (its arguments,
-            # fixture values, the body's function) is referenced from here, so what it built is
-            # garbage that isolation can collect, not state that lives into the next test.
+        # The rank fixtures' setup and teardown are inside the trace with the body (their
+        # collectives belong to the test, and a fixture that diverges is found like a body that
+        # does); the replica check watches the body and digests after it, before the fixtures'
+        # teardown (`_execute`).
+        def body() -> BodyResult:
             status, summary, failure, failed_at = self._execute(task)
-        finally:
-            tracing.end_test()
-            injected = take_injected_faults()
-        sync_state, replace_reason = self.isolation.exit()
-        return RankOutcome(
-            rank=self.rank,
-            status=status,
-            duration_s=time.perf_counter() - started,
-            summary=summary,
-            traceback=failure,
-            sync_state=sync_state,
-            injected_faults=injected,
-            replace_reason=replace_reason,
-            failed_at=failed_at,
+            return status, summary, failure, failed_at, None
+
+        return run_bracketed(
+            self, started, body, seed=task.seed, isolate=True, trace=True, check_replicas=task.check_replicas
         )
 
     def _execute(self, task: TestTask) -> tuple[Status, str, str, float | None]:
@@ -153,7 +139,7 @@ class TestRunner:
                 for module in self.rank_fixture_modules:
                     importlib.import_module(module)
                 test = resolve_callable(task)
-                ctx = fixtures.RankContext(
+                ctx = rank_fixtures.RankContext(
                     rank=self.rank,
                     world_size=self.world_size,
                     local_rank=self.local_rank,
@@ -163,14 +149,16 @@ class TestRunner:
                 )
                 kwargs = dict(task.call_kwargs)
                 try:
-                    kwargs.update(fixtures.resolve(task.rank_fixture_names, ctx, teardown))
+                    kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
                     test(**kwargs)
                 except BaseException as error:
                     raised_at = time.time()  # the moment it failed, before any teardown takes time
                     # Noted before the fixtures' teardown runs: a teardown that aborts the process
                     # (gloo's SIGABRT on a mismatched collective) must not take the cause with it.
                     self._note_raised(error)
+                    self._digest_replicas(error)
                     raise
+                self._digest_replicas(None)
         except pytest.skip.Exception as skip:
             return "skipped", str(skip.msg), "", None
         except pytest.xfail.Exception as xfail:
@@ -180,6 +168,18 @@ class TestRunner:
             failed_at = raised_at if raised_at is not None else time.time()
             return "failed", describe_exception(error), format_failure(error), failed_at
         return "passed", "", "", None
+
+    def _digest_replicas(self, error: BaseException | None) -> None:
+        """The replica check's digests, taken after the body and before the fixtures' teardown
+        (which may close the backend). Locally: no collective. Not after a skip, nor after a
+        failure on CUDA (reading a tensor would wait on a stream that may hold a collective its
+        peers never issue)."""
+        recorder = replicas.active_recorder()
+        if recorder is None or isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
+            return
+        if error is not None and self.device.type != "cpu":
+            return
+        recorder.finish(self.rank)
 
     def _note_raised(self, error: BaseException) -> None:
         if not isinstance(error, (pytest.skip.Exception, pytest.xfail.Exception)):
@@ -197,6 +197,66 @@ def note_raised(raised_path: str | None, summary: str, failure: str) -> None:
             handle.write(f"{summary}\n{failure}")
     except OSError:
         pass  # the outcome still carries the failure if the rank survives
+
+
+BodyResult = tuple[Status, str, str, "float | None", "bytes | None"]
+"""What a test's or call's body came to: (status, summary, traceback, when it failed, pickled value)."""
+
+
+def run_bracketed(
+    runner: TestRunner,
+    started: float,
+    body: Callable[[], BodyResult],
+    *,
+    seed: int,
+    isolate: bool,
+    trace: bool,
+    check_replicas: bool = False,
+) -> RankOutcome:
+    """Run ``body`` (a test's, or a parent-side SPMD call's) in the bracket every unit of work on
+    a rank gets, and make its outcome.
+
+    Order matters. Isolation (or, for a call that asked for none, only the seeds) brackets
+    everything; the trace and the opt-in replica check bracket the body. Faults are read and
+    disarmed in ``finally``, whatever the body did, so a fault armed but not fired never reaches
+    the next test or call. ``body`` runs in its own frame: by the time isolation runs, nothing it
+    built (arguments, fixture values, the function) is referenced from here, so it is garbage
+    isolation can collect, not state that lives into the next test.
+    """
+    if isolate:
+        runner.isolation.enter(seed)
+    else:
+        seed_everything(seed)
+    if trace:
+        tracing.begin_test(runner.trace_path)
+    if check_replicas:
+        replicas.begin_test(runner.trace_path)
+    try:
+        status, summary, failure, failed_at, value = body()
+    finally:
+        digests = replicas.end_test()
+        if trace:
+            tracing.end_test()
+        injected = take_injected_faults()
+    if isolate:
+        state, replace_reason = runner.isolation.exit()
+    elif dist.is_initialized():
+        state, replace_reason = sync_state(), ""
+    else:
+        state, replace_reason = (0, 0), "the call destroyed the default process group"
+    return RankOutcome(
+        rank=runner.rank,
+        status=status,
+        duration_s=time.perf_counter() - started,
+        summary=summary,
+        traceback=failure,
+        sync_state=state,
+        injected_faults=injected,
+        replace_reason=replace_reason,
+        failed_at=failed_at,
+        value=value,
+        replicas=digests,
+    )
 
 
 def harness_failure(rank: int, started: float, error: BaseException) -> RankOutcome:

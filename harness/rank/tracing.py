@@ -5,6 +5,8 @@ A *same-shape* mismatch (rank 0 all-gathers layer1 while rank 1 all-gathers laye
 corrupts weights. Recording what each rank issued, with a semantic label (`harness.rank.labels`), lets
 the parent diff the ranks after the test (`harness.trace.divergence`), even after a rank was SIGKILLed
 or hung. The records and their file are `harness.trace.records`; the parent reads only that module.
+What a record says of a call is read from its arguments by `harness.rank.call_records`; this module
+patches torch, numbers the records and writes them.
 
 Where the trace hooks in (and why there):
   * The Python entry points of `torch.distributed.distributed_c10d` (re-exported as
@@ -22,7 +24,17 @@ Where the trace hooks in (and why there):
     Python-visible methods, so DTensor traffic would be missed; and a dispatcher-level mode
     would tax every tensor op, not just collectives.
   * `torch.distributed._broadcast_coalesced` (used to sync module states) is wrapped too.
-    Collectives issued from C++ alone (DDP's reducer) are not seen.
+  * Collectives issued below Python (DDP's reducer from C++, a `ProcessGroup` method called
+    directly, a compiled graph's functional collectives) are met one level down, at the
+    dispatcher op every process-group collective passes through (`harness.rank.dispatch_hooks`),
+    and recorded with the same numbering, so both kinds are in one trace in the order issued; a
+    Python entry point being recorded on the same thread makes its own dispatcher call pass
+    through. Their label names a DDP bucket's parameters (`harness.rank.ddp_buckets`), their site
+    the user's line that led to them (the `loss.backward()` of a DDP bucket on CPU). A torch on
+    which they cannot be hooked writes a note at the top of every trace, which the reports show.
+  * A record is done when its work has completed (`harness.rank.completion`): at return for a
+    synchronous call, when its `Work` says so for an async one (and for every dispatched one),
+    when its tensor has been waited for for an in-flight functional collective.
 A collective that is implemented by calling another traced entry point (e.g.
 `all_gather_into_tensor` delegating to `all_gather_single`, `all_gather_object` using
 `all_gather`) is recorded once, as the outermost call, thanks to a per-thread re-entrancy flag.
@@ -54,8 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import math
 import os
 import sys
 import threading
@@ -67,16 +77,27 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from harness.rank import call_sites, labels, tensor_names
+from harness.rank import dispatch_hooks, labels
+from harness.rank.call_records import (
+    CallArguments,
+    CallGroup,
+    GroupTable,
+    NonMemberGroup,
+    build_record,
+    dispatched_record,
+    flatten_tensors,
+    param_positions,
+)
 from harness.rank.collective_ops import (
     BROADCAST_COALESCED,
     BROADCAST_COALESCED_PARAMS,
     C10D_SPECS,
     FUNCOL_SPECS,
     KNOWN_OPS,
-    Exchange,
+    DispatchedSpec,
     OpSpec,
 )
+from harness.rank.completion import CompletionWatch
 from harness.rank.labels import register_label_provider
 from harness.trace.records import P2P_SEND_OPS, CollectiveRecord, done_line, note_line, record_line
 
@@ -117,10 +138,10 @@ class CollectiveCall:
         if self.spec.functional:
             from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-            return [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in _flatten_tensors(result)]
+            return [t.wait() if isinstance(t, AsyncCollectiveTensor) else t for t in flatten_tensors(result)]
         if self.async_op and result is not None:
             result.wait()
-        return _flatten_tensors(*(self.params.get(name) for name in self.spec.outputs))
+        return flatten_tensors(*(self.params.get(name) for name in self.spec.outputs))
 
     def skipped_result(self) -> Any:
         """What the caller gets back when the collective is not issued at all."""
@@ -147,6 +168,12 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.busy = False
+        self.on_device = False
+        """Whether the call being recorded has its tensors on a device (not the CPU)."""
+        self.device_works: list[Any] | None = None
+        """While a synchronous call on device tensors is recorded: the works its process-group ops
+        returned. On NCCL a synchronous call returns once its kernel is queued, so its record is
+        done when those works complete, not when it returns (on gloo, it returns completed)."""
 
 
 class _TestState:
@@ -158,54 +185,27 @@ class _TestState:
         self.seq_by_key: dict[tuple, int] = {}
         self.rank: int | None = None
         self.notes: set[str] = set()
-        # torch's count of the groups created in this world so far: the groups this test creates
-        # get the names from here on, in creation order.
-        self.groups_before: int | None = getattr(c10d._world, "group_count", None)
+        self.completion = CompletionWatch(self._write_done)
 
-
-class NonMemberGroup(int):
-    """What the traced `new_group` returns on a rank that is not a member of the new group, in place
-    of torch's `GroupMember.NON_GROUP_MEMBER` (-100): equal to it, as torch compares (`==`), and
-    carrying the group's members and torch's name for it, so that a collective called on it is
-    recorded with the group it named."""
-
-    members: tuple[int, ...]
-    name: str
-
-    def __new__(cls, value: int, members: tuple[int, ...], name: str) -> NonMemberGroup:
-        marker = super().__new__(cls, value)
-        marker.members, marker.name = members, name
-        return marker
-
-    def __reduce__(self) -> tuple:
-        return (NonMemberGroup, (int(self), self.members, self.name))
-
-    def __copy__(self) -> NonMemberGroup:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> NonMemberGroup:
-        return self
-
-
-@dataclass(frozen=True, slots=True)
-class _Group:
-    """A call's process group as a record names it (see `CollectiveRecord`)."""
-
-    ranks: tuple[int, ...]
-    name: str = ""
-    number: int | None = None
-    member: bool = True
+    def _write_done(self, index: int) -> None:
+        # Only while this test is recording: end_test() closes the fd (and a later test may reuse
+        # the number) once the completion watch is closed, which stops these calls first.
+        with contextlib.suppress(OSError):
+            os.write(self.fd, done_line(index))
 
 
 _thread = _ThreadState()
 _lock = threading.Lock()  # index and seq numbering: collectives may be issued from several threads
 _test: _TestState | None = None
 _interceptor: Interceptor | None = None
-_groups: dict[Any, _Group] = {}
-"""Group arguments seen in this test (ProcessGroup, None, a funcol group name) -> their group."""
-_dtype_names: dict[torch.dtype, str] = {}
+_groups = GroupTable()
+"""The groups of this test's calls, by the group argument each passed."""
 _installed = False
+_unseen: list[str] = []
+"""What this torch does not let the trace see (`dispatch_hooks.install`), noted in every trace."""
 _is_compiling = torch.compiler.is_compiling
+_async_tensor: type | None = None
+"""funcol's AsyncCollectiveTensor: a functional collective's result that is still in flight."""
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -239,7 +239,23 @@ def install() -> None:
     new_group = getattr(c10d, "new_group", None)
     if new_group is not None:
         replacements[id(new_group)] = _Replacement(new_group, _naming_non_members(new_group), {"new_group"})
+    wait_tensor = getattr(funcol, "wait_tensor", None)
+    if wait_tensor is not None:
+        replacements[id(wait_tensor)] = _Replacement(wait_tensor, _observing_waits(wait_tensor), {"wait_tensor"})
     _rebind_everywhere(replacements)
+    _observe_work_waits()
+    global _async_tensor
+    _async_tensor = getattr(funcol, "AsyncCollectiveTensor", None)
+    # Collectives issued below Python (DDP's reducer, process-group methods, compiled graphs).
+    try:
+        missing = dispatch_hooks.install(_on_dispatched, _on_wait)
+    except Exception as error:  # noqa: BLE001 - the Python entry points are still traced; the gap is noted
+        missing = [f"every process-group op ({type(error).__name__}: {error})"]
+    if missing:
+        _unseen.append(
+            f"collectives issued below Python (DDP's reducer, process-group methods) are not traced on torch "
+            f"{torch.__version__}: {'; '.join(missing)}; a divergence among them cannot be seen"
+        )
     labels.track_module_forwards()
     _installed = True
 
@@ -265,6 +281,12 @@ def begin_test(trace_path: str) -> None:
     fd = os.open(trace_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
     labels.begin_test()
     _test = _TestState(fd)
+    # torch's count of the groups created in this world so far: the groups this test creates get
+    # the names from here on, in creation order.
+    _groups.begin(getattr(c10d._world, "group_count", None))
+    for text in _unseen:
+        with contextlib.suppress(OSError):
+            os.write(fd, note_line(text))
 
 
 def end_test() -> None:
@@ -272,9 +294,10 @@ def end_test() -> None:
     global _test
     test, _test = _test, None
     if test is not None:
+        # What completed by now gets its done line; what did not stays without one.
+        test.completion.close()
         os.close(test.fd)
-    # A later test may create a group whose Python object reuses a destroyed one's id.
-    _groups.clear()
+    _groups.end()
     labels.reset()
 
 
@@ -295,7 +318,7 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
     `positions` maps parameter names to positions, for callables without an inspectable signature.
     """
     if positions is None:
-        positions = _param_positions(original)
+        positions = param_positions(original)
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -311,13 +334,17 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             # failure becomes a note in the trace and the call runs as if untraced.
             test = _test
             try:
-                params = _Params(args, kwargs, positions)
-                record = _build_record(spec, params)
+                params = CallArguments(args, kwargs, positions)
+                built = build_record(spec, params, _groups, _number)
             except Exception as error:  # noqa: BLE001 - whatever broke, the call must still run
                 _note(test, spec, error)
                 return original(*args, **kwargs)
-            if record is None:
+            if built is None:
                 return original(*args, **kwargs)
+            record = built.record
+            thread.on_device = not built.on_cpu
+            if thread.on_device and not params.get("async_op"):
+                thread.device_works = []
             runner = _interceptor(record) if _interceptor is not None else None
             # The record goes to disk before the collective is issued: a rank that hangs or dies
             # inside it still shows it, without a "done" line (the trace file's completeness rule).
@@ -334,19 +361,132 @@ def wrap(original: Callable, spec: OpSpec, positions: dict[str, int] | None = No
             # Only if the same test is still recording: end_test() may have closed the fd (and
             # a later test reused the number) while this call was blocked in another thread.
             if test is not None and test is _test:
-                with contextlib.suppress(OSError):
-                    os.write(test.fd, done_line(record.index))
+                _completion(test, record.index, spec, params, result, thread.device_works)
             return result
         finally:
             thread.busy = False
+            thread.device_works = None
 
     traced.__trace_original__ = original  # type: ignore[attr-defined]
     return traced
 
 
+def _completion(
+    test: _TestState, index: int, spec: OpSpec, params: CallArguments, result: Any, device_works: list[Any] | None
+) -> None:
+    """Mark record `index` done now, or when its work completes (`harness.rank.completion`).
+
+    A synchronous call on CPU returned after its work completed; one on a device (NCCL) when the
+    works it queued complete. One that returned a `Work` (async_op) completes when the work does;
+    a functional collective's in-flight result when it is waited for."""
+    try:
+        if device_works:
+            test.completion.add_work(index, device_works[-1], on_cpu=False)
+            return
+        if spec.functional:
+            in_flight = _async_tensor
+            pending = [t for t in flatten_tensors(result) if in_flight is not None and isinstance(t, in_flight)]
+            if pending:
+                test.completion.add_tensors(index, pending)
+                return
+        elif params.get("async_op") and result is not None and hasattr(result, "is_completed"):
+            test.completion.add_work(index, result, on_cpu=not _thread.on_device)
+            return
+    except Exception:  # noqa: BLE001 - whatever the result is, the record is done when the call returned
+        pass
+    test.completion.done(index)
+
+
+def _observing_waits(wait_tensor: Callable) -> Callable:
+    """funcol.wait_tensor, which also tells the completion watch that its tensor is ready."""
+
+    @functools.wraps(wait_tensor)
+    def observed_wait(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        result = wait_tensor(tensor, *args, **kwargs)
+        _on_wait(tensor)
+        return result
+
+    observed_wait.__trace_original__ = wait_tensor  # type: ignore[attr-defined]
+    return observed_wait
+
+
+def _observe_work_waits() -> None:
+    """`Work.wait()` tells the completion watch that the work completed (CPU works only count it:
+    `harness.rank.completion`). Patched on torch's Work class: Python callers (FSDP, the engine,
+    user code) all wait through it; C++ callers do not need to (their works say when they completed)."""
+    work_class = c10d.Work
+    original = work_class.wait
+    if getattr(original, "__trace_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def observed_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        test = _test
+        if test is not None:
+            test.completion.work_waited(self)
+        return result
+
+    observed_wait.__trace_original__ = original  # type: ignore[attr-defined]
+    work_class.wait = observed_wait
+
+
+def _on_wait(tensor: Any) -> None:
+    test = _test
+    if test is not None:
+        test.completion.tensor_waited(tensor)
+
+
+def _on_dispatched(
+    spec: DispatchedSpec, run: Callable[[], Any], args: tuple, kwargs: dict, positions: dict[str, int]
+) -> Any:
+    """A process-group op met below Python (`harness.rank.dispatch_hooks`): recorded unless a traced
+    Python entry point on this thread is already recording it."""
+    thread = _thread
+    test = _test
+    if test is None or thread.busy or _is_compiling():
+        if thread.device_works is None:
+            return run()
+        result = run()  # inside a recorded synchronous call on a device: its work says when it completed
+        with contextlib.suppress(Exception):
+            thread.device_works.append(_unbox_work(result[-1] if isinstance(result, tuple) else result))
+        return result
+    thread.busy = True
+    try:
+        try:
+            built = dispatched_record(spec, CallArguments(args, kwargs, positions), _groups, _number)
+        except Exception as error:  # noqa: BLE001 - whatever broke, the call must still run
+            _note(test, spec, error)
+            return run()
+        if built is None:
+            return run()
+        record, on_cpu = built
+        with contextlib.suppress(OSError):
+            os.write(test.fd, record_line(record))
+        result = run()
+        if test is _test:
+            try:
+                if spec.functional:
+                    test.completion.add_tensors(record.index, flatten_tensors(result))
+                else:
+                    work = result[-1] if isinstance(result, tuple) else result
+                    test.completion.add_work(record.index, _unbox_work(work), on_cpu=on_cpu)
+            except Exception:  # noqa: BLE001 - a result of an unexpected shape: done when the call returned
+                test.completion.done(record.index)
+        return result
+    finally:
+        thread.busy = False
+
+
+def _unbox_work(work: Any) -> Any:
+    if hasattr(work, "is_completed"):
+        return work
+    return c10d.Work.unbox(work)
+
+
 def _naming_non_members(new_group: Callable) -> Callable:
     """`new_group` returning a `NonMemberGroup` where torch returns NON_GROUP_MEMBER (see the module docstring)."""
-    positions = _param_positions(new_group)
+    positions = param_positions(new_group)
 
     @functools.wraps(new_group)
     def naming_new_group(*args: Any, **kwargs: Any) -> Any:
@@ -355,7 +495,7 @@ def _naming_non_members(new_group: Callable) -> Callable:
         if type(group) is not int or group != c10d.GroupMember.NON_GROUP_MEMBER:
             return group
         try:
-            ranks = _Params(args, kwargs, positions).get("ranks")
+            ranks = CallArguments(args, kwargs, positions).get("ranks")
             members = tuple(sorted(int(rank) for rank in ranks)) if ranks is not None else ()
             # torch named the group from its count of groups, which this call advanced by one;
             # a group named by a hash of its ranks (use_local_synchronization) did not advance it.
@@ -387,262 +527,30 @@ def _note(test: _TestState | None, spec: OpSpec, error: Exception) -> None:
         sys.stderr.write(f"[harness] {text}\n")
 
 
-class _Params:
-    """Positional-or-keyword argument lookup without the cost of `Signature.bind`."""
-
-    __slots__ = ("args", "kwargs", "positions")
-
-    def __init__(self, args: tuple, kwargs: dict, positions: dict[str, int]) -> None:
-        self.args, self.kwargs, self.positions = args, kwargs, positions
-
-    def get(self, name: str) -> Any:
-        position = self.positions.get(name)
-        if position is not None and position < len(self.args):
-            return self.args[position]
-        return self.kwargs.get(name)
-
-    def as_dict(self, spec: OpSpec) -> dict[str, Any]:
-        names = {*spec.outputs, "async_op"}
-        return {name: self.get(name) for name in names}
-
-
-def _build_record(spec: OpSpec, params: _Params) -> CollectiveRecord | None:
-    """The record for this call, or None when this rank is not a member of the call's group."""
-    if spec.op.startswith("funcol."):
-        import torch.distributed._functional_collectives as funcol
-
-        if funcol._are_we_tracing():
-            return None
-        process_group = _funcol_group(params.get(spec.group))
-    else:
-        process_group = _c10d_group(params.get(spec.group))
-    if process_group is None:
-        return None
-    group = process_group.ranks
-    tensors = _flatten_tensors(*(params.get(name) for name in spec.inputs))
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
-    numel = sum(t.numel() for t in tensors)
-    uneven = spec.always_uneven or any(params.get(name) is not None for name in spec.uneven_when)
-    peer = _rank_argument(spec.peer, params, group) if spec.peer else None
-    label = labels.current_label()
-    names = tensor_names.names_of(tensors) if spec.same_tensor else ()
-    site = call_sites.call_site(3)  # above _build_record and the wrapper
-    root = _rank_argument(spec.root, params, group) if spec.root is not None else None
-    agreed = _agreed_args(spec, params, root)
+def _number(op: str, p2p: bool, peer: int | None, group: CallGroup) -> tuple[int, int, int] | None:
+    """(rank, index, seq) of the next record of the running test, None when no test is recording:
+    its position in the rank's trace, and among the rank's calls on the same process group (or,
+    point to point, in the same direction between the same pair)."""
     with _lock:
         test = _test
-        if test is None:  # only an interceptor is listening (faults under torchrun): no numbering
-            index, seq, rank = -1, -1, dist.get_rank()
+        if test is None:
+            return None
+        if test.rank is None:
+            test.rank = dist.get_rank()
+        rank = test.rank
+        index = test.next_index
+        test.next_index += 1
+        if p2p:
+            # Both ends of a pair count the same stream: sends a->b on a, receives from a on b.
+            key: tuple = ("p2p", rank, peer) if op in P2P_SEND_OPS else ("p2p", peer, rank)
         else:
-            if test.rank is None:
-                test.rank = dist.get_rank()
-            rank = test.rank
-            index = test.next_index
-            test.next_index += 1
-            if spec.peer:
-                # Both ends of a pair count the same stream: sends a->b on a, receives from a on b.
-                key: tuple = ("p2p", rank, peer) if spec.op in P2P_SEND_OPS else ("p2p", peer, rank)
-            else:
-                key = (process_group.member, process_group.name, group)
-            seq = test.seq_by_key.get(key, 0)
-            test.seq_by_key[key] = seq + 1
-    record = CollectiveRecord(
-        rank=rank,
-        index=index,
-        seq=seq,
-        op=spec.op,
-        group=group,
-        shapes=shapes,
-        dtypes=dtypes,
-        numel=numel,
-        label=label,
-        peer=peer,
-        uneven=uneven,
-        tensors=names,
-        site=site,
-        args=agreed,
-        async_op=bool(params.get("async_op")),
-        asymmetric=call_sites.in_asymmetric_region(),
-        group_name=process_group.name,
-        group_number=process_group.number,
-    )
-    # Set only where they differ from the defaults: this runs before every collective.
-    if not process_group.member:
-        record.member = False
-    elif spec.exchange is not None:
-        # Sizes that cannot be read (arguments torch itself will reject) are left unknown, and
-        # not compared: the record stands without them.
-        with contextlib.suppress(Exception):
-            record.sends, record.receives = _exchange_sizes(spec.exchange, params, group, rank, root)
-    return record
-
-
-def _flatten_tensors(*values: Any) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = []
-    stack = list(reversed(values))
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed(value))
-    return tensors
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-def _c10d_group(group: Any) -> _Group:
-    found = _groups.get(group)  # never an int key: every NonMemberGroup equals -100
-    if found is not None:
-        return found
-    if isinstance(group, int) and group == c10d.GroupMember.NON_GROUP_MEMBER:
-        if isinstance(group, NonMemberGroup):
-            return _Group(group.members, group.name, _group_number(group.name), member=False)
-        return _Group((), member=False)  # made by torch's new_group before the trace was installed
-    found = _groups[group] = _process_group(c10d._get_default_group() if group is None else group)
-    return found
-
-
-def _process_group(process_group: dist.ProcessGroup) -> _Group:
-    ranks = tuple(dist.get_process_group_ranks(process_group))
-    name = getattr(process_group, "group_name", None)  # a ProcessGroup property on recent torch
-    if not isinstance(name, str):
-        name = getattr(c10d._world, "pg_names", {}).get(process_group, "")
-    number = 0 if process_group is c10d._get_default_group() else _group_number(name)
-    return _Group(ranks, name, number)
-
-
-def _group_number(name: str) -> int | None:
-    """k for the k-th group this test created (torch names groups by its count of them), None for
-    one created before the test began or named otherwise (a hash of its ranks)."""
-    test = _test
-    if test is None or test.groups_before is None or not name.isdigit():
-        return None
-    created = int(name) - test.groups_before
-    return created + 1 if created >= 0 else None
-
-
-def _funcol_group(group: Any) -> _Group | None:
-    """The group of a functional-collective group argument, without creating any group."""
-    if isinstance(group, tuple) and len(group) == 2 and not isinstance(group[0], int):  # (DeviceMesh, dim)
-        mesh, dim = group
-        return _c10d_group(mesh.get_group(dim))
-    if isinstance(group, (list, tuple)):  # ranks only: torch finds the group by them, unnamed here
-        if group and isinstance(group[0], (list, tuple)):  # MPMD: the row holding this rank
-            me = dist.get_rank()
-            row = next((tuple(row) for row in group if me in row), None)
-            return None if row is None else _Group(row)
-        return _Group(tuple(group))
-    if isinstance(group, str):
-        found = _groups.get(group)
-        if found is None:
-            found = _groups[group] = _process_group(torch._C._distributed_c10d._resolve_process_group(group))
-        return found
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return _c10d_group(group)
-    return _c10d_group(group.get_group())  # 1-D DeviceMesh
-
-
-def _rank_argument(names: tuple[str, str], params: _Params, group: tuple[int, ...]) -> int | None:
-    """The global rank named by a (global-rank parameter, group-rank parameter) pair."""
-    global_name, group_name = names
-    value = params.get(global_name)
-    if value is None and group_name:
-        group_value = params.get(group_name)
-        value = group[group_value] if group_value is not None and 0 <= group_value < len(group) else None
-    return value
-
-
-def _agreed_args(spec: OpSpec, params: _Params, root: int | None) -> tuple[tuple[str, str], ...]:
-    """The non-tensor arguments every member must pass alike: the root rank and the reduction."""
-    agreed: list[tuple[str, str]] = []
-    if spec.root is not None:
-        agreed.append(("root", str(root)))
-    if spec.reduce_op is not None:
-        agreed.append(("op", _reduce_op_name(params.get(spec.reduce_op), spec.default_reduce_op)))
-    return tuple(agreed)
-
-
-def _exchange_sizes(
-    kind: str, params: _Params, group: tuple[int, ...], rank: int, root: int | None
-) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """Elements this rank sends to and expects from each member, in the group's order (`Exchange`)."""
-    size = len(group)
-    if kind == Exchange.SPLITS:
-        functional = params.get("self")
-        source = functional if functional is not None else params.get("input")
-        target = source if functional is not None else params.get("output")
-        if not isinstance(source, torch.Tensor) or not isinstance(target, torch.Tensor):
-            return None, None
-        sends = _split_elements(source, params.get("input_split_sizes"), size)
-        return sends, _split_elements(target, params.get("output_split_sizes"), size)
-    if kind == Exchange.LISTS:
-        return _numels(params.get("input_tensor_list")), _numels(params.get("output_tensor_list"))
-    if kind == Exchange.GATHER_LIST:
-        return _same_to_all(params.get("tensor"), size), _numels(params.get("tensor_list"))
-    if kind == Exchange.REDUCE_SCATTER_LIST:
-        return _numels(params.get("input_list")), _same_to_all(params.get("output"), size)
-    if root is None:
-        root = 0  # torch's default root when neither src/dst nor its group rank is given: global rank 0
-    nothing = (0,) * size
-    if kind == Exchange.GATHER:
-        tensor = params.get("tensor")
-        sends = tuple(tensor.numel() if member == root else 0 for member in group) if tensor is not None else None
-        return sends, (_numels(params.get("gather_list")) if rank == root else nothing)
-    if kind == Exchange.SCATTER:
-        tensor = params.get("tensor")
-        receives = tuple(tensor.numel() if member == root else 0 for member in group) if tensor is not None else None
-        return (_numels(params.get("scatter_list")) if rank == root else nothing), receives
-    return None, None
-
-
-def _split_elements(tensor: torch.Tensor, splits: Any, size: int) -> tuple[int, ...]:
-    """Elements per member of an all_to_all_single side: its split sizes (rows; an even split when
-    None or empty, as torch reads them) times the elements of a row."""
-    row = math.prod(tensor.shape[1:])
-    if not splits:
-        rows = tensor.shape[0] if tensor.dim() else 1
-        return (rows // size * row,) * size
-    return tuple(int(split) * row for split in splits)
-
-
-def _numels(tensors: Any) -> tuple[int, ...] | None:
-    if not isinstance(tensors, (list, tuple)):
-        return None
-    return tuple(t.numel() if isinstance(t, torch.Tensor) else 0 for t in tensors)
-
-
-def _same_to_all(tensor: Any, size: int) -> tuple[int, ...] | None:
-    return (tensor.numel(),) * size if isinstance(tensor, torch.Tensor) else None
-
-
-def _reduce_op_name(value: Any, default: str) -> str:
-    """SUM, AVG, ... whether given as c10d's enum, a `ReduceOp` object or funcol's string."""
-    if value is None:
-        return default
-    if isinstance(value, str):
-        return value.upper()
-    value = getattr(value, "op", value)  # a ReduceOp object wraps its RedOpType
-    name = getattr(value, "name", None)
-    return name if isinstance(name, str) else str(value).rpartition(".")[2]
+            key = (group.member, group.name, group.ranks)
+        seq = test.seq_by_key.get(key, 0)
+        test.seq_by_key[key] = seq + 1
+    return rank, index, seq
 
 
 # ------------------------------------------------------------------------------------- patching
-
-
-def _param_positions(function: Callable) -> dict[str, int]:
-    parameters = inspect.signature(function).parameters.values()
-    return {
-        p.name: i
-        for i, p in enumerate(parameters)
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
 
 
 @dataclass

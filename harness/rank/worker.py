@@ -28,6 +28,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from harness.message_text import describe_exception
 from harness.messages import RankOutcome, Shutdown, SpmdCall, TestTask, WorkerConfig, WorkerReady
 from harness.process import procfs
 from harness.process.rank_files import RankFiles
@@ -35,7 +36,6 @@ from harness.rank.call_runner import CallRunner
 from harness.rank.isolation import ProcessIsolation
 from harness.rank.runner import TestRunner
 from harness.rank.world import join_world, rank_device
-from harness.text import describe_exception
 
 _PR_SET_PDEATHSIG = 1
 

@@ -1,7 +1,7 @@
 """Joining the world, in a rank: its device, and its default process group on that device.
 
 Both ways of running ranks use it: a pool rank (`harness.rank.worker`, rendezvous through the
-pool's FileStore) and a torchrun worker (`harness.session.lockstep`, `env://`). Which device kind
+pool's FileStore) and a torchrun worker (`harness.session.torchrun_session`, `env://`). Which device kind
 a world gets is decided before any rank exists (`harness.config.devices`).
 """
 

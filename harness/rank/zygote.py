@@ -26,6 +26,7 @@ the parent (not their parent) could not otherwise learn.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import importlib
 import json
@@ -40,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 from harness.process import procfs
+from harness.process.fork_probe import forks_are_marked_bad
 from harness.rank.worker import die_with_parent, serve
 
 MAX_PACKET = 1 << 16
@@ -93,7 +95,16 @@ def _unsafe_to_fork() -> str:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a preloaded module initialised CUDA
         return "the zygote initialised CUDA, which a forked child cannot use"
+    if _forks_marked_bad():  # a preloaded module asked the CUDA runtime
+        return "a preloaded module asked the CUDA runtime, so torch marks the zygote's forks unable to use CUDA"
     return ""
+
+
+@functools.cache
+def _forks_marked_bad() -> bool:
+    """Asked of a probe child once: the zygote runs nothing after its preload that could ask the
+    CUDA runtime, so the answer holds for every fork (a probe per rank would double the forks)."""
+    return forks_are_marked_bad()
 
 
 def _threads() -> int:
@@ -122,7 +133,19 @@ def _become_worker(
     os.close(target)
     os.environ.update(env)  # seen by whatever the worker's tests exec (harness.process.procfs markers)
     os.chdir(cwd)  # where the parent is now, as a worker it spawned now would start
+    _rebuild_torch_thread_pool()
     serve(Connection(fds[0], writable=False), Connection(fds[1], readable=False))
+
+
+def _rebuild_torch_thread_pool() -> None:
+    """torch's pthreadpool marks itself corrupted in a forked child and is rebuilt at its next use;
+    two threads using it first at once (autograd's device threads start with set_num_threads, while
+    the main thread runs an op) can find it half rebuilt: "pool INTERNAL ASSERT FAILED ...
+    ParallelOpenMP.cpp ... Invalid thread pool!", SIGABRT in a rank (seen once on torch 2.14.1).
+    Rebuilt here, while the worker has one thread."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
 
 
 def main() -> None:

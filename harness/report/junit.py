@@ -41,11 +41,11 @@ from typing import IO, Any
 import pytest
 
 from harness.config.torchrun import TorchrunWorld
+from harness.message_text import clip
 from harness.report.results import DistributedTestResult, RankCase, SuiteKey
-from harness.text import clip
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-_MAX_TEXT = 512 * 1024  # characters per element; captured output arrives already cut (harness.text)
+_MAX_TEXT = 512 * 1024  # characters per element; captured output arrives already cut (harness.message_text)
 _LOCK = ".session.lock"
 
 

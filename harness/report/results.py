@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from harness.message_text import first_line, ranks_text
 from harness.messages import RankLoss, RankResult, Status
-from harness.text import first_line, ranks_text
 from harness.trace.records import CollectiveRecord
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 
 from harness.config import world_sizes
+from harness.message_text import describe_exception, first_line, shown_path
 from harness.report.results import DistributedTestResult, FailureReason, fit_reason, skip_reason
-from harness.text import describe_exception, shown_path
 
 __all__ = ["RunSummary", "failure_reason", "incomplete_reason"]
 
@@ -51,11 +51,19 @@ def failure_reason(reason: FailureReason | None, text: str = "") -> str:
     """One line that explains a failed test: the ranks' verdict's `reason` (`FailureReason.line()`,
     e.g. `DistributedTestResult.reason`) when their verdict is the failure, else the first line of
     the failure's `text` as whoever decided it wrote it: pytest (a setup error, pytest-timeout),
-    the parent (a world that could not start) or a plugin (the conformance expectations)."""
-    if reason is not None:
-        return reason.line()
-    lines = text.removeprefix("Failed: ").strip().splitlines()
-    return fit_reason(lines[0].rstrip()) if lines else ""
+    the parent (a world that could not start) or a plugin (the conformance expectations).
+
+    Where the ranks diverged and also failed, the divergence comes first and the ranks' failures
+    after it, as its consequences: a gloo abort on a size mismatch ("killed by SIGABRT"), the
+    timeouts of ranks left waiting, read alone, hide the collective that caused them. pytest
+    fits the line to the terminal: the cut falls on the consequences."""
+    if reason is None:
+        lines = text.removeprefix("Failed: ").strip().splitlines()
+        return fit_reason(lines[0].rstrip()) if lines else ""
+    if reason.divergence and (reason.first_rank is not None or reason.ranks_by_cause):
+        consequences = dataclasses.replace(reason, divergence="").line()
+        return fit_reason(f"{first_line(reason.divergence)}; then {consequences}")
+    return reason.line()
 
 
 def incomplete_reason(session: pytest.Session, ran: int | None = None) -> str | None:

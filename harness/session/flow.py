@@ -1,7 +1,7 @@
 """What one pytest session does with a distributed test: build the task, get every rank's result,
 diff the traces, decide, report. Two ways to get results: a warm pool the parent owns
 (`harness.session.pool_session`) or, under torchrun, this process being one rank of the world
-(`harness.session.lockstep`); both subclass `HarnessSession`.
+(`harness.session.torchrun_session`); both subclass `HarnessSession`.
 
 Every verdict leaves through `HarnessSession.publish`, which hands it to the report hooks
 (`pytest_harness_test_result`) once per distributed test that pytest reports, when pytest's own
@@ -14,7 +14,6 @@ what other plugins made of the outcome (xfail markers, the conformance expectati
 
 from __future__ import annotations
 
-import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -26,11 +25,11 @@ import torch
 from harness.config import repro
 from harness.config.devices import DevicePlan, plan_world
 from harness.config.torchrun import TorchrunWorld
-from harness.messages import RankOutcome, RankResult, Status, TestTask
-from harness.rank import fixtures
+from harness.message_text import describe_exception
+from harness.messages import RankOutcome, RankResult, Status, TestTask, picklable
+from harness.rank import rank_fixtures
 from harness.report.results import DistributedTestResult, FailureReason, SuiteKey, rank_cases, skip_reason
 from harness.session.verdict import Verdict, decide, failure_text, first_failure
-from harness.text import describe_exception
 from harness.trace.divergence import Divergence, first_divergence, format_trace_table, unfinished_collectives
 from harness.trace.records import CollectiveRecord
 
@@ -86,7 +85,7 @@ class HarnessSession:
     """Task building, verdicts and reporting shared by both ways of running ranks."""
 
     torchrun: TorchrunWorld | None = None
-    """The torchrun world this process is a rank of (the lockstep session), else None."""
+    """The torchrun world this process is a rank of (the torchrun session), else None."""
 
     def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
         self.config = config
@@ -125,7 +124,7 @@ class HarnessSession:
         return f"{self.dispatched} distributed tests"
 
     def collected(self, nodeids: list[str]) -> None:
-        """Collection is over; these tests may run (lockstep checks every rank has the same)."""
+        """Collection is over; these tests may run (torchrun mode checks every rank has the same)."""
 
     def finish(self) -> list[str]:
         """Have every report plugin write its files, once; return the paths written."""
@@ -145,7 +144,7 @@ class HarnessSession:
     def run_item(self, item: pytest.Function, world_size: int, plan: DevicePlan) -> None:
         self.dispatched += 1
         params = dict(item.callspec.params) if hasattr(item, "callspec") else {}
-        suite = self.suite(item, world_size, plan)
+        suite = self.suite_key(item, world_size, plan)
         if plan.kind is None:
             self.propose(item, Proposal(suite, Verdict("skipped", plan.skip_reason)))
             pytest.skip(plan.skip_reason)
@@ -185,7 +184,7 @@ class HarnessSession:
         self.propose(item, Proposal(suite, verdict, execution, divergence, reproduction))
         self._report(item, execution, verdict, reproduction)
 
-    def suite(self, item: pytest.Item, world_size: int, plan: DevicePlan | None = None) -> SuiteKey:
+    def suite_key(self, item: pytest.Item, world_size: int, plan: DevicePlan | None = None) -> SuiteKey:
         plan = plan or self.plan(world_size)
         return SuiteKey(world_size, plan.kind or self.options.device, _suite_properties(item))
 
@@ -204,7 +203,7 @@ class HarnessSession:
         if not phases and proposal is None:
             return  # never started (interrupted before its setup): pytest does not report it either
         outcome, message, reason = final_verdict(phases, proposal, interrupted)
-        proposal = proposal or Proposal(self.suite(item, world_size), Verdict(outcome, message))
+        proposal = proposal or Proposal(self.suite_key(item, world_size), Verdict(outcome, message))
         self.publish(item, proposal, outcome, message, reason)
         del item.stash[_PHASES]
         if _PROPOSAL in item.stash:
@@ -231,7 +230,8 @@ class HarnessSession:
                 message,
                 execution.results,
                 execution.captured,
-                proposal.verdict.divergence,
+                # A rank that took part in a divergence, or whose replicas drifted, failed.
+                proposal.verdict.divergence or proposal.verdict.drift,
             ),
             own_ranks=own_ranks,
             traces=execution.traces,
@@ -254,13 +254,13 @@ class HarnessSession:
         self.propose(item, Proposal(suite, verdict, Execution(results, {}, {})))
 
     def _task(self, item: pytest.Function, params: dict[str, Any]) -> TestTask:
-        rank_side = set(fixtures.registered_names())
+        rank_side = set(rank_fixtures.registered_names())
         argnames = item._fixtureinfo.argnames
         call_kwargs = {
             name: params[name] if name in params else item.funcargs[name] for name in argnames if name not in rank_side
         }
-        if not _picklable(call_kwargs):  # one pickling on the hot path; per argument only to explain
-            name = next(n for n, value in call_kwargs.items() if not _picklable(value))
+        if not picklable(call_kwargs):  # one pickling on the hot path; per argument only to explain
+            name = next(n for n, value in call_kwargs.items() if not picklable(value))
             pytest.fail(
                 f"argument {name!r} of {item.nodeid} cannot be sent to the ranks; "
                 "use picklable parametrize values or register it with harness.rank_fixture",
@@ -273,10 +273,11 @@ class HarnessSession:
             qualname=item.obj.__qualname__,
             call_kwargs=call_kwargs,
             rank_fixture_names=tuple(name for name in argnames if name in rank_side),
-            params=params if _picklable(params) else {k: v for k, v in params.items() if _picklable(v)},
+            params=params if picklable(params) else {k: v for k, v in params.items() if picklable(v)},
             seed=self.options.seed,
             options=self.forwarded_options,
             sys_path=list(sys.path),
+            check_replicas=check_replicas(item),
         )
 
     def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict, reproduction: str) -> None:
@@ -344,6 +345,15 @@ def verdict_reason(item: pytest.Item, report: pytest.TestReport) -> FailureReaso
     return proposal.verdict.reason
 
 
+def check_replicas(item: pytest.Item) -> bool:
+    """Whether `item`'s ranks digest what its models keep replicated after the body: its
+    `check_replicas` marker (`check_replicas(False)` opts out), else `--check-replicas`."""
+    marker = item.get_closest_marker("check_replicas")
+    if marker is None:
+        return bool(getattr(item.config.option, "check_replicas", False))
+    return bool(marker.args[0] if marker.args else marker.kwargs.get("enabled", True))
+
+
 def _skipped(report: pytest.TestReport) -> tuple[Status, str]:
     reason = getattr(report, "wasxfail", None)
     if reason is not None:
@@ -356,11 +366,3 @@ def _suite_properties(item: pytest.Item) -> tuple[tuple[str, str], ...]:
     for properties in reversed(item.config.hook.pytest_harness_suite_properties(item=item)):
         merged.update({str(name): str(value) for name, value in properties.items()})
     return tuple(merged.items())
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:  # noqa: BLE001 - any pickling failure has the same fix
-        return False
-    return True

@@ -18,13 +18,13 @@ import torch
 
 from harness.config.deadlines import deadline_of
 from harness.config.devices import visible_gpu_count
+from harness.message_text import read_tail
 from harness.messages import RankResult, TestTask
 from harness.process.launcher import WorkerLauncher
 from harness.process.pool import PoolKey, PoolStartError, WorkerPool
 from harness.process.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
 from harness.session.flow import Execution, HarnessSession, WorldStartError, WorldUnusable
 from harness.session.verdict import world_reusable
-from harness.text import read_tail
 from harness.trace.one_sided import OneSidedWatch
 from harness.trace.records import read_trace_or_empty
 

@@ -31,7 +31,8 @@ import pytest
 from _pytest.assertion.rewrite import AssertionRewritingHook
 
 from harness.config.devices import DevicePlan
-from harness.messages import DeviceKind, RankLoss, RankOutcome, RankResult, SpmdCall
+from harness.message_text import clip, describe_exception, read_tail
+from harness.messages import DeviceKind, RankLoss, RankOutcome, RankResult, SpmdCall, encoded, picklable
 from harness.process.pool import PoolKey, PoolStartError, WorkerPool
 from harness.session.pool_session import PoolSession, agent_store_error
 from harness.session.verdict import (
@@ -42,13 +43,11 @@ from harness.session.verdict import (
     without_harness_frames,
     world_reusable,
 )
-from harness.text import clip, describe_exception, read_tail
 from harness.trace.divergence import first_divergence, unfinished_collectives
 from harness.trace.one_sided import OneSidedWatch
 from harness.trace.records import CollectiveRecord, read_trace_or_empty
 
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
-_NO_ARGUMENTS = pickle.dumps(((), {}), _PROTOCOL)
+_NO_ARGUMENTS = encoded(((), {}))
 _STDERR_TAIL_BYTES = 64 * 1024
 _VALUE_REPR_CHARS = 2000  # of one rank's value in `SpmdResult.describe`
 UNDER_TORCHRUN = (
@@ -106,11 +105,11 @@ def pickle_arguments(name: _FunctionName, args: tuple[Any, ...], kwargs: dict[st
     if not args and not kwargs:
         return _NO_ARGUMENTS
     try:
-        return pickle.dumps((args, kwargs), _PROTOCOL)
+        return encoded((args, kwargs))
     except Exception as error:
         labelled = [(f"argument {index}", value) for index, value in enumerate(args)]
         labelled += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
-        which = next((label for label, value in labelled if not _picklable(value)), "an argument")
+        which = next((label for label, value in labelled if not picklable(value)), "an argument")
         value = dict(labelled).get(which)
         raise TypeError(
             f"{which} of the SPMD call of {name} (a {type(value).__qualname__}) cannot be sent to the ranks: "
@@ -118,14 +117,6 @@ def pickle_arguments(name: _FunctionName, args: tuple[Any, ...], kwargs: dict[st
             "importable module) or CPU tensors, and build anything else (models, process groups, generators) "
             "inside the function"
         ) from error
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value, _PROTOCOL)
-    except Exception:  # noqa: BLE001 - any pickling failure has the same fix
-        return False
-    return True
 
 
 class SpmdCallFailed(Exception):
@@ -226,7 +217,7 @@ class SpmdWorld:
         options = self._session.forwarded_options  # made once per session: its identity stands for it
         key = (id(options), *sys.path)
         if key != self._context_of:
-            self._context_bytes = pickle.dumps((options, list(sys.path)), _PROTOCOL)
+            self._context_bytes = encoded((options, list(sys.path)))
             self._context_of = key
         return self._context_bytes
 

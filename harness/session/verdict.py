@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from harness.message_text import first_line, ranks_text, shown_path
 from harness.messages import RankLoss, RankOutcome, RankResult, Status
 from harness.report.results import FailureReason
-from harness.text import first_line, ranks_text, shown_path
+from harness.trace.checksums import DriftReport, compare
 from harness.trace.records import CollectiveRecord, last_unfinished
 
 
@@ -24,6 +25,8 @@ class Verdict:
     reason: FailureReason | None = None
     """Why the ranks failed the test (`decide`); None for any other outcome, and for a failure the
     parent decided without the ranks' results (a world that could not start, an interrupt)."""
+    drift: str = ""
+    """The replica drift's heading when the ranks' replica digests differ (`replica_drift`), else empty."""
 
 
 def decide(
@@ -39,8 +42,18 @@ def decide(
     (silent corruption is the bug) unless the test declared it expected; it is added to the
     text of a test that failed anyway, expected or not, since it usually explains the failure,
     and so are the collectives ranks were stuck in (`unfinished`).
+
+    So does a replica drift (`replica_drift`: the ranks' digests of what their models keep
+    replicated differ, where the check was on), a failure reason of its own after the divergence:
+    a test that failed for another reason, or diverged, keeps that reason first (a drift is often
+    its consequence) and gets the drift added to its text. A drift on ranks that all passed is
+    the reason's whole text (`FailureReason.outcomes`: what explains a failure where no rank
+    failed and the traces agree).
     """
     distinct = {result.status for result in results.values()}
+    drift = replica_drift(results) if distinct <= {"passed", "failed"} else None
+    drift_text = f"\n\n{drift.describe()}" if drift is not None else ""
+    drift_heading = drift.heading() if drift is not None else ""
 
     def account(first: FirstFailure | None) -> str:  # built only for a test that fails: not for every pass
         text = failure_text(results, first, stderr)
@@ -49,16 +62,31 @@ def decide(
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
         if distinct == {"passed"}:
-            return Verdict("failed", heading, heading, FailureReason(divergence=heading))
+            return Verdict("failed", heading + drift_text, heading, FailureReason(divergence=heading), drift_heading)
         first = first_failure(results)
-        return Verdict("failed", f"{account(first)}\n\n{heading}", heading, failure_reason(results, first, heading))
+        message = f"{account(first)}\n\n{heading}{drift_text}"
+        return Verdict("failed", message, heading, failure_reason(results, first, heading), drift_heading)
     if distinct == {"passed"}:
+        if drift is not None:
+            return Verdict("failed", drift.describe(), reason=FailureReason(outcomes=drift.line()), drift=drift_heading)
         return Verdict("passed", "")
     if distinct in ({"skipped"}, {"xfailed"}):
         reasons = sorted({result.summary for result in results.values()})
         return Verdict(distinct.pop(), "; ".join(reasons))  # type: ignore[arg-type]
     first = first_failure(results)
-    return Verdict("failed", account(first), reason=failure_reason(results, first))
+    return Verdict("failed", account(first) + drift_text, reason=failure_reason(results, first), drift=drift_heading)
+
+
+def replica_drift(results: dict[int, RankResult]) -> DriftReport | None:
+    """The drift among the replica digests the ranks returned (`RankOutcome.replicas`, taken when
+    the test's replica check was on), None when they agree or none were taken. Ranks without
+    digests (lost, or failed on CUDA) are left out of the comparison."""
+    snapshots = {
+        rank: result.replicas
+        for rank, result in results.items()
+        if isinstance(result, RankOutcome) and result.replicas is not None
+    }
+    return compare(snapshots) if len(snapshots) > 1 else None
 
 
 def failure_reason(results: dict[int, RankResult], first: FirstFailure | None, divergence: str = "") -> FailureReason:

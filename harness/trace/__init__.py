@@ -5,6 +5,7 @@ parent; `divergence` diffs the ranks' traces and names the first collective they
 `one_sided` notices, while a test runs, a rank waiting in a collective its peers will never
 issue. Both read three smaller judgements: `exchange` (whether what the members of an all_to_all,
 scatter, gather or list collective send pairs up with what they expect), `deadlock` (a wait cycle
-across process groups) and `groups` (how messages name a process group). Nothing here patches
-torch.distributed (that is `harness.rank.tracing`).
+across process groups) and `groups` (how messages name a process group). `checksums` holds the
+ranks' replica digests and compares them (replica drift). Nothing here patches torch.distributed
+(that is `harness.rank.tracing`).
 """

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from harness.text import group_text, ranks_text
+from harness.message_text import group_text, ranks_text
 from harness.trace.deadlock import Deadlock, find_deadlock
 from harness.trace.exchange import ExchangeMismatch, exchange_mismatch
 from harness.trace.groups import GroupNames, group_identity
@@ -136,7 +136,7 @@ class Divergence:
             return instead or "issued none"
         text = f"stopped early after #{self.number - 1} {_describe(last, False)}"
         if not last.completed:
-            text += ", which never returned"
+            text += ", which never completed"
         return f"{text}, then {instead}" if instead else text
 
 
@@ -165,15 +165,21 @@ def first_divergence(traces: dict[int, list[CollectiveRecord]], world_ranks: lis
     return first
 
 
-def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int]) -> str:
+def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int], notes: Iterable[str] = ()) -> str:
     """The first divergence (or that there is none) and where ranks were stuck, as lines of text:
-    what plain scripts (`harness.tools.trace_script`) and Flight Recorder dumps print."""
+    what plain scripts (`harness.tools.trace_script`) and Flight Recorder dumps print.
+
+    `notes`: what the traces say they could not record (their note lines, e.g. collectives a
+    torch does not let the tracer see); "no divergence" then says it holds only for what was seen."""
     divergence = first_divergence(traces, world_ranks)
     if divergence is not None:
         lines = [f"ranks issued divergent collectives: {divergence.describe()}"]
     else:
         total = sum(len(records) for records in traces.values())
         lines = [f"no divergence between the collectives of ranks {group_text(world_ranks)} ({total} recorded)"]
+        unseen = list(dict.fromkeys(notes))
+        if unseen:
+            lines[0] += ", among the collectives the trace could see; it says it missed some: " + "; ".join(unseen)
     unfinished = unfinished_collectives(traces)
     if unfinished:
         lines.append(f"unfinished collectives: {unfinished}")
@@ -181,7 +187,7 @@ def diagnosis(traces: dict[int, list[CollectiveRecord]], world_ranks: list[int])
 
 
 def unfinished_collectives(traces: dict[int, list[CollectiveRecord]]) -> str | None:
-    """Where each rank was stuck: its last collective that never returned (a hang or crash
+    """Where each rank was stuck: its last collective that never completed (a hang or crash
     inside it), e.g. "rank 0 in collective #3 on group [0, 1]: all_reduce 4 float32". None when
     every recorded collective returned."""
     names = GroupNames.of(traces)
@@ -214,7 +220,7 @@ def _where(record: CollectiveRecord) -> str:
 
 
 def _status(record: CollectiveRecord) -> str:
-    status = "skipped" if record.skipped else ("done" if record.completed else "NOT RETURNED")
+    status = "skipped" if record.skipped else ("done" if record.completed else "NOT COMPLETED")
     return status + (f" (fault: {record.fault})" if record.fault else "")
 
 

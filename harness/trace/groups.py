@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from harness.text import group_text
+from harness.message_text import group_text
 from harness.trace.records import CollectiveRecord
 
 __all__ = ["GroupNames", "group_identity"]

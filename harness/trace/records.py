@@ -1,6 +1,6 @@
 """Collective trace records and the per-rank trace file that carries them from rank to parent.
 
-This module is what the parent side (session, lockstep, divergence) needs to read a trace; it
+This module is what the parent side (session, torchrun mode, divergence) needs to read a trace; it
 imports nothing that patches torch.distributed (that is `harness.rank.tracing`, rank side).
 
 File format: one line per event, appended with a single `os.write` each (O_APPEND), so lines
@@ -8,14 +8,18 @@ from one rank never interleave and a reader sees only whole lines, except possib
 of a rank killed mid-write:
 
     {"rank":0,"index":3,"seq":2,"op":"all_reduce",...}   a collective, written BEFORE it is issued
-    {"done":3}                                            written when that call returned
+    {"done":3}                                            written when that call's work completed
     {"note":"..."}                                        the trace could not record a call (the
                                                           call itself ran as if untraced)
 
 Completeness rule: because a record is on disk before its collective starts, a rank that hangs,
 aborts (gloo's SIGABRT) or is SIGKILLed inside a collective still shows that collective, without
-its "done" line. That is how "unfinished collectives" are known; nothing else marks them. For
-async ops "done" means the call returned its Work, not that the work completed.
+its "done" line. That is how "unfinished collectives" are known; nothing else marks them. "Done"
+means completed, observed (`harness.rank.completion`): a synchronous call when it returned, an
+async one (async_op=True, a collective issued from C++) when its `Work` completed, a functional
+collective when its result was waited for. So a rank that issued an async collective and went on
+is not "done" with it until its peers joined, on gloo and NCCL alike; done lines of async calls
+may come after later records.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class CollectiveRecord:
          (root: the global rank of src/dst; op: the reduction).  async_op: issued with async_op=True.
     asymmetric: issued inside `harness.asymmetric()`, where ranks run different code on purpose:
          tensors and sites are not compared.
-    completed: the call returned (false for the call a rank was stuck in or died in).
+    completed: the call's work completed (false for the call a rank was stuck in or died in, and
+         for an async call whose work had not completed when the test ended).
     """
 
     rank: int
@@ -195,7 +200,7 @@ def record_line(record: CollectiveRecord) -> bytes:
 
 
 def done_line(index: int) -> bytes:
-    """The bytes to append, in one write, once the call with this index returned."""
+    """The bytes to append, in one write, once the call with this index completed."""
     return b'{"done":%d}\n' % index
 
 
@@ -293,7 +298,7 @@ def read_trace_or_empty(path: str) -> list[CollectiveRecord]:
 
 
 def last_unfinished(traces: dict[int, list[CollectiveRecord]]) -> dict[int, CollectiveRecord]:
-    """Per rank, the last collective it issued that never returned: where it hung or died.
+    """Per rank, the last collective it issued that never completed: where it hung or died.
 
     Ranks whose calls all returned are absent, so an empty result means no collective was left
     half-done. Calls a fault skipped were never issued and do not count.

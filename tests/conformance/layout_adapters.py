@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
@@ -24,6 +24,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardLayout,
     SpecCondition,
+    UnshardRequest,
 )
 
 
@@ -52,10 +53,10 @@ class FlatUnitsOriginalRows(TorchFSDP1Adapter):
             return self._rows._shard(model, spec, ApiForm.COMPOSABLE)
         return super()._shard(model, spec, form)
 
-    def _unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> contextlib.AbstractContextManager[None]:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> contextlib.AbstractContextManager[None]:
         if _in_rows(model):
-            return self._rows._unshard(model, fqn, **options)
-        return super()._unshard(model, fqn, **options)
+            return self._rows._unshard(model, request)
+        return super()._unshard(model, request)
 
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
         return self._rows.is_unsharded(model, unit) if _in_rows(model) else super().is_unsharded(model, unit)

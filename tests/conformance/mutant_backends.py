@@ -31,6 +31,7 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     ShardingSpec,
+    UnshardRequest,
     declared_fqn,
 )
 from conformance.suite import registry
@@ -210,8 +211,8 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             return sharded
 
         @contextlib.contextmanager
-        def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
-            with super()._unshard(model, fqn, **options):
+        def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+            with super()._unshard(model, request):
                 if mutation != "stale_unshard_view" or self.env.rank != STALE_RANK:
                     yield
                     return

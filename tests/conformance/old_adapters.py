@@ -19,6 +19,7 @@ from conformance.protocol import (
     Capability,
     ShardingSpec,
     StateDictKind,
+    UnshardRequest,
     submodule,
 )
 
@@ -72,7 +73,7 @@ class Incomplete(BackendAdapter):
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         return model
 
-    def _unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> Any:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Any:
         return contextlib.nullcontext()
 
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:

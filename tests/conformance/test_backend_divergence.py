@@ -129,10 +129,13 @@ def test_a_backend_librarys_own_paths_are_not_a_divergence(tmp_path) -> None:
     assert "FAILED test_inner.py::test_replicated_from_the_owner[owner-broadcast-undeclared]" in output, output
     assert "1 pool starts, 2 rank processes" in output, output  # the same ranks ran both, declared first
     declared, undeclared = traced_tables(output)
-    # Every collective of the declared run, the library's broadcasts and the template's DDP one,
-    # on both ranks: named by the scenario's line.
+    # Every collective of the declared run, the library's broadcasts and the template's DDP ones
+    # (its broadcast of module states, and what its C++ issues: the shape check's all-gather, the
+    # broadcast of its bucket layout), on both ranks: named by the scenario's line.
     sites = re.findall(r"(\S+\.py:\d+)", declared)
-    assert len(sites) == 6 and set(sites) == {f"test_inner.py:{SCENARIO_LINE}"}, declared
+    ops = re.findall(r"\] +\d+ +(\w+) ", declared)
+    assert ops.count("broadcast_coalesced") == 2 and ops.count("all_gather") == 2, declared
+    assert len(sites) == len(ops) >= 6 and set(sites) == {f"test_inner.py:{SCENARIO_LINE}"}, declared
     library = r"\S*owner_broadcast_lib/__init__\.py:\d+"
     assert re.search(
         rf"ranks issued divergent collectives: collective #1 on group \[0, 1\]: rank 0 broadcast 8 float32 at "

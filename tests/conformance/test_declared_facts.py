@@ -11,6 +11,7 @@ declaration. The same pattern as test_declared_absences.py, for facts instead of
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import re
 from collections.abc import Callable
@@ -62,6 +63,42 @@ def _raises_declared(backend: str, misuse: Misuse) -> contextlib.AbstractContext
     return raises_declared(registry.load(backend), misuse)
 
 
+Unshard = Callable[..., contextlib.AbstractContextManager[object]]
+
+
+def _unshard_in_compute_is_refused(
+    backend: str, misuse: Misuse, wrap: Callable[[nn.Module], nn.Module], unshard: Unshard, device: torch.device
+) -> None:
+    """``unshard(model, writeback=False)`` from inside the forward (UNSHARD_DURING_FORWARD) or the
+    backward of the model ``wrap`` shards raises what ``backend`` declares for ``misuse``. The
+    library's own calls are passed in, so the proof stays one of the library, not of the adapter."""
+    inner = fixtures.build(_CallsBack, current_seed(), device)
+    model = wrap(inner)
+
+    def unshard_now() -> None:
+        with unshard(model, writeback=False):
+            pass
+
+    if misuse is Misuse.UNSHARD_DURING_FORWARD:
+        inner.during_forward = unshard_now
+        with _raises_declared(backend, misuse):
+            model(torch.ones(1, 4, device=device))
+    else:
+        output = model(torch.ones(1, 4, device=device))
+        output.register_hook(lambda grad: unshard_now())
+        with _raises_declared(backend, misuse):
+            output.sum().backward()
+
+
+def _unshard_is_refused(
+    backend: str, misuse: Misuse, unshard: Callable[[], contextlib.AbstractContextManager[object]]
+) -> None:
+    """Calling and entering ``unshard()`` raises what ``backend`` declares for ``misuse`` (the call
+    is made inside pytest.raises: a library may refuse when it is called or when it is entered)."""
+    with _raises_declared(backend, misuse), unshard():
+        pass
+
+
 # -- the reference engine ------------------------------------------------------------------------
 
 
@@ -78,21 +115,8 @@ def _engine_refuses_in_compute(misuse: Misuse) -> Proof:
     def proof(rank: int, world_size: int, device: torch.device) -> None:
         import engine
 
-        model = engine.fully_shard(fixtures.build(_CallsBack, current_seed(), device), device=device)
-
-        def unshard_now() -> None:
-            with engine.unshard_params(model, writeback=False):
-                pass
-
-        if misuse is Misuse.UNSHARD_DURING_FORWARD:
-            model.during_forward = unshard_now
-            with _raises_declared("reference", misuse):
-                model(torch.ones(1, 4, device=device))
-        else:
-            output = model(torch.ones(1, 4, device=device))
-            output.register_hook(lambda grad: unshard_now())
-            with _raises_declared("reference", misuse):
-                output.sum().backward()
+        wrap = functools.partial(engine.fully_shard, device=device)
+        _unshard_in_compute_is_refused("reference", misuse, wrap, engine.unshard_params, device)
 
     return proof
 
@@ -106,11 +130,11 @@ def _engine_refuses_rank0_only_writeback(rank: int, world_size: int, device: tor
     import engine
 
     model = engine.fully_shard(_two_linears(device), device=device)
-    with (
-        _raises_declared("reference", Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK),
-        engine.unshard_params(model, rank0_only=True, writeback=True),
-    ):
-        pass
+    _unshard_is_refused(
+        "reference",
+        Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK,
+        lambda: engine.unshard_params(model, rank0_only=True, writeback=True),
+    )
 
 
 @proves("reference", "REFUSALS.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD")
@@ -118,11 +142,11 @@ def _engine_refuses_offload_no_shard(rank: int, world_size: int, device: torch.d
     import engine
 
     model = engine.fully_shard(_two_linears(device), strategy=engine.ShardingStrategy.NO_SHARD, device=device)
-    with (
-        _raises_declared("reference", Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD),
-        engine.unshard_params(model, offload_to_cpu=True, writeback=False),
-    ):
-        pass
+    _unshard_is_refused(
+        "reference",
+        Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD,
+        lambda: engine.unshard_params(model, offload_to_cpu=True, writeback=False),
+    )
 
 
 @proves("reference", "REFUSALS.TENSOR_PARALLEL_OUTER_MESH_DIM")
@@ -154,22 +178,8 @@ def _fsdp1_refuses_in_compute(misuse: Misuse) -> Proof:
     def proof(rank: int, world_size: int, device: torch.device) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        inner = fixtures.build(_CallsBack, current_seed(), device)
-        model = FSDP(inner, device_id=device)
-
-        def unshard_now() -> None:
-            with FSDP.summon_full_params(model, writeback=False):
-                pass
-
-        if misuse is Misuse.UNSHARD_DURING_FORWARD:
-            inner.during_forward = unshard_now
-            with _raises_declared("torch-fsdp1", misuse):
-                model(torch.ones(1, 4, device=device))
-        else:
-            output = model(torch.ones(1, 4, device=device))
-            output.register_hook(lambda grad: unshard_now())
-            with _raises_declared("torch-fsdp1", misuse):
-                output.sum().backward()
+        wrap = functools.partial(FSDP, device_id=device)
+        _unshard_in_compute_is_refused("torch-fsdp1", misuse, wrap, FSDP.summon_full_params, device)
 
     return proof
 
@@ -183,11 +193,11 @@ def _fsdp1_refuses_rank0_only_writeback(rank: int, world_size: int, device: torc
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = FSDP(_two_linears(device), device_id=device)
-    with (
-        _raises_declared("torch-fsdp1", Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK),
-        FSDP.summon_full_params(model, rank0_only=True, writeback=True),
-    ):
-        pass
+    _unshard_is_refused(
+        "torch-fsdp1",
+        Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK,
+        lambda: FSDP.summon_full_params(model, rank0_only=True, writeback=True),
+    )
 
 
 @proves("torch-fsdp1", "REFUSALS.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD")
@@ -196,11 +206,11 @@ def _fsdp1_refuses_offload_no_shard(rank: int, world_size: int, device: torch.de
     from torch.distributed.fsdp import ShardingStrategy
 
     model = FSDP(_two_linears(device), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=device)
-    with (
-        _raises_declared("torch-fsdp1", Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD),
-        FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
-    ):
-        pass
+    _unshard_is_refused(
+        "torch-fsdp1",
+        Misuse.UNSHARD_OFFLOAD_TO_CPU_NO_SHARD,
+        lambda: FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False),
+    )
 
 
 # -- torch FSDP2 ---------------------------------------------------------------------------------

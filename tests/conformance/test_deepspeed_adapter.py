@@ -331,6 +331,59 @@ def test_gradients_are_reduced_in_the_compute_dtype_unless_reduce_dtype_says_flo
     backend.close()
 
 
+SGD = functools.partial(torch.optim.SGD, lr=1e-3)  # test_training_numerics' mixed-precision optimizer
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "strategy", [ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_OPTIM_STATE], ids=lambda s: s.name
+)
+def test_fp16_runs_without_loss_scaling_as_deepspeeds_default_scaler_changes_the_steps(
+    strategy, rank, world_size, device
+):
+    """Where DeepSpeed's accelerator has float16 (CUDA; on CPU only with oneDNN's fp16: AVX512-FP16
+    or AMX-FP16, not under ONEDNN_MAX_CPU_ISA=AVX2): the adapter's fp16 mode has a static loss
+    scale of 1, and a step moves every parameter as the oracle's step does, from the parameters
+    rounded to float16 (all DeepSpeed keeps once it has cast the model). DeepSpeed's default,
+    dynamic scaling from 2**16, pinned: one SGD step leaves every parameter where it was, ZeRO-1
+    because it skips the step (the gradient of 65536 x a float16 loss is inf in float16), ZeRO-0
+    while taking it (engine.backward never scales the loss, step divides the gradients by 65536:
+    deepspeedai/DeepSpeed#8393)."""
+    backend = adapter(rank, world_size, device)
+    if torch.float16 not in backend.mixed_precision_dtypes():
+        backend.close()
+        pytest.skip(reason="DeepSpeed's accelerator has no float16 here (on CPU: no AVX512-FP16 / AMX-FP16 for oneDNN)")
+    spec = ShardingSpec(strategy=strategy, param_dtype=torch.float16)
+    plan = fixtures.TrainingPlan(seed=0, iterations=1, batch_size=2, make_optimizer=SGD)
+    rounded = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.half().float())
+    oracle = fixtures.train_oracle(
+        rounded, plan, world_size=world_size, device=device, precision=fixtures.Precision(torch.float16)
+    )
+    for default_scaler in (False, True):
+        model = fixtures.build(fixtures.CompositeModel, 0, device, dim=8)
+        sharded = backend.shard(model, spec, ApiForm.WRAPPER)
+        if default_scaler:
+            del sharded.config["fp16"]["loss_scale"]  # before the engine is built (make_optimizer)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        optim = backend.make_optimizer(sharded, plan.make_optimizer)
+        train_steps(backend, sharded, model, optim, plan.iterations, rank, device)
+        after = {name: p.detach().clone() for name, p in model.named_parameters()}
+        skipped = sharded.engine.skipped_steps
+        if not default_scaler:
+            assert (optim.loss_scale, skipped) == (1.0, 0)
+            for name, expected in oracle.state_dict.items():
+                if name in after:
+                    # One float16 ulp, as the scenario allows (bit-equal on CPU + gloo).
+                    torch.testing.assert_close(after[name], expected.half(), rtol=9.8e-4, atol=1.6e-5, msg=name)
+        else:
+            assert optim.loss_scale == 65536 and skipped == (0 if strategy is ShardingStrategy.NO_SHARD else 1)
+            assert all(torch.equal(after[name], before[name]) for name in before), "a parameter moved"
+    backend.close()
+
+
 # -- ZeRO-3 storage, unshard ------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from harness.config import devices
 from harness.messages import RankOutcome
-from harness.session import lockstep
+from harness.session import torchrun_session
 
 pytest_plugins = ["pytester"]
 
@@ -70,7 +70,7 @@ def two_nodes_of_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "new_group", lambda **kwargs: object())
     monkeypatch.setattr(dist, "all_gather_object", _every_rank_sends_the_same)
-    monkeypatch.setattr(lockstep, "TestRunner", KnownDefectRunner)
+    monkeypatch.setattr(torchrun_session, "TestRunner", KnownDefectRunner)
 
 
 @pytest.mark.usefixtures("two_nodes_of_two_gpus")

@@ -33,36 +33,83 @@ from conformance.suite import registry
 Scenario = Callable[..., None]
 
 
-def _failures(mutation: str, backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device):
+def _scenario_failure(adapter: object, scenario: Scenario, rank: int, device: torch.device) -> str | None:
+    """This rank's assertion message from ``scenario`` run with ``adapter`` (None: it passed)."""
+    try:
+        scenario(backend=adapter, rank=rank, device=device)
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def _gathered(failure: str | None, world_size: int) -> list[str]:
+    """Every rank's assertion message (the ranks that passed left out)."""
+    per_rank: list[str | None] = [None] * world_size
+    dist.all_gather_object(per_rank, failure)
+    return [text for text in per_rank if text is not None]
+
+
+def _failures(
+    mutation: str, backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device
+) -> list[str]:
     """Every rank's assertion message from ``scenario`` run with the mutant (None: passed there)."""
     adapter = family_mutants.mutant(registry.load(backend_name), mutation)(BackendEnv(rank, world_size, device))
-    failure = None
     try:
-        scenario(backend=adapter, rank=rank, device=device)
-    except AssertionError as error:
-        failure = str(error)
+        failure = _scenario_failure(adapter, scenario, rank, device)
     finally:
-        family_mutants.restore()
-    per_rank: list[str | None] = [None] * world_size
-    dist.all_gather_object(per_rank, failure)
-    return [text for text in per_rank if text is not None]
+        family_mutants.restore()  # before the gather: what the mutant installed must not reach it
+    return _gathered(failure, world_size)
 
 
-def _clean_failures(backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device):
-    """Every rank's assertion message from ``scenario`` run with the unmutated backend."""
+def _failures_everywhere(
+    mutation: str,
+    backend_name: str,
+    scenario: functools.partial,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    saying: str | None = None,
+) -> list[str]:
+    """`_failures`, which must hold one message per rank (the mutant fails ``scenario`` on every
+    rank), each matching the pattern ``saying`` where one is given."""
+    texts = _failures(mutation, backend_name, scenario, rank, world_size, device)
+    name = scenario.func.__name__
+    assert len(texts) == world_size, f"{name} passed on some rank for {backend_name}: {texts}"
+    if saying is not None:
+        assert all(re.search(saying, t) for t in texts), texts
+    return texts
+
+
+def _assert_clean_passes(
+    backend_name: str, scenario: Scenario, rank: int, world_size: int, device: torch.device
+) -> None:
+    """The unmutated backend passes ``scenario`` on every rank: its failure with the mutant is the mutation's."""
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
-    failure = None
-    try:
-        scenario(backend=adapter, rank=rank, device=device)
-    except AssertionError as error:
-        failure = str(error)
-    per_rank: list[str | None] = [None] * world_size
-    dist.all_gather_object(per_rank, failure)
-    return [text for text in per_rank if text is not None]
+    clean = _gathered(_scenario_failure(adapter, scenario, rank, device), world_size)
+    assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
+
+
+# A parameter named with its difference, in the report of fixtures.compare.
+NAMED_DIFFERENCE = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
+
+
+def _some_parameter_moved(texts: list[str]) -> bool:
+    """Some report of ``texts`` names a parameter that differs by more than zero."""
+    return any(float(m["size"]) > 0 for t in texts for m in NAMED_DIFFERENCE.finditer(t))
 
 
 def _params(mutation: str) -> list[object]:
     return [pytest.param(name, marks=_unavailable(name)) for name in family_mutants.APPLIES_TO[mutation]]
+
+
+def against_mutants(mutation: str, world_size: int) -> Callable[[Scenario], Scenario]:
+    """A family test's marks: its world size, and one case per built-in backend ``mutation``
+    applies to (skipped where that backend cannot run)."""
+
+    def mark(test: Scenario) -> Scenario:
+        return pytest.mark.world_size(world_size)(pytest.mark.parametrize("backend_name", _params(mutation))(test))
+
+    return mark
 
 
 def _unavailable(name: str) -> tuple[pytest.MarkDecorator, ...]:
@@ -76,8 +123,7 @@ def _unavailable(name: str) -> tuple[pytest.MarkDecorator, ...]:
 # Without the later-iteration warning the ranks go on to the mismatched (equal-sized)
 # collectives the scenario provokes on purpose; the scenario itself is marked the same way.
 @pytest.mark.expect_divergence
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", _params("exec_order"))
+@against_mutants("exec_order", world_size=2)
 def test_exec_order_family_catches_a_missing_later_iteration_check(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
@@ -92,32 +138,27 @@ def test_exec_order_family_catches_a_missing_later_iteration_check(
     assert all(re.search(r"rank \d+: expected one order warning from the forward call", t) for t in texts), texts
 
 
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", _params("eval_ignored"))
+@against_mutants("eval_ignored", world_size=2)
 def test_exec_order_family_catches_eval_forwards_checked_as_training(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
     scenario = functools.partial(
         exec_order.test_train_eval_alternation_warns_nothing, setup="seed", strategy=ShardingStrategy.FULL_SHARD
     )
-    texts = _failures("eval_ignored", backend_name, scenario, rank, world_size, device)
-    assert len(texts) == world_size, f"test_train_eval_alternation_warns_nothing passed on some rank: {texts}"
-    assert all(re.search(r"warned about eval forwards: \[.Forward order differs", t) for t in texts), texts
+    saying = r"warned about eval forwards: \[.Forward order differs"
+    _failures_everywhere("eval_ignored", backend_name, scenario, rank, world_size, device, saying=saying)
 
 
-@pytest.mark.world_size(4)
-@pytest.mark.parametrize("backend_name", _params("two_d"))
+@against_mutants("two_d", world_size=4)
 def test_2d_family_catches_dim_1_sharded_over_dp(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
+    saying = r"dp placement Shard\(dim=1\), expected Shard\(dim=0\)"
     scenario = functools.partial(two_d.test_2d_sharded_state_dict, model_name="even", world_size=world_size)
-    texts = _failures("two_d", backend_name, scenario, rank, world_size, device)
-    assert len(texts) == world_size, f"test_2d_sharded_state_dict passed on some rank for {backend_name}: {texts}"
-    assert all(re.search(r"dp placement Shard\(dim=1\), expected Shard\(dim=0\)", t) for t in texts), texts
+    _failures_everywhere("two_d", backend_name, scenario, rank, world_size, device, saying=saying)
 
 
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", _params("zero1"))
+@against_mutants("zero1", world_size=2)
 def test_zero1_family_catches_an_optimizer_shard_updated_twice(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
@@ -131,16 +172,10 @@ def test_zero1_family_catches_an_optimizer_shard_updated_twice(
     )
     texts = _failures("zero1", backend_name, scenario, rank, world_size, device)
     assert texts, f"test_training[...SHARD_OPTIM_STATE-sgd] passed for {backend_name} with a shard stepped twice"
-    named = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
-    assert any(float(m["size"]) > 0 for t in texts for m in named.finditer(t)), texts
+    assert _some_parameter_moved(texts), texts
 
 
-# A parameter named with its difference, in the report of fixtures.compare.
-NAMED_DIFFERENCE = re.compile(r"^\s+[\w.]+: max abs difference (?P<size>[0-9.e+-]+)", re.MULTILINE)
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", _params("lowp_double"))
+@against_mutants("lowp_double", world_size=2)
 def test_mixed_precision_family_catches_a_doubled_low_precision_gradient(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
@@ -154,13 +189,11 @@ def test_mixed_precision_family_catches_a_doubled_low_precision_gradient(
         reduce_name="reduce_param_dtype",
         world_size=world_size,
     )
-    clean = _clean_failures(backend_name, scenario, rank, world_size, device)
-    assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
-    texts = _failures("lowp_double", backend_name, scenario, rank, world_size, device)
-    assert len(texts) == world_size, f"test_mixed_precision_training passed on some rank for {backend_name}: {texts}"
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("lowp_double", backend_name, scenario, rank, world_size, device)
     assert all("mixed-precision training differs from the single-process oracle" in t for t in texts), texts
     assert all(re.search(r"(fp16|bf16) compute, gradients reduced in (fp16|bf16)", t) for t in texts), texts
-    assert any(float(m["size"]) > 0 for t in texts for m in NAMED_DIFFERENCE.finditer(t)), texts
+    assert _some_parameter_moved(texts), texts
 
 
 # Most sharded first, among what can run an accumulation: FULL_SHARD where the backend has it
@@ -168,8 +201,7 @@ def test_mixed_precision_family_catches_a_doubled_low_precision_gradient(
 ACCUMULATION_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_OPTIM_STATE, ShardingStrategy.NO_SHARD)
 
 
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend_name", _params("accumulation_overwrite"))
+@against_mutants("accumulation_overwrite", world_size=2)
 def test_accumulation_family_catches_an_overwritten_gradient(
     backend_name: str, rank: int, world_size: int, device: torch.device
 ) -> None:
@@ -181,13 +213,11 @@ def test_accumulation_family_catches_an_overwritten_gradient(
     scenario = functools.partial(
         numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
     )
-    clean = _clean_failures(backend_name, scenario, rank, world_size, device)
-    assert not clean, f"the unmutated {backend_name} fails the scenario itself: {clean}"
-    texts = _failures("accumulation_overwrite", backend_name, scenario, rank, world_size, device)
-    assert len(texts) == world_size, f"test_gradient_accumulation passed on some rank for {backend_name}: {texts}"
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("accumulation_overwrite", backend_name, scenario, rank, world_size, device)
     expected = "gradient accumulation (plain: 2 steps of 2 backward passes) differs from the single-process oracle"
     assert all(expected in t for t in texts), texts
-    assert any(float(m["size"]) > 0 for t in texts for m in NAMED_DIFFERENCE.finditer(t)), texts
+    assert _some_parameter_moved(texts), texts
 
 
 DIVERGENCE_INNER_TESTS = """

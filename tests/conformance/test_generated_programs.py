@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from conformance.programs import codec, patterns
 from conformance.programs.declared import Declared
 from conformance.programs.draw import programs
+from conformance.programs.example_verdict import judge
 from conformance.programs.program import (
     Backward,
     ModelShape,
@@ -29,7 +30,6 @@ from conformance.programs.program import (
 )
 from conformance.programs.run import ProgramReport
 from conformance.programs.seeds import seed_programs
-from conformance.programs.verdict import judge
 from conformance.protocol import ApiForm, Capability, ShardingStrategy, SpecCondition
 from conformance.suite import expectations, generation
 from tests.conformance.adapter_testing import REPO

@@ -4,7 +4,13 @@ for every kind this session's worlds may get; the torch FSDP2 declaration is pro
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -14,10 +20,12 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.template import TemplateAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.protocol import Capability
-from conformance.suite import gate
+from conformance.suite import gate, probe
 from harness.config import devices
 
 pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class CudaOnly(ReferenceAdapter):
@@ -135,3 +143,72 @@ def test_a_gpu_runner_with_device_auto_refuses_a_backend_without_a_form_on_cpu(
         ["*backend 'needs-cuda-at-run-time' cannot run here: its capabilities() on cpu include neither*--device*"]
     )
     assert "test_case" not in result.stdout.str()
+
+
+_TWO_KIND_GATE = """
+import sys
+
+import torch
+
+from conformance.suite import gate, registry
+
+auto_on_a_gpu_runner = gate.SessionDevices(kinds=("cuda", "cpu"), reachable=True)
+refused = gate.refused_backends(
+    {"deepspeed": registry.load("deepspeed")}, ["deepspeed"], auto_on_a_gpu_runner, torch.__version__
+)
+print(refused, "deepspeed" in sys.modules)
+"""
+
+
+def test_deepspeed_is_admitted_for_both_kinds_of_an_auto_session_and_pytest_never_imports_it() -> None:
+    """DeepSpeed fixes its accelerator at its first import: built for cuda then cpu in one process
+    (--device auto on a GPU runner), the second build raised and the backend was refused; and the
+    library stayed imported in pytest, with the cuda accelerator, for every forked rank. Each kind
+    is now asked of a child of its own (simulated here: building for cuda needs no GPU)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed in this environment (the `test` extra installs it)")
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_KIND_GATE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # single-threaded, as the gate's fork wants
+    )
+    assert done.stdout.split()[-2:] == ["{}", "False"], done.stdout + done.stderr[-3000:]
+
+
+class _BuildsBadly(ReferenceAdapter):
+    """An adapter whose capabilities depend on the device (so the gate builds it) and whose
+    constructor fails the way ``how`` says, in the child that builds it."""
+
+    name = "builds-badly"
+    how = "raise"
+
+    def __init__(self, env: object) -> None:
+        if self.how == "raise":
+            raise OSError("no such library: libbackend.so")
+        if self.how == "die":
+            os.kill(os.getpid(), 9)
+        time.sleep(60)
+
+    def capabilities(self) -> frozenset[Capability]:
+        return self.CAPABILITIES
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("raise", "failed: OSError: no such library: libbackend.so"),
+        ("die", "the child that built it died by signal SIGKILL before answering"),
+        ("hang", "building it did not finish within 1 s (the child was killed)"),
+    ],
+)
+def test_an_adapter_that_cannot_be_built_is_refused_with_how_it_failed(
+    how: str, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(probe, "DEADLINE_S", 1.0)
+    monkeypatch.setattr(probe, "_threads", lambda: 1)  # the outer session may have threads: fork anyway
+    monkeypatch.setattr(_BuildsBadly, "how", how)
+    refused = gate.refused_backends({"builds-badly": _BuildsBadly}, [], CPU_RUNNER, "2.13.0")
+    assert said in refused["builds-badly"], refused

@@ -36,6 +36,7 @@ from conformance.protocol import (
     ShardingStrategy,
     SpecCondition,
     StateDictKind,
+    UnshardRequest,
 )
 from conformance.protocol import hooks as protocol_hooks
 from conformance.suite import backend_fixture
@@ -403,7 +404,7 @@ class Counting(BackendAdapter):
         self.reached.append("shard")
         return model
 
-    def _unshard(self, model: nn.Module, fqn: str = "", **options: Any) -> Any:
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Any:
         self.reached.append("unshard")
         return contextlib.nullcontext()
 

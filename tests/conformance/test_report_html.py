@@ -50,7 +50,7 @@ def test_the_trace_tables_have_the_harness_columns_and_every_cell(tmp_path: Path
     first = dict(zip(SHOWN_COLUMNS, tables[0][1]))
     assert first["label"] == LONG_LABEL and len(first["label"]) > 300
     assert first["tensors"] == "stem.weight,?" and first["status"] == "done" and first["#"] == "1"
-    assert dict(zip(SHOWN_COLUMNS, tables[0][4]))["status"] == "NOT RETURNED"
+    assert dict(zip(SHOWN_COLUMNS, tables[0][4]))["status"] == "NOT COMPLETED"
     assert dict(zip(SHOWN_COLUMNS, tables[1][3]))["site"] == "conformance/test_divergence.py:60 (asymmetric)"
     assert dict(zip(SHOWN_COLUMNS, tables[1][4]))["status"] == "skipped (fault: skip all_reduce on rank 1)"
     # The tooltip names every cell that says something, in the harness's words.

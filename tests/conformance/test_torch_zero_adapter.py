@@ -31,6 +31,7 @@ from conformance.protocol import (
     Stored,
     share_bounds,
     storage_claim,
+    versions,
 )
 from conformance.suite import registry
 from fixtures.compare import Tolerance, differences
@@ -71,7 +72,7 @@ def _train(adapter: TorchZeroAdapter, sharded: nn.Module, model: nn.Module, opti
 def test_registered_as_a_builtin() -> None:
     assert registry.load("torch-zero") is TorchZeroAdapter
     assert "torch-zero" in registry.select(["all"])
-    assert TorchZeroAdapter.PROTOCOL_VERSION == 5
+    assert TorchZeroAdapter.PROTOCOL_VERSION == versions.PROTOCOL_VERSION
 
 
 def test_factory_is_read_as_class_and_keyword_arguments() -> None:

@@ -9,7 +9,7 @@ from adapter_testing import run_inner_session
 
 SCENARIOS = """
 from conformance.test_smoke import *  # noqa: F403
-from conformance.test_unshard_params import test_unshard_from_forward_raises  # noqa: F401
+from conformance.test_unshard_refusals import test_unshard_from_forward_raises  # noqa: F401
 """
 
 

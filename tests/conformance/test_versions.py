@@ -6,8 +6,9 @@ usage error at selection."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from conformance.protocol import (
     Capability,
     ShardingSpec,
     ShardingStrategy,
+    UnshardRequest,
     versions,
 )
 from conformance.suite import registry
@@ -152,6 +154,65 @@ def test_an_old_adapters_own_helper_is_never_taken_for_the_implementation() -> N
     with backend._unshard(engine, "", True):  # the adapter's own call of its own helper
         pass
     assert backend.gathered == [("0", False), ("", True)]
+
+
+class _FifthProtocolUnshard(Incomplete):
+    """Written for protocol 5: ``_unshard`` takes the options as keywords (no UnshardRequest)."""
+
+    name = "fifth-protocol"
+    PROTOCOL_VERSION = 5
+    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.UNSHARD, Capability.UNSHARD_WRITEBACK})
+
+    def __init__(self, env: BackendEnv) -> None:
+        super().__init__(env)
+        self.asked: list[tuple[str, dict[str, bool]]] = []
+
+    def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Any:  # type: ignore[override]
+        self.asked.append((fqn, options))
+        return contextlib.nullcontext()
+
+    def _state_dict(self, model: nn.Module, kind: Any) -> dict[str, Any]:
+        return model.state_dict()
+
+    def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: Any) -> None:
+        model.load_state_dict(dict(state_dict))
+
+    def _optim_state_dict(self, model: nn.Module, optim: Any, kind: Any) -> dict[str, Any]:
+        raise AssertionError("not called here")
+
+    def _load_optim_state_dict(self, model: nn.Module, optim: Any, state_dict: Mapping[str, Any], kind: Any) -> None:
+        raise AssertionError("not called here")
+
+
+class _SixthProtocolUnshard(_FifthProtocolUnshard):
+    """The same adapter written for protocol 6: one UnshardRequest."""
+
+    name = "sixth-protocol"
+    PROTOCOL_VERSION = 6
+
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Any:  # type: ignore[override]
+        self.asked.append((request.fqn, {"request": request}))
+        return contextlib.nullcontext()
+
+
+def test_unshard_reaches_a_version_5_adapter_as_keywords_and_a_current_one_as_one_request() -> None:
+    env = BackendEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    model = nn.Sequential(nn.Linear(2, 2))
+    old, current = _FifthProtocolUnshard(env), _SixthProtocolUnshard(env)
+    for backend in (old, current):
+        with backend.unshard(model, "0", writeback=False):
+            pass
+    assert old.asked == [
+        ("0", {"writeback": False, "rank0_only": False, "offload_to_cpu": False, "recurse": True, "with_grads": False})
+    ]
+    assert current.asked == [("0", {"request": UnshardRequest(fqn="0", writeback=False)})]
+    # The old form runs, and the warning says it is the old form and what the new one is.
+    shortfall = versions.shortfall(_FifthProtocolUnshard)
+    assert shortfall is not None and shortfall.signatures == ("_unshard",)
+    text = shortfall.describe(_FifthProtocolUnshard.name, 0)
+    assert "implements _unshard in its version-5 form, which still runs" in text
+    assert "_unshard(self, model, request)" in text and f"set PROTOCOL_VERSION = {PROTOCOL_VERSION}" in text
+    assert versions.shortfall(_SixthProtocolUnshard) is None
 
 
 def test_an_old_adapters_parameters_are_found_through_its_wrapper() -> None:

@@ -30,7 +30,7 @@ import mutant_backends  # tests/conformance/mutant_backends.py
 import torch
 import torch.nn as nn
 
-from conformance.protocol import BackendAdapter, StateDictKind
+from conformance.protocol import BackendAdapter, StateDictKind, UnshardRequest
 
 MUTATIONS: dict[str, str] = {
     "leaked_unshard_buffer": "the unshard context leaves its gathered buffers allocated after exit",
@@ -86,25 +86,25 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
         name = mutant_backends.mutant_name(base, mutation, MUTATIONS)
 
         @contextlib.contextmanager
-        def _unshard(self, model: nn.Module, fqn: str = "", **options: bool) -> Iterator[None]:
+        def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
             if mutation == "leaked_unshard_buffer":
                 buffers = _gathered_buffers(self, model)
-                with super()._unshard(model, fqn, **options):
+                with super()._unshard(model, request):
                     peak = _storage_sizes(buffers)
                     yield
                 for buffer, size in zip(buffers, peak):
                     if buffer.untyped_storage().nbytes() < size:
                         buffer.untyped_storage().resize_(size)  # the memory comes back, unowned
                 return
-            if mutation == "writeback_ignored" and options.get("writeback"):
+            if mutation == "writeback_ignored" and request.writeback:
                 names = [self.original_fqn(name) for name, _ in model.named_parameters()]
                 before = {name: self.local_shard(model, name) for name in names}
-                with super()._unshard(model, fqn, **options):
+                with super()._unshard(model, request):
                     yield
                 for name, value in before.items():
                     self.set_local_shard(model, name, value)
                 return
-            with super()._unshard(model, fqn, **options):
+            with super()._unshard(model, request):
                 yield
 
         def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:

@@ -29,6 +29,25 @@ def assert_full_parameters_equal(sharded: torch.nn.Module, local: torch.nn.Modul
             torch.testing.assert_close(got, expected, msg=name)
 
 
+def sharded_state(model_class: type[nn.Module], device: torch.device, **options: object) -> tuple[nn.Module, dict]:
+    """A seeded plain `model_class` and the SHARDED state dict of its 2-D copy: what the sharded
+    round trips save."""
+    torch.manual_seed(0)
+    local = model_class().to(device)
+    model, _ = two_d(local, device, **options)
+    engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
+    return local, model.state_dict()
+
+
+def load_sharded(model_class: type[nn.Module], state: dict, device: torch.device, **options: object) -> nn.Module:
+    """A fresh 2-D `model_class` (initialized from the seed's stream after the saved model, so its
+    values differ until `state` is loaded) with the SHARDED `state` loaded."""
+    fresh, _ = two_d(model_class().to(device), device, **options)
+    engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
+    fresh.load_state_dict(state)
+    return fresh
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
 def test_2d_training_matches_single_process(rank, device, use_orig_params):
@@ -75,20 +94,13 @@ def test_2d_full_state_dict_round_trip(device):
 def test_2d_sharded_state_dict_is_dp_shard_over_tp(device):
     from torch.distributed.tensor import DTensor, Shard
 
-    torch.manual_seed(0)
-    local = ThreeLayerMLP().to(device)
-    model, _mesh = two_d(local, device)
-    engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
-    state = model.state_dict()
+    local, state = sharded_state(ThreeLayerMLP, device)
     weight = state["net1.weight"]
     assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("dp", "tp")
     assert state["net2.weight"].placements[1] == Shard(1)
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key].full_tensor(), value, msg=key)
-    fresh, _ = two_d(ThreeLayerMLP().to(device), device)
-    engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
-    fresh.load_state_dict(state)
-    assert_full_parameters_equal(fresh, local)
+    assert_full_parameters_equal(load_sharded(ThreeLayerMLP, state, device), local)
 
 
 @pytest.mark.world_size(4)
@@ -98,32 +110,20 @@ def test_2d_no_shard_sharded_state_dict_replicates_over_dp(device):
     failed: found by a generated 2-D program)."""
     from torch.distributed.tensor import Replicate
 
-    torch.manual_seed(0)
-    local = ThreeLayerMLP().to(device)
-    model, _ = two_d(local, device, strategy=engine.ShardingStrategy.NO_SHARD)
-    engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
-    state = model.state_dict()
+    no_shard = engine.ShardingStrategy.NO_SHARD
+    local, state = sharded_state(ThreeLayerMLP, device, strategy=no_shard)
     assert state["net1.weight"].placements[0] == Replicate()
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key].full_tensor(), value, rtol=0, atol=0, msg=key)
-    fresh, _ = two_d(ThreeLayerMLP().to(device), device, strategy=engine.ShardingStrategy.NO_SHARD)
-    engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
-    fresh.load_state_dict(state)
-    assert_full_parameters_equal(fresh, local)
+    assert_full_parameters_equal(load_sharded(ThreeLayerMLP, state, device, strategy=no_shard), local)
 
 
 @pytest.mark.world_size(4)
 def test_2d_uneven_sharded_state_dict_round_trip(device):
-    torch.manual_seed(0)
-    local = UnevenMLP().to(device)
-    model, _ = two_d(local, device)
-    engine.set_state_dict_type(model, engine.StateDictKind.SHARDED)
-    state = model.state_dict()
+    local, state = sharded_state(UnevenMLP, device)
     for key, value in local.state_dict().items():
         torch.testing.assert_close(state[key].full_tensor(), value, rtol=0, atol=0, msg=key)
-    fresh, _ = two_d(UnevenMLP().to(device), device)
-    engine.set_state_dict_type(fresh, engine.StateDictKind.SHARDED)
-    fresh.load_state_dict(state)
+    fresh = load_sharded(UnevenMLP, state, device)
     engine.set_state_dict_type(fresh, engine.StateDictKind.FULL)
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(value, local.state_dict()[key], rtol=0, atol=0, msg=key)

@@ -8,6 +8,7 @@ compute every other rank's data for the expected result.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import ShardingStrategy
+from engine.unit import ShardedUnit
 
 SETTINGS = settings(derandomize=True, max_examples=15, deadline=None, database=None)
 shapes = st.lists(
@@ -25,6 +27,12 @@ shapes = st.lists(
     max_size=5,
 )
 dtypes = st.sampled_from([torch.float32, torch.float64])
+
+
+def examples(check: Callable[..., None]) -> Callable[[], None]:
+    """`check(shape_list, dtype, seed)` as a property over the derandomized examples (the same on
+    every rank, in the same order: their collectives match)."""
+    return SETTINGS(given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))(check))
 
 
 def module_with(params: list[torch.Tensor]) -> nn.Module:
@@ -53,10 +61,29 @@ def inject_and_reduce(unit, grads: list[torch.Tensor], rank: int, device) -> Non
     unit.reduce_grad()
 
 
+def reduce_and_expect(
+    unit: ShardedUnit,
+    shape_list: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Reduce every rank's flat gradient through `unit`; return what this rank's chunk must then
+    hold: its slice of the ranks' mean, zeros over the padding (computed on the CPU)."""
+    grads = flat_grads(shape_list, dtype, seed, world_size)
+    inject_and_reduce(unit, grads, rank, device)
+    mean = torch.stack(grads).mean(0)
+    expected = torch.zeros(unit.layout.chunk, dtype=dtype)
+    start, valid = unit.layout.chunk_start, unit.layout.valid_in_chunk
+    expected[:valid] = mean[start : start + valid]
+    return expected
+
+
 @pytest.mark.world_size([1, 2, 4])
 def test_shard_then_all_gather_is_identity(rank, world_size, device):
-    @SETTINGS
-    @given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))
+    @examples
     def check(shape_list, dtype, seed):
         originals = values(shape_list, dtype, seed, device)
         model = engine.fully_shard(module_with(originals))
@@ -77,17 +104,11 @@ def test_shard_then_all_gather_is_identity(rank, world_size, device):
 
 @pytest.mark.world_size([1, 2, 4])
 def test_reduce_scatter_is_mean_of_rank_gradients_chunked(rank, world_size, device):
-    @SETTINGS
-    @given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))
+    @examples
     def check(shape_list, dtype, seed):
         model = engine.fully_shard(module_with(values(shape_list, dtype, seed, device)))
         unit = engine.units(model)[0]
-        grads = flat_grads(shape_list, dtype, seed, world_size)
-        inject_and_reduce(unit, grads, rank, device)
-        mean = torch.stack(grads).mean(0)
-        expected_chunk = torch.zeros(unit.layout.chunk, dtype=dtype)
-        start = unit.layout.chunk_start
-        expected_chunk[: unit.layout.valid_in_chunk] = mean[start : start + unit.layout.valid_in_chunk]
+        expected_chunk = reduce_and_expect(unit, shape_list, dtype, seed, rank, world_size, device)
         for info, param in zip(unit.layout.params, unit.optimizer_params):
             expected = unit.layout.sharded_view(expected_chunk, info)
             torch.testing.assert_close(param.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
@@ -97,19 +118,13 @@ def test_reduce_scatter_is_mean_of_rank_gradients_chunked(rank, world_size, devi
 
 @pytest.mark.world_size([1, 2, 4])
 def test_flat_gradient_is_this_ranks_chunk_of_the_mean_with_zero_padding(rank, world_size, device):
-    @SETTINGS
-    @given(shape_list=shapes, dtype=dtypes, seed=st.integers(0, 2**16))
+    @examples
     def check(shape_list, dtype, seed):
         model = engine.fully_shard(module_with(values(shape_list, dtype, seed, device)), use_orig_params=False)
         unit = engine.units(model)[0]
         (flat,) = model.parameters()
         assert flat is unit.flat_param and flat.shape == (unit.layout.chunk,)
-        grads = flat_grads(shape_list, dtype, seed, world_size)
-        inject_and_reduce(unit, grads, rank, device)
-        mean = torch.stack(grads).mean(0)
-        expected = torch.zeros(unit.layout.chunk, dtype=dtype)
-        start, valid = unit.layout.chunk_start, unit.layout.valid_in_chunk
-        expected[:valid] = mean[start : start + valid]
+        expected = reduce_and_expect(unit, shape_list, dtype, seed, rank, world_size, device)
         torch.testing.assert_close(flat.grad.cpu(), expected, rtol=1e-6, atol=1e-6)
 
     check()

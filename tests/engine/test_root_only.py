@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from two_linear_block import train_alongside  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy, StateDictKind
@@ -66,15 +67,7 @@ def test_root_only_trains_saves_and_loads(device, rank, world_size, strategy, us
     assert len(engine.units(model)) == 1
     local_optim = ADAM(local.parameters())
     optim = engine.ShardedOptimizer(model, ADAM)
-    generator = torch.Generator().manual_seed(1234)
-    for _ in range(2):
-        batch = torch.randn(world_size, 4, 10, generator=generator).to(device)
-        local_optim.zero_grad()
-        (local(batch.view(-1, 10)).sum() / world_size).backward()
-        local_optim.step()
-        optim.zero_grad()
-        model(batch[rank]).sum().backward()
-        optim.step()
+    train_alongside(local, local_optim, [(model, optim)], rank, world_size, device, steps=2)
 
     with engine.unshard_params(model):
         for name, expected in local.named_parameters():

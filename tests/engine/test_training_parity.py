@@ -55,6 +55,16 @@ def shard(model: nn.Module, api: str, auto: bool, world_size: int, **options) ->
     return engine.fully_shard(model, **options)
 
 
+def seeded_pair(
+    world_size: int, device: torch.device, api: str = "composable", auto: bool = True, **options: object
+) -> tuple[Net, nn.Module]:
+    """A plain `Net` seeded alike on every rank and a sharded copy of it (`shard`): the two models
+    a parity test trains side by side."""
+    torch.manual_seed(0)
+    local = Net().to(device)
+    return local, shard(copy.deepcopy(local), api, auto, world_size, **options)
+
+
 def train_both(local, model, rank, world_size, device, iters=5):
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
     make_optim = functools.partial(torch.optim.Adam, lr=1e-2)
@@ -94,9 +104,7 @@ PARAMS = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_pa
 @pytest.mark.parametrize("auto", [True, False], ids=["auto", "manual"])
 @pytest.mark.parametrize("api", ["wrapper", "composable"])
 def test_training_matches_single_process(rank, world_size, device, api, auto, strategy, use_orig_params):
-    torch.manual_seed(0)
-    local = Net().to(device)
-    model = shard(copy.deepcopy(local), api, auto, world_size, strategy=strategy, use_orig_params=use_orig_params)
+    local, model = seeded_pair(world_size, device, api, auto, strategy=strategy, use_orig_params=use_orig_params)
     names = [n for n, _ in model.named_parameters()]
     if use_orig_params:
         assert names == [n for n, _ in local.named_parameters()]
@@ -112,9 +120,7 @@ def test_training_matches_single_process(rank, world_size, device, api, auto, st
 @PARAMS
 @pytest.mark.parametrize("api", ["wrapper", "composable"])
 def test_one_rank_trains_like_the_plain_model(rank, world_size, device, api, use_orig_params):
-    torch.manual_seed(0)
-    local = Net().to(device)
-    model = shard(copy.deepcopy(local), api, True, world_size, use_orig_params=use_orig_params)
+    local, model = seeded_pair(world_size, device, api, use_orig_params=use_orig_params)
     train_both(local, model, rank, world_size, device)
     assert_same_params(local, model)
 
@@ -126,13 +132,9 @@ def test_one_rank_trains_like_the_plain_model(rank, world_size, device, api, use
 def test_prefetching_trains_like_the_plain_model(
     rank, world_size, device, forward_prefetch, backward_prefetch, use_orig_params
 ):
-    torch.manual_seed(0)
-    local = Net().to(device)
-    model = shard(
-        copy.deepcopy(local),
-        "composable",
-        True,
+    local, model = seeded_pair(
         world_size,
+        device,
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         use_orig_params=use_orig_params,
@@ -145,16 +147,8 @@ def test_prefetching_trains_like_the_plain_model(
 @PARAMS
 @pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD], ids=lambda s: s.name)
 def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, strategy, use_orig_params):
-    torch.manual_seed(0)
-    local = Net().to(device)
-    model = shard(
-        copy.deepcopy(local),
-        "composable",
-        True,
-        world_size,
-        strategy=strategy,
-        offload_params=True,
-        use_orig_params=use_orig_params,
+    local, model = seeded_pair(
+        world_size, device, strategy=strategy, offload_params=True, use_orig_params=use_orig_params
     )
     train_both(local, model, rank, world_size, device)
     for param in model.parameters():
@@ -165,15 +159,8 @@ def test_cpu_offload_keeps_shards_and_grads_on_cpu(rank, world_size, device, str
 @pytest.mark.world_size([1, 2])
 @PARAMS
 def test_mixed_precision_computes_low_keeps_fp32_master(rank, world_size, device, use_orig_params):
-    torch.manual_seed(0)
-    local = Net().to(device)
-    model = shard(
-        copy.deepcopy(local),
-        "composable",
-        True,
-        world_size,
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
-        use_orig_params=use_orig_params,
+    local, model = seeded_pair(
+        world_size, device, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), use_orig_params=use_orig_params
     )
     seen: list[torch.dtype] = []
     model.b1.proj.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))

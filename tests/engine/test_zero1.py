@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
-from two_linear_block import Block  # tests/engine/two_linear_block.py
+from two_linear_block import Block, Net, batches, train_alongside  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy
@@ -23,46 +23,11 @@ OPTIMIZERS = {
 PARAMS = pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig_params", "flat_params"])
 
 
-class Net(nn.Module):
-    """Two blocks (units of their own) and a root parameter with an odd element count (uneven
-    partitions, padding on the last rank)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.b1 = Block()
-        self.b2 = Block()
-        self.odd = nn.Parameter(torch.randn(10, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.b2(self.b1(x)) @ self.odd).sum(dim=-1)
-
-
 def shard(local: nn.Module, form: str, **options) -> nn.Module:
     model = copy.deepcopy(local)
     if form == "wrapper":
         return engine.ShardedModule(model, auto_wrap_classes={Block}, strategy=ZERO1, **options)
     return engine.fully_shard(model, auto_wrap_classes={Block}, strategy=ZERO1, **options)
-
-
-def batches(world_size: int, device: torch.device, steps: int):
-    generator = torch.Generator().manual_seed(1234)
-    for _ in range(steps):
-        yield torch.randn(world_size, 4, 10, generator=generator).to(device)
-
-
-def train_alongside(local, local_optim, sharded, rank, world_size, device, steps=3, after_step=None):
-    """Train `local` on the global batch and every (model, optimizer) of `sharded` on this rank's
-    part of it, step by step; `after_step(step)` runs after each step."""
-    for step, batch in enumerate(batches(world_size, device, steps)):
-        local_optim.zero_grad()
-        local(batch.view(-1, 10)).sum().div(world_size).backward()
-        local_optim.step()
-        for model, optim in sharded:
-            optim.zero_grad()
-            model(batch[rank]).sum().backward()
-            optim.step()
-        if after_step is not None:
-            after_step(step)
 
 
 def assert_replicated_and_equal(local: nn.Module, model: nn.Module, what: str) -> None:

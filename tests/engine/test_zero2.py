@@ -16,27 +16,13 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from two_linear_block import Block  # tests/engine/two_linear_block.py
+from two_linear_block import Block, Net, batches  # tests/engine/two_linear_block.py
 
 import engine
 from engine import ShardingStrategy
 
 ZERO2 = ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
-
-
-class Net(nn.Module):
-    """Two units and a root parameter with an odd element count (uneven partitions, padding)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.b1 = Block()
-        self.b2 = Block()
-        self.odd = nn.Parameter(torch.randn(10, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.b2(self.b1(x)) @ self.odd).sum(dim=-1)
 
 
 def expected_partition_grad(unit, local_grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -61,9 +47,7 @@ def test_each_rank_stores_its_gradient_partition_and_trains_like_one_process(dev
     assert all(unit.partitions_grads for unit in units)
     local_optim = ADAM(local.parameters())
     optim = engine.ShardedOptimizer(model, ADAM)
-    generator = torch.Generator().manual_seed(1234)
-    for step in range(3):
-        batch = torch.randn(world_size, 4, 10, generator=generator).to(device)
+    for step, batch in enumerate(batches(world_size, device, 3)):
         local_optim.zero_grad()
         (local(batch.view(-1, 10)).sum() / world_size).backward()
         optim.zero_grad()

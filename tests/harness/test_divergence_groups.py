@@ -9,6 +9,7 @@ import json
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -219,9 +220,14 @@ def _judge(watch: OneSidedWatch, finished: set[int], waiting: set[int]) -> str |
     return watch.check(finished, waiting)
 
 
+def _watch(tmp_path: Path, ranks: tuple[int, ...] = (0, 1), **options: float) -> tuple[dict[int, str], OneSidedWatch]:
+    """Each rank's trace file under `tmp_path`, and a watch over them."""
+    paths = {rank: str(tmp_path / f"trace-{rank}.jsonl") for rank in ranks}
+    return paths, OneSidedWatch(paths, **options)
+
+
 def test_the_watch_stops_a_cross_group_deadlock_once_it_settled(tmp_path):
-    paths = {rank: str(tmp_path / f"trace-{rank}.jsonl") for rank in (0, 1)}
-    watch = OneSidedWatch(paths, settle_s=0.05)
+    paths, watch = _watch(tmp_path, settle_s=0.05)
     _write(paths[0], on_group(0, 0, 2, site="t.py:12", completed=False))
     _write(paths[1], on_group(1, 0, 1, site="t.py:15", completed=False))
     assert watch.check(set(), {0, 1}) is None  # first sighting: not yet settled
@@ -232,8 +238,7 @@ def test_the_watch_stops_a_cross_group_deadlock_once_it_settled(tmp_path):
 
 
 def test_the_watch_stops_a_rank_whose_peer_left_an_exchange_that_cannot_pair_up(tmp_path):
-    paths = {rank: str(tmp_path / f"trace-{rank}.jsonl") for rank in (0, 1)}
-    watch = OneSidedWatch(paths, settle_s=0.05)
+    paths, watch = _watch(tmp_path, settle_s=0.05)
     _write(paths[0], replace(exchange(0, (4, 4), (4, 4)), completed=False))
     _write(paths[1], replace(exchange(1, (5, 3), (3, 5)), completed=False))  # gloo raised inside it
     assert _judge(watch, {1}, {0}) == (
@@ -244,16 +249,14 @@ def test_the_watch_stops_a_rank_whose_peer_left_an_exchange_that_cannot_pair_up(
 
 
 def test_the_watch_leaves_a_peer_that_left_a_matching_call_to_the_straggler_grace(tmp_path):
-    paths = {rank: str(tmp_path / f"trace-{rank}.jsonl") for rank in (0, 1)}
-    watch = OneSidedWatch(paths, settle_s=0.05)
+    paths, watch = _watch(tmp_path, settle_s=0.05)
     _write(paths[0], replace(exchange(0, (1, 3), (1, 2)), completed=False))
     _write(paths[1], replace(exchange(1, (2, 2), (3, 2)), completed=False))
     assert _judge(watch, {1}, {0}) is None
 
 
 def test_the_watch_names_a_non_member_call_of_a_member_that_finished(tmp_path):
-    paths = {rank: str(tmp_path / f"trace-{rank}.jsonl") for rank in (0, 1, 2)}
-    watch = OneSidedWatch(paths)
+    paths, watch = _watch(tmp_path, ranks=(0, 1, 2))
     _write(paths[0], rec(0, 0, group=(0, 1), group_name="1", group_number=1, site="t.py:20", completed=False))
     _write(paths[1], rec(1, 0, group=(1, 2), group_name="2", group_number=2, site="t.py:20", member=False))
     assert watch.check({1, 2}, {0}) == (

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from harness.rank.device_state import HAS_PRECISION_API
 from harness.rank.isolation import GLOO_DESTRUCTOR_HOLDS_GIL
 from harness.rank.worker import LEAKED_GROUP_LIMIT
 
@@ -63,6 +64,15 @@ def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     for _ in range(2):
         assert torch.equal((sharded @ sharded).full_tensor(), torch.full((4, 4), 4.0))
     (shared_dir / f"sharding-cache-{rank}").write_text(repr(_sharding_cache_use()))
+    # torch's device settings, as meta-device initialisation and numerics tests change them.
+    if HAS_PRECISION_API:  # one API per test: torch refuses to read a mix of the two
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    else:
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    torch.set_default_device("meta")
     warnings.simplefilter("error")  # last: torch 2.6 warns in distribute_tensor on a CPU mesh
     os.chdir(shared_dir)
 
@@ -72,6 +82,14 @@ def test_2_state_is_back_to_fresh(rank: int, shared_dir: Path) -> None:
     assert (shared_dir / f"pid-{rank}").read_text() == str(os.getpid()), "the warm rank was not reused"
     assert repr(torch.rand(3).tolist()) == (shared_dir / f"seeded-{rank}").read_text()
     assert torch.get_default_dtype() == torch.float32
+    assert torch.empty(1).device.type == "cpu", "the default device the last test set is still on"
+    if HAS_PRECISION_API:
+        assert torch.backends.cuda.matmul.fp32_precision == "none"
+        assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+    else:
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert not torch.backends.cuda.matmul.allow_tf32
+    assert not torch.backends.cudnn.benchmark
     assert torch.is_grad_enabled()
     assert dist.get_debug_level() == dist.DebugLevel.OFF
     warnings.warn("must not raise", UserWarning, stacklevel=1)
@@ -163,3 +181,26 @@ class TestClassesWork:
 @pytest.mark.world_size(2)
 def test_skip_on_every_rank_is_a_skip(rank: int) -> None:
     pytest.skip("unsupported: demo capability")
+
+
+def test_a_sticky_cuda_error_makes_the_rank_unusable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated (no GPU here): after a device-side assert every CUDA call fails, synchronize
+    included; the test's exit says why the rank cannot run another test, so the pool replaces it
+    (the reason travels as the outcome's replace_reason, as for a destroyed default group)."""
+    from harness.rank import device_state
+
+    state = device_state.CudaState()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    state.enter()
+
+    def sticky() -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    assert state.exit() == (
+        "a CUDA error left this rank unable to use its GPU (CUDA error: device-side assert triggered): "
+        "the rank is replaced"
+    )
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert state.exit() == ""  # a rank that never used CUDA has nothing to check

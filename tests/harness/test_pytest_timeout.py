@@ -79,18 +79,27 @@ def test_timeout_becomes_the_deadline_of_distributed_tests(inner: InnerSession, 
     assert f"--timeout={LIMIT_S} " in repro, repro  # a reproduction's ranks get the same deadline
 
 
+# The two tests both methods' sessions hold: a marked distributed test that hangs past its marker's
+# 2 s, and a test in the pytest process over the same marker's limit.
+MARKED_DISTRIBUTED = f"""
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(2)
+def test_c_marked(rank):
+    time.sleep({SLOW_S})
+"""
+MARKED_IN_THE_PYTEST_PROCESS = f"""
+@pytest.mark.timeout(2)
+def test_g_in_the_pytest_process():
+    time.sleep({SLOW_S})
+"""
+
 MIXED = f"""
 import time, pytest
 
 @pytest.fixture
 def slow_parent_fixture():
     time.sleep({SLOW_S})
-
-@pytest.mark.world_size(2)
-@pytest.mark.timeout(2)
-def test_c_marked(rank):
-    time.sleep({SLOW_S})
-
+{MARKED_DISTRIBUTED}
 @pytest.mark.world_size(2)
 def test_d_under_the_session_limit(rank):
     time.sleep(3)  # over the marked test's 2 s, under the session's 5 s: the marker is per test
@@ -103,11 +112,7 @@ def test_e_over_the_session_limit(rank):
 @pytest.mark.timeout(2)
 def test_f_hangs_in_a_parent_fixture(rank, slow_parent_fixture):
     pass
-
-@pytest.mark.timeout(2)
-def test_g_in_the_pytest_process():
-    time.sleep({SLOW_S})
-"""
+{MARKED_IN_THE_PYTEST_PROCESS}"""
 SESSION_LIMIT_S = 5
 
 
@@ -143,20 +148,11 @@ def test_marker_and_environment_limits_and_pytest_timeout_s_own_behaviour_in_the
 
 THREAD = f"""
 import time, pytest
-
-@pytest.mark.world_size(2)
-@pytest.mark.timeout(2)
-def test_c_marked(rank):
-    time.sleep({SLOW_S})
-
+{MARKED_DISTRIBUTED}
 @pytest.mark.world_size(2)
 def test_d_unlimited(rank):
     time.sleep(3)
-
-@pytest.mark.timeout(2)
-def test_g_in_the_pytest_process():
-    time.sleep({SLOW_S})
-"""
+{MARKED_IN_THE_PYTEST_PROCESS}"""
 
 
 def test_thread_method_ends_the_session_only_for_a_test_in_the_pytest_process(inner: InnerSession) -> None:

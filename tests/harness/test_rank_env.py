@@ -58,6 +58,15 @@ import pytest, torch
 @pytest.mark.world_size(2)
 def test_deepspeed_engine_starts_without_help(rank):
     import deepspeed  # asserts LOCAL_RANK when it builds the engine
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    # Not what this proves: on CPU, DeepSpeed's first initialize JIT-compiles a shared-memory
+    # all-reduce op (a minute or more without a build cache, past the test deadline on a loaded
+    # 2-core machine). Marked absent, as the deepspeed adapter does; LOCAL_RANK is still asserted.
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
     model = torch.nn.Linear(4, 4)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -213,3 +222,18 @@ def test_a_store_failure_fails_the_test_as_a_harness_error(inner: InnerSession) 
     assert "1 failed" in result.stdout
     assert "harness error: the store behind MASTER_ADDR:MASTER_PORT" in result.stdout
     assert "RuntimeError: injected: this torch cannot build the store" in result.stdout
+
+
+def test_a_cuda_pool_records_its_collectives_for_the_watchdog_and_a_cpu_pool_does_not() -> None:
+    """An NCCL watchdog timeout leaves nothing to read unless Flight Recorder was on from the
+    start: a CUDA pool's ranks get it (the user's own values kept), a CPU pool's nothing new."""
+    from harness.process.rank_env import FLIGHT_RECORDER_DEFAULTS, rank_environment
+
+    cuda = rank_environment(
+        {"TORCH_FR_BUFFER_SIZE": "50"}, rank=1, world_size=2, master_port=1, cuda_devices=["3", "5"]
+    )
+    assert cuda["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert cuda["TORCH_FR_BUFFER_SIZE"] == "50"  # the user's
+    assert cuda["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and cuda["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    cpu = rank_environment({}, rank=1, world_size=2, master_port=1)
+    assert not set(FLIGHT_RECORDER_DEFAULTS) & set(cpu)

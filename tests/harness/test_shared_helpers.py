@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from harness import skip_reason, strip_path_components
-from harness.text import group_text, ranks_text, shown_path
+from harness.message_text import group_text, ranks_text, shown_path
 
 
 def _report(outcome: str, longrepr: object) -> pytest.TestReport:

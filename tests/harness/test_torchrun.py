@@ -101,7 +101,7 @@ def test_h_after(rank):
     dist.barrier()
 """
 
-COLLECTIVE_TIMEOUT_S = 30  # far longer than the lockstep watch takes to stop a one-sided wait
+COLLECTIVE_TIMEOUT_S = 30  # far longer than the torchrun watch takes to stop a one-sided wait
 WAITED_ALONE = (
     "rank 0 stopped by the harness {} s into the test: waited alone in collective #1 on group [0, 1] "
     "(all_reduce 2 float32 op=SUM at test_nodes.py:"

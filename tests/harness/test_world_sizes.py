@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -163,16 +164,20 @@ def _outcomes(output: str) -> dict[str, str]:
     return dict(reversed(line.split(" ", 1)) for line in output.splitlines() if line.startswith(("PASSED", "FAILED")))
 
 
+def _ran(result: CompletedProcess[str]) -> list[str]:
+    """The sorted ids of the tests a passing inner session over `TESTS` reports (-rA)."""
+    assert result.returncode == 0, result.stdout
+    return sorted(_outcomes(result.stdout))
+
+
+def _ids(*names: str) -> list[str]:
+    return [f"test_sizes.py::{name}" for name in names]
+
+
 def test_sessions_run_what_the_markers_allow(inner: InnerSession) -> None:
     inner.write("test_sizes.py", TESTS)
     result = inner.run("-rA", "-q")
-    assert result.returncode == 0, result.stdout
-    assert sorted(_outcomes(result.stdout)) == [
-        "test_sizes.py::test_constrained[ws2-2]",
-        "test_sizes.py::test_listed[ws1]",
-        "test_sizes.py::test_listed[ws2]",
-        "test_sizes.py::test_pinned",
-    ]
+    assert _ran(result) == _ids("test_constrained[ws2-2]", "test_listed[ws1]", "test_listed[ws2]", "test_pinned")
     summary = re.search(r"harness: (\d+) deselected for their world size \(([^)]*)\): (.*)", result.stdout)
     assert summary is not None, result.stdout
     assert summary.groups()[:2] == ("2", "each test's default world sizes")
@@ -183,14 +188,9 @@ def test_sessions_run_what_the_markers_allow(inner: InnerSession) -> None:
     )
 
     result = inner.run("-rA", "--world-sizes", "2,3", "-v")
-    assert result.returncode == 0, result.stdout
-    assert sorted(_outcomes(result.stdout)) == [
-        "test_sizes.py::test_constrained[ws2-2]",
-        "test_sizes.py::test_constrained[ws3-2]",
-        "test_sizes.py::test_listed[ws2]",
-        "test_sizes.py::test_needs_three[ws3]",
-        "test_sizes.py::test_pinned",
-    ]
+    assert _ran(result) == _ids(
+        "test_constrained[ws2-2]", "test_constrained[ws3-2]", "test_listed[ws2]", "test_needs_three[ws3]", "test_pinned"
+    )
     assert "5 passed, 5 deselected" in result.stdout
     for line in (
         "test_sizes.py::test_listed[ws1]: not among this session's world sizes",

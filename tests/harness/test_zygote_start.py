@@ -7,13 +7,14 @@ global, a signal handler, an open file); a rank must see none of it, however its
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from harness.process import zygote_fork
-from tests.harness.conftest import InnerSession
+from tests.harness.conftest import REPO, InnerSession
 
 # The ranks read their zygote's log through its stderr (fd 2): its first line says how it started.
 _SCENARIO = """
@@ -153,3 +154,106 @@ def test_a_failed_fork_starts_the_zygote_cold(monkeypatch: pytest.MonkeyPatch, t
     assert client.cold_reason.startswith("forking pytest failed") and "Cannot allocate memory" in client.cold_reason
     assert started and started[0][1:3] == ["-m", "harness.rank.zygote"]
     assert (tmp_path / "zygote.log").read_text().startswith("zygote: started cold, as a new interpreter: forking")
+
+
+# CUDA's fork hazard: torch marks every fork of a process that asked the CUDA runtime anything
+# (torch.cuda.is_available, device_count) as unable to use CUDA, while is_initialized() stays
+# False. A tripwire on those entry points in the inner pytest process records any call there
+# (it is what marks forks on a CUDA build; on a CPU build the call marks nothing, so the tripwire
+# is what fails); the ranks themselves ask torch's own mark.
+_CUDA_TRIPWIRE = """
+import os
+import traceback
+
+import torch
+
+CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda-calls.txt")
+PYTEST_PID = os.getpid()
+
+
+def _tripwire(name, function):
+    def tripped(*args, **kwargs):
+        if os.getpid() == PYTEST_PID:
+            with open(CALLS, "a") as calls:
+                calls.write(f"torch.cuda.{name} called in pytest:\\n" + "".join(traceback.format_stack(limit=6)))
+        return function(*args, **kwargs)
+
+    return tripped
+
+
+for _name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
+    setattr(torch.cuda, _name, _tripwire(_name, getattr(torch.cuda, _name)))
+if hasattr(torch._C, "_cuda_getDeviceCount"):
+    torch._C._cuda_getDeviceCount = _tripwire("_C._cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
+"""
+
+_RANKS_MAY_USE_CUDA = """
+import os
+
+import pytest
+import torch
+
+
+@pytest.mark.world_size(2)
+def test_ranks_may_use_cuda(rank):
+    in_bad_fork = torch.cuda._is_in_bad_fork()
+    log = os.readlink(f"/proc/{os.getppid()}/fd/2")
+    print("ZYGOTE LOG:", open(log).readline().strip() if os.path.isfile(log) else f"(the rank's parent logs to {log})")
+    assert not in_bad_fork, "this rank is in torch's bad fork: its first CUDA call would raise"
+"""
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
+def test_no_rank_is_in_a_bad_fork_for_cuda_and_pytest_never_asks_the_cuda_runtime(
+    inner: InnerSession, device: str
+) -> None:
+    """With OMP_NUM_THREADS=1 (torchrun's and many CI set-ups' default) pytest is single-threaded
+    and forks its zygote; the ranks must still be able to use CUDA. Runs for real on a CUDA build
+    of torch (CI's torch 2.14.1 leg), where a call to the CUDA runtime in pytest marks them."""
+    inner.write("conftest.py", _CUDA_TRIPWIRE)
+    inner.write("test_cuda_fork.py", _RANKS_MAY_USE_CUDA)
+    env = {**inner.env(), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        inner.command("-q", "-s", "-p", "no:faulthandler", f"--device={device}"),
+        cwd=inner.directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    calls = inner.directory / "cuda-calls.txt"
+    assert not calls.exists(), calls.read_text()
+    if device == "cuda" and "1 skipped" in output:
+        return  # no GPU here: the ranks never started, and pytest asked the runtime nothing
+    assert "1 passed" in output, output[-3000:]
+    assert _zygote_log_line(output).startswith("zygote: forked from pytest"), output[-3000:]
+
+
+def test_a_fork_that_torch_would_mark_bad_makes_the_zygote_start_cold(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(zygote_fork._START_ENV)
+    monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 1)
+    monkeypatch.setattr(zygote_fork, "_modules_to_drop", lambda: (["pytest"], ""))
+    monkeypatch.setattr(zygote_fork, "forks_are_marked_bad", lambda: True)
+    assert "torch marks its forks unable to use CUDA" in zygote_fork.refusal(env)
+
+
+def test_the_probe_sees_torchs_mark_and_counting_gpus_leaves_none() -> None:
+    """In a fresh interpreter (this one's forks must stay clean): counting GPUs the harness's way
+    marks no fork; asking torch's runtime does, on a CUDA build (a CPU build never marks one)."""
+    import torch
+
+    code = (
+        "import torch\n"
+        "from harness.config.gpu_count import visible_gpu_count\n"
+        "from harness.process.fork_probe import forks_are_marked_bad\n"
+        "count = visible_gpu_count()\n"
+        "after_count = forks_are_marked_bad()\n"
+        "torch.cuda.device_count()\n"
+        "print(count, after_count, forks_are_marked_bad())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    count, after_count, after_runtime = done.stdout.split()
+    assert int(count) >= 0 and after_count == "False", done.stdout + done.stderr
+    cuda_build = bool(torch.version.cuda or getattr(torch.version, "hip", None))
+    assert after_runtime == str(cuda_build), done.stdout + done.stderr

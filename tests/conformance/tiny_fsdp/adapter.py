@@ -20,6 +20,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    UnshardRequest,
     submodule,
 )
 from tests.conformance import tiny_fsdp
@@ -59,9 +60,9 @@ class TinyFSDPAdapter(BackendAdapter):
         return tiny_fsdp.shard_module(model, replicate=replicate, flat=not spec.use_orig_params)
 
     @contextlib.contextmanager
-    def _unshard(self, model: nn.Module, fqn: str = "", *, writeback: bool = True, **options: Any) -> Iterator[None]:
-        submodule(model, fqn)  # a bad FQN fails with the module's names
-        with tiny_fsdp.state_of(model).gathered(writeback=writeback):
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+        submodule(model, request.fqn)  # a bad FQN fails with the module's names
+        with tiny_fsdp.state_of(model).gathered(writeback=request.writeback):
             yield
 
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
+    UnshardRequest,
 )
 from tests.conformance.zero2_from_docs import zero2_lib
 
@@ -36,7 +37,7 @@ _NO_UNITS = "zero2_lib partitions the whole model as one flat space; it has no u
 
 
 class Zero2Adapter(BackendAdapter):
-    PROTOCOL_VERSION = 5
+    PROTOCOL_VERSION = 6
     name = "zero2-from-docs"
     EXPECTATIONS = "expectations.toml"
     CAPABILITIES = frozenset(
@@ -107,18 +108,8 @@ class Zero2Adapter(BackendAdapter):
 
     # -- unshard: parameters are always whole ------------------------------------------------
     @contextlib.contextmanager
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
-        with zero2_lib.engine_of(model).full_params(writeback=writeback):
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+        with zero2_lib.engine_of(model).full_params(writeback=request.writeback):
             yield
 
     # -- state dicts ----------------------------------------------------------------------

@@ -1,76 +1,33 @@
-"""Adapter for DeepSpeed ZeRO (``deepspeed.initialize``), stages 0 to 3, wrapper form.
-
-Install: ``DS_BUILD_OPS=0 pip install 'fsdp-conformance[deepspeed]'`` (no compiled ops are
-needed; on CPU DeepSpeed JIT-builds one small shared-memory op the first time a process uses
-it, which takes about a minute once per machine).
-
-Strategy mapping, by what each stage keeps on a rank (``conformance.protocol.storage``):
-
-* ``NO_SHARD`` -> stage 0: parameters, gradients and optimizer state replicated, gradients
-  all-reduced (DDP semantics).
-* ``SHARD_OPTIM_STATE`` -> stage 1: parameters replicated, optimizer state (and its fp32 master
-  copy) partitioned. DeepSpeed 0.19.8 keeps only this rank's partition of the reduced gradients
-  after a boundary backward (``param.grad`` is freed), where the strategy claims whole ones.
-* ``SHARD_GRAD_AND_OPTIM_STATE`` -> stage 2: parameters replicated, gradients reduced into the
-  owning rank's partition, optimizer state partitioned.
-* ``FULL_SHARD`` -> stage 3: parameters partitioned too (``param`` is an empty placeholder,
-  this rank's flat part is ``param.ds_tensor``), gathered module by module during forward and
-  backward and released after each module. ``stage3_max_reuse_distance`` and
-  ``stage3_prefetch_bucket_size`` are 0 here: with DeepSpeed's defaults, from the second step on
-  (once its module trace is recorded) every parameter of a small model stays gathered from
-  forward to backward, which is not what FULL_SHARD stores.
-* ``SHARD_GRAD_OP`` (parameters sharded at rest, gathered from forward to backward): no stage.
-  ZeRO-3 keeps a forward-gathered parameter for backward only by its recorded trace and reuse
-  budget, never in the first step (see ``UNSUPPORTED_REASONS``).
-
-Units: only ZeRO-3 fetches per module, so only FULL_SHARD takes units (they name what
-``unshard(recurse=False)`` and the introspection read); stages 0-2 partition the flat optimizer
-groups of the whole model and have none (``UNSUPPORTED_COMBINATIONS``).
-
-DeepSpeed owns the training loop: the optimizer is built into the engine
-(:meth:`make_optimizer`), and gradients are reduced by ``engine.backward`` (stage 0 refuses a
-plain ``loss.backward()``). The engine is built when first needed: by :meth:`make_optimizer`
-(with the scenario's optimizer) or by the first forward. Stage 3 partitions the parameters at
-:meth:`shard` already (``deepspeed.zero.Init(module=...)``), so what a rank stores never
-depends on when the engine was built.
-
-Config choices, each because DeepSpeed's default would change what scenarios compare:
-``gradient_clipping`` 0 (DeepSpeed's default clips the global gradient norm to 1.0, which a
-plain torch loop does not do), ``stage3_param_persistence_threshold`` 0 (DeepSpeed leaves
-parameters below it unpartitioned), ``stage3_max_reuse_distance`` and
-``stage3_prefetch_bucket_size`` 0 (see FULL_SHARD above), ``zero_allow_untested_optimizer``
-(scenarios bring plain torch optimizers). Mixed precision: DeepSpeed's bf16/fp16 mode reduces
-gradients in that dtype by default (``ShardingSpec.reduce_dtype`` None); ``reduce_dtype`` float32
-sets ``communication_data_type`` "fp32", which every stage casts its gradient reductions to.
-
-Gradient accumulation: ``gradient_accumulation_steps`` is 1, so every ``engine.backward`` is an
-accumulation boundary. Stages 0 and 3 add a second backward's gradients to the first's; stages 1
-and 2 replace this rank's reduced partition with the newer one (observed on 0.19.8).
-``no_gradient_sync`` is ``engine.no_sync()``, which DeepSpeed refuses under gradient
-partitioning (stages 2 and 3).
-
-Rank environment: DeepSpeed reads ``LOCAL_RANK`` (and ``RANK``, ``WORLD_SIZE``) from the
-environment and caches process groups in ``deepspeed.utils.groups``; the adapter sets the
-former from its ``BackendEnv`` for each test and drops the latter in :meth:`close`, since the
-harness destroys every group a test created.
+"""``DeepSpeedAdapter``: the adapter protocol on ``deepspeed.initialize`` (the package docstring says
+what each stage keeps on a rank and how the adapter maps the protocol onto it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from conformance.adapters._labels import current_label, label_calls
+from conformance.adapters._labels import current_label
+from conformance.adapters.deepspeed.library import PARAM_FQNS, import_deepspeed, label_collectives
+from conformance.adapters.deepspeed.model import (
+    WRAPPED,
+    DeepSpeedModel,
+    all_ranks_or_none,
+    base_optimizer,
+    copied,
+    engine_for_checkpoint,
+    engine_of,
+    reduced_grad_fragment,
+    root_of,
+    stage0_master,
+    zero_state_layout,
+)
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -82,15 +39,10 @@ from conformance.protocol import (
     ShardingStrategy,
     ShardLayout,
     StateDictKind,
+    UnshardRequest,
     innermost_first,
     submodule,
 )
-
-if importlib.util.find_spec("deepspeed") is None:
-    raise ImportError(
-        "the deepspeed backend needs DeepSpeed: DS_BUILD_OPS=0 pip install "
-        "'fsdp-conformance[deepspeed]' (or deepspeed itself)"
-    )
 
 _STAGES = {
     ShardingStrategy.NO_SHARD: 0,
@@ -98,139 +50,22 @@ _STAGES = {
     ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE: 2,
     ShardingStrategy.FULL_SHARD: 3,
 }
+
+
 _MIXED_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 # ShardingSpec.reduce_dtype -> DeepSpeed's communication_data_type (gradient reductions are cast to it).
 _COMMUNICATION_DTYPES = {torch.float32: "fp32", **_MIXED_DTYPES}
-# The child name under which our wrapper holds the model: the adapter's one wrapper component.
-_WRAPPED = "_deepspeed_wrapped_module"
+
 
 _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
-# parameter -> original FQN, for collective labels: filled by shard(), emptied by close(). Weak and
-# by identity: tensors compare elementwise, and a plain id key could name a later parameter that
-# reuses a dead one's address with the dead one's FQN.
-_PARAM_FQNS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _label_collectives() -> None:
-    """Name the parameter FQNs behind ZeRO-3's all-gathers. They run in module hooks, and in
-    backward no module forward is running, so without this the trace could not tell two
-    same-sized gathers apart. The coordinator's gather takes exactly the set of parameters it
-    fetches (prefetched ones included). Gradient reductions keep the harness's default label."""
-    try:
-        from deepspeed.runtime.zero.partitioned_param_coordinator import (
-            PartitionedParameterCoordinator,
-        )
-    except ImportError:
-        return
-    gather = "_PartitionedParameterCoordinator__all_gather_params"
-    if not hasattr(PartitionedParameterCoordinator, gather):
-        return  # a DeepSpeed whose internals moved: gathers keep the module labels
-
-    def fqns(coordinator: Any, params: Any, *args: Any, **kwargs: Any) -> list[str]:
-        return sorted(_PARAM_FQNS.get(p, "?") for p in params)
-
-    label_calls(PartitionedParameterCoordinator, gather, fqns)
-
-
-def _import_deepspeed(device: torch.device) -> Any:
-    """Import DeepSpeed with the accelerator of ``device``: it picks one at import, from
-    ``DS_ACCELERATOR`` or by probing, and a CPU rank on a GPU machine must not get CUDA."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    chosen = get_accelerator().device_name()
-    if chosen != device.type:
-        raise RuntimeError(
-            f"DeepSpeed was imported with the {chosen!r} accelerator, but this rank runs on "
-            f"{device}: set DS_ACCELERATOR={device.type} before anything imports deepspeed"
-        )
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the output
-    _keep_collectives_on_torch_distributed(deepspeed)
-    return deepspeed
-
-
-def _keep_collectives_on_torch_distributed(deepspeed: Any) -> None:
-    """Tell DeepSpeed its CPU shared-memory all-reduce op is unavailable, before its comm
-    backend exists.
-
-    ``deepspeed.comm.torch.TorchBackend.__init__`` (created by the first ``deepspeed.initialize``)
-    JIT-compiles that op whenever ``deepspeed.ops.__compatible_ops__`` lists it as compatible:
-    minutes of C++ compilation on a machine without a build cache (214 s measured here), which
-    would land inside the first test. The op serves ``inference_all_reduce`` only (DeepSpeed
-    inference / AutoTP); training never calls it, and where it runs it reduces through shared
-    memory, outside torch.distributed, where the harness's collective trace cannot see it.
-    DeepSpeed treats an incompatible op as absent and falls back to torch.distributed, and it
-    keeps that table in one module-level dict so that such edits persist. Nothing to do once
-    its comm backend exists (the op was then built or found absent already) or on
-    accelerators without the op (CUDA).
-    """
-    import deepspeed.ops
-    from deepspeed import comm
-    from deepspeed.accelerator import get_accelerator
-
-    if getattr(comm.comm, "cdb", None) is not None:
-        return
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        deepspeed.ops.__compatible_ops__[builder.NAME] = False
-
-
-class DeepSpeedModel(nn.Module):
-    """What :meth:`DeepSpeedAdapter.shard` returns: the user's model as its one child
-    (names read ``_deepspeed_wrapped_module.<original FQN>``) and, once built, the
-    DeepSpeedEngine that runs it.
-
-    The engine is kept outside the module tree: it holds the same model, and registering it
-    would list every parameter twice.
-    """
-
-    def __init__(self, module: nn.Module, spec: ShardingSpec, config: dict[str, Any], units: list[str]) -> None:
-        super().__init__()
-        self._deepspeed_wrapped_module = module
-        self.spec = spec
-        self.config = config
-        self.units = units  # unit FQNs, innermost first, root ("") last
-        self.engine: Any = None
-        self.param_group_fqns: list[list[str]] = []  # the optimizer's groups, by parameter FQN
-        self.build_engine: Callable[[DeepSpeedModel, OptimizerFactory | None], Any] | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "engine":  # not a submodule (see the class docstring)
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    @property
-    def module(self) -> nn.Module:
-        """The user's model (the engine holds the same object as ``engine.module``)."""
-        return self._deepspeed_wrapped_module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None:
-            assert self.build_engine is not None
-            self.build_engine(self, None)
-        dtype = self.spec.param_dtype
-        if dtype is not None:
-            # DeepSpeed's fp16/bf16 modes cast the model, not its inputs: a DeepSpeed training
-            # loop feeds inputs in the compute dtype itself (torch FSDP casts them for you).
-            args, kwargs = _cast_floating((args, kwargs), dtype)
-        return self.engine(*args, **kwargs)
-
-    def stage(self) -> int:
-        return self.config["zero_optimization"]["stage"]
-
-    def own_params(self, unit: str) -> list[nn.Parameter]:
-        """Parameters of the unit at ``unit`` that no unit nested in it manages."""
-        nested = [u for u in self.units if u != unit and (unit == "" or u.startswith(f"{unit}."))]
-        inside_nested = {id(p) for fqn in nested for p in submodule(self.module, fqn).parameters()}
-        return [p for p in submodule(self.module, unit).parameters() if id(p) not in inside_nested]
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 5  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "deepspeed"
-    WRAPPER_COMPONENTS = frozenset({_WRAPPED})
+    WRAPPER_COMPONENTS = frozenset({WRAPPED})
     # DeepSpeed's own code (its owner-rank broadcasts, its partition-dependent reductions) is never
     # the user's: collectives it issues are attributed to the scenario line that called into it.
     BACKEND_MODULES = ("deepspeed",)
@@ -266,7 +101,7 @@ class DeepSpeedAdapter(BackendAdapter):
     SHARD_LAYOUT = ShardLayout.PER_PARAMETER
     # The module shard() returns holds the user's model as its child _deepspeed_wrapped_module,
     # so the names it lists (inside GatheredParameters too) start with that.
-    UNSHARDED_NAME_PREFIX = _WRAPPED
+    UNSHARDED_NAME_PREFIX = WRAPPED
     UNSUPPORTED_REASONS = {
         Capability.SHARD_GRAD_OP: (
             "no ZeRO stage keeps parameters sharded at rest and gathered from forward to backward: "
@@ -357,10 +192,10 @@ class DeepSpeedAdapter(BackendAdapter):
         os.environ["LOCAL_RANK"] = str(local_rank)
         os.environ["RANK"] = str(env.rank)
         os.environ["WORLD_SIZE"] = str(env.world_size)
-        self._ds = _import_deepspeed(env.device)
+        self._ds = import_deepspeed(env.device)
         self._engines: list[weakref.ref[Any]] = []  # destroyed in close()
         self._release_cached_groups()  # a crashed earlier test may have skipped close()
-        _label_collectives()
+        label_collectives()
 
     def collective_label(self) -> str | None:
         return current_label()
@@ -371,8 +206,10 @@ class DeepSpeedAdapter(BackendAdapter):
         return self.CAPABILITIES
 
     def mixed_precision_dtypes(self) -> tuple[torch.dtype, ...]:
-        """What DeepSpeed's accelerator trains in here: its CPU accelerator has bfloat16 and
-        no float16 (``is_fp16_supported()`` is false), CUDA both."""
+        """What DeepSpeed's accelerator trains in here: CUDA both; its CPU accelerator bfloat16,
+        and float16 only where oneDNN has it (``is_fp16_supported()`` is
+        ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: a CPU with AVX512-FP16 or AMX-FP16,
+        unless ``ONEDNN_MAX_CPU_ISA`` caps it; ``deepspeed.initialize`` refuses fp16 elsewhere)."""
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
@@ -384,7 +221,7 @@ class DeepSpeedAdapter(BackendAdapter):
 
     def close(self) -> None:
         self._destroy_engines()
-        _PARAM_FQNS.clear()
+        PARAM_FQNS.clear()
         self._release_cached_groups()
 
     def _destroy_engines(self) -> None:
@@ -433,7 +270,7 @@ class DeepSpeedAdapter(BackendAdapter):
             )
         config = self._config(spec)
         for fqn, param in model.named_parameters():
-            _PARAM_FQNS[param] = fqn
+            PARAM_FQNS[param] = fqn
         root = DeepSpeedModel(model, spec, config, self._unit_fqns(model, spec))
         root.build_engine = self._build_engine
         if spec.param_dtype is not None:
@@ -480,6 +317,13 @@ class DeepSpeedAdapter(BackendAdapter):
                     f"trains in; use one of {sorted(map(str, _MIXED_DTYPES))}"
                 )
             config[key] = {"enabled": True}
+            if key == "fp16":
+                # No loss scaling, as ShardingSpec's mixed precision (torch FSDP's MixedPrecision,
+                # the oracle) has none: DeepSpeed's default, dynamic scaling from 2**16, overflows
+                # the first backward of any float16 loss (d(65536 x loss)/d(loss) is inf in
+                # float16) and skips that step, and under ZeRO-0 it divides every step's
+                # gradients by the scale it never applied (module docstring).
+                config[key]["loss_scale"] = 1.0
             # DeepSpeed reduces in the compute dtype unless told otherwise, as reduce_dtype None asks.
             if spec.reduce_dtype is not None and spec.reduce_dtype != spec.param_dtype:
                 name = _COMMUNICATION_DTYPES.get(spec.reduce_dtype)
@@ -537,7 +381,7 @@ class DeepSpeedAdapter(BackendAdapter):
 
     # -- training loop ----------------------------------------------------------------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Any:
-        root = _root(model)
+        root = root_of(model)
         if root.engine is not None:
             raise RuntimeError(
                 "deepspeed adapter: the engine already exists (a forward ran, or make_optimizer "
@@ -547,60 +391,52 @@ class DeepSpeedAdapter(BackendAdapter):
         return self._build_engine(root, factory).optimizer
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
-        _engine(model).backward(loss)
+        engine_of(model).backward(loss)
 
     def step(self, model: nn.Module, optimizer: Any) -> None:
-        _engine(model).step()
+        engine_of(model).step()
 
     def zero_grad(self, model: nn.Module, optimizer: Any) -> None:
         optimizer.zero_grad()
 
     # -- unshard ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _unshard(
-        self,
-        model: nn.Module,
-        fqn: str = "",
-        *,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
-        root = _root(model)
-        if recurse:
-            params = list(submodule(root.module, fqn).parameters())
-        elif fqn in root.units:
-            params = root.own_params(fqn)
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+        root = root_of(model)
+        if request.recurse:
+            params = list(submodule(root.module, request.fqn).parameters())
+        elif request.fqn in root.units:
+            params = root.own_params(request.fqn)
         else:
-            raise ValueError(f"deepspeed adapter: recurse=False needs a unit FQN; {fqn!r} is not one of {root.units}")
+            raise ValueError(
+                f"deepspeed adapter: recurse=False needs a unit FQN; {request.fqn!r} is not one of {root.units}"
+            )
         # modifier_rank: on exit rank 0's values are broadcast and partitioned again; without
         # it the gathered values are dropped. Outside stage 3 this is a no-op: parameters are
         # replicated and inside the context every rank sees (and changes) its own copy.
         # Deliberately DeepSpeed's behaviour and nothing more: the ZeRO optimizer's fp32 master
         # copy is not refreshed, so the next step writes the old values back over a change
         # made here (set_local_shard, a test instrument, does refresh it).
-        with self._ds.zero.GatheredParameters(params, modifier_rank=0 if writeback else None):
+        with self._ds.zero.GatheredParameters(params, modifier_rank=0 if request.writeback else None):
             yield
 
     # -- native checkpoint: DeepSpeed's own (per-rank ZeRO partitions of model and optimizer) ---
     def _save_checkpoint(self, model: nn.Module, optim: Any, directory: str) -> None:
-        _engine_of(model).save_checkpoint(directory, tag=_CHECKPOINT_TAG)
+        engine_for_checkpoint(model).save_checkpoint(directory, tag=_CHECKPOINT_TAG)
 
     def _load_checkpoint(self, model: nn.Module, optim: Any, directory: str) -> None:
-        path, _client_state = _engine_of(model).load_checkpoint(directory, tag=_CHECKPOINT_TAG)
+        path, _client_state = engine_for_checkpoint(model).load_checkpoint(directory, tag=_CHECKPOINT_TAG)
         if path is None:
             raise RuntimeError(f"deepspeed adapter: DeepSpeed found no checkpoint {_CHECKPOINT_TAG!r} in {directory}")
 
     # -- state dicts ----------------------------------------------------------------------
     def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
-        root = _root(model)
+        root = root_of(model)
         with self._ds.zero.GatheredParameters(list(root.module.parameters())):
             return {name: value.detach().clone() for name, value in root.module.state_dict().items()}
 
     def _load_state_dict(self, model: nn.Module, state_dict: Mapping[str, Any], kind: StateDictKind) -> None:
-        root = _root(model)
+        root = root_of(model)
         # What engine.load_checkpoint(load_module_only=True) does without the files: load
         # under a gather that rank 0 modifies, then refresh the optimizer's fp32 master copy.
         with self._ds.zero.GatheredParameters(list(root.module.parameters()), modifier_rank=0):
@@ -615,8 +451,8 @@ class DeepSpeedAdapter(BackendAdapter):
         one collective per parameter and elementwise state, on every rank."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        root = _root(model)
-        base = _base_optimizer(root)
+        root = root_of(model)
+        base = base_optimizer(root)
         state: dict[str, dict[str, Any]] = {}
         for fqn, param in root.module.named_parameters():
             if not param.requires_grad:
@@ -624,11 +460,11 @@ class DeepSpeedAdapter(BackendAdapter):
                 # safe_get_full_optimizer_state answers None; found by a generated program).
                 continue
             if root.stage() == 0:  # the plain torch optimizer, keyed by the parameter itself
-                entry = {k: _copy(v) for k, v in base.state.get(param, {}).items()}
+                entry = {k: copied(v) for k, v in base.state.get(param, {}).items()}
             else:
-                elementwise, scalars = _zero_state_layout(base)
+                elementwise, scalars = zero_state_layout(base)
                 entry = {k: safe_get_full_optimizer_state(param, k).clone() for k in elementwise}
-                entry.update({k: _copy(v) for k, v in scalars.items()})
+                entry.update({k: copied(v) for k, v in scalars.items()})
             if entry:
                 state[fqn] = entry
         groups = [
@@ -645,8 +481,8 @@ class DeepSpeedAdapter(BackendAdapter):
         rank's partition), scalars (Adam's step) into every flat group's state."""
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        root = _root(model)
-        base = _base_optimizer(root)
+        root = root_of(model)
+        base = base_optimizer(root)
         saved_groups = state_dict.get("param_groups", [])
         if [list(g["params"]) for g in saved_groups] != root.param_group_fqns:
             raise ValueError(
@@ -661,7 +497,7 @@ class DeepSpeedAdapter(BackendAdapter):
             for fqn, entry in state_dict.get("state", {}).items():
                 param = params[fqn]
                 if root.stage() == 0:
-                    base.state[param] = {k: _copy(v) for k, v in entry.items()}
+                    base.state[param] = {k: copied(v) for k, v in entry.items()}
                     continue
                 # Elementwise states first: DeepSpeed writes them into state it created at
                 # the first step, and raises (KeyError) before that; scalars have no such check.
@@ -671,9 +507,9 @@ class DeepSpeedAdapter(BackendAdapter):
                 for key, value in entry.items():
                     if key not in elementwise:
                         for flat_state in base.state.values():
-                            flat_state[key] = _copy(value)
+                            flat_state[key] = copied(value)
 
-        _all_ranks_or_none(load, self.env.device)
+        all_ranks_or_none(load, self.env.device)
 
     # -- storage ----------------------------------------------------------------------------
     # What a rank holds, by stage: stage 3 a padded flat part of each parameter (ds_tensor) and
@@ -708,7 +544,7 @@ class DeepSpeedAdapter(BackendAdapter):
     def local_grad_shard(self, model: nn.Module, fqn: str) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_grad
 
-        root = _root(model)
+        root = root_of(model)
         param = self.named_parameter(model, fqn)
         if param.grad is not None:  # stage 0; stage 1 inside no_sync (local, not yet reduced)
             return param.grad.detach().clone()
@@ -718,14 +554,14 @@ class DeepSpeedAdapter(BackendAdapter):
             grad = safe_get_local_grad(param)
             return None if grad is None else grad.detach().clone()
         if root.stage() in (1, 2):
-            fragment = _reduced_grad_fragment(root, param)
+            fragment = reduced_grad_fragment(root, param)
             return None if fragment is None else fragment.detach().clone()
         return None
 
     def set_local_grad_shard(self, model: nn.Module, fqn: str, value: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_local_grad
 
-        root = _root(model)
+        root = root_of(model)
         param = self.named_parameter(model, fqn)
         if param.grad is not None:
             target = param.grad
@@ -733,7 +569,7 @@ class DeepSpeedAdapter(BackendAdapter):
             safe_set_local_grad(param, value)
             return
         else:
-            target = _reduced_grad_fragment(root, param) if root.stage() in (1, 2) else None
+            target = reduced_grad_fragment(root, param) if root.stage() in (1, 2) else None
             if target is None:
                 raise ValueError(f"{fqn}: this rank stores no gradient to overwrite (run a backward first)")
         if value.shape != target.shape:
@@ -748,17 +584,17 @@ class DeepSpeedAdapter(BackendAdapter):
         (under bf16/fp16, of its fp32 master copy). Empty before the first step."""
         from deepspeed.utils import safe_get_local_optimizer_state
 
-        root = _root(model)
+        root = root_of(model)
         param = self.named_parameter(model, fqn)
         if root.stage() == 3:
-            keys, _ = _zero_state_layout(_base_optimizer(root))
+            keys, _ = zero_state_layout(base_optimizer(root))
             return {key: safe_get_local_optimizer_state(param, key).detach().clone() for key in keys}
         if root.stage() in (1, 2):
             mapping = getattr(param, "_hp_mapping", None)
             fragments = {} if mapping is None else (mapping.optim_fragment or {})
             return {key: value.detach().clone() for key, value in fragments.items() if value.dim() > 0}
-        wrapper = _engine(model).optimizer  # the torch optimizer, or DeepSpeed's bf16/fp16 wrapper of it
-        state = getattr(wrapper, "optimizer", wrapper).state.get(_stage0_master(root, param), {})
+        wrapper = engine_of(model).optimizer  # the torch optimizer, or DeepSpeed's bf16/fp16 wrapper of it
+        state = getattr(wrapper, "optimizer", wrapper).state.get(stage0_master(root, param), {})
         return {key: v.detach().clone() for key, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
 
     # -- gradient accumulation ---------------------------------------------------------------
@@ -766,11 +602,11 @@ class DeepSpeedAdapter(BackendAdapter):
         """``engine.no_sync()``: backward leaves local gradients in ``param.grad`` and skips the
         reduction; the next backward outside reduces what accumulated (stages 0 and 1; DeepSpeed
         refuses it under gradient partitioning, see UNSUPPORTED_COMBINATIONS)."""
-        return _engine(model).no_sync()
+        return engine_of(model).no_sync()
 
     # -- introspection ----------------------------------------------------------------------
     def is_unsharded(self, model: nn.Module, unit: str) -> bool:
-        root = _root(model)
+        root = root_of(model)
         if unit not in root.units:
             raise ValueError(f"{unit!r} is not a unit; units are {root.units}")
         params = root.own_params(unit)
@@ -781,7 +617,7 @@ class DeepSpeedAdapter(BackendAdapter):
         return all(getattr(p, "ds_status", status.AVAILABLE) == status.AVAILABLE for p in params)
 
     def unsharded_storage_numel(self, model: nn.Module, unit: str) -> int:
-        root = _root(model)
+        root = root_of(model)
         if root.stage() < 3:
             stage = root.stage()
             raise ValueError(f"ZeRO stage {stage} keeps every parameter whole: it has no unsharded storage to free")
@@ -794,127 +630,3 @@ class DeepSpeedAdapter(BackendAdapter):
 
 
 _CHECKPOINT_TAG = "conformance"
-
-
-def _engine_of(model: nn.Module) -> Any:
-    """The DeepSpeed engine behind ``model`` (built by make_optimizer)."""
-    engine = _root(model).engine
-    if engine is None:
-        raise RuntimeError("deepspeed adapter: a checkpoint needs the engine; call make_optimizer first")
-    return engine
-
-
-def _root(model: nn.Module) -> DeepSpeedModel:
-    if not isinstance(model, DeepSpeedModel):
-        raise TypeError(f"deepspeed adapter: expected the module shard() returned, got {type(model).__name__}")
-    return model
-
-
-def _engine(model: nn.Module) -> Any:
-    root = _root(model)
-    if root.engine is None:
-        raise RuntimeError("deepspeed adapter: no engine yet: call make_optimizer (or run a forward) first")
-    return root.engine
-
-
-def _base_optimizer(root: DeepSpeedModel) -> torch.optim.Optimizer:
-    """The torch optimizer the scenario's factory built (ZeRO wraps it as ``.optimizer``)."""
-    optimizer = getattr(root.engine, "optimizer", None)
-    if optimizer is None:
-        raise RuntimeError("deepspeed adapter: no optimizer: call make_optimizer first")
-    return getattr(optimizer, "optimizer", optimizer) if root.stage() > 0 else optimizer
-
-
-def _reduced_grad_fragment(root: DeepSpeedModel, param: nn.Parameter) -> torch.Tensor | None:
-    """ZeRO-1/2: this rank's part of ``param``'s reduced gradient, an empty tensor where its
-    partition holds none of ``param``, None where the optimizer holds no reduced gradients of
-    ``param``'s group (before the first backward, after step).
-
-    DeepSpeed keeps the reduced gradients of a boundary backward per flat group and partition
-    (``averaged_gradients``) until step; a parameter's ``_hp_mapping`` names its fragment there
-    (``safe_get_full_grad`` reads the same). ``safe_get_local_grad`` is defined for ZeRO-3 only."""
-    optimizer = getattr(root.engine, "optimizer", None)
-    groups = getattr(optimizer, "bit16_groups", None)
-    if groups is None:
-        return None  # no engine yet
-    group_index = next((i for i, group in enumerate(groups) if any(p is param for p in group)), None)
-    if group_index is not None and getattr(optimizer, "cpu_offload", False):
-        # ZeRO-Offload: a boundary backward copies the reduced gradients of this rank's partition
-        # into the grad of its fp32 partition on the host, not into averaged_gradients (found by a
-        # generated program: offload_params under ZeRO-2 reported no gradient anywhere).
-        flat = optimizer.single_partition_of_fp32_groups[group_index]
-        mapping = getattr(param, "_hp_mapping", None)
-        if flat.grad is None:
-            return None
-        if mapping is None:
-            return torch.empty(0, dtype=flat.grad.dtype, device=flat.grad.device)
-        address = mapping.hp_fragment_address
-        return flat.grad.narrow(0, address.start, address.numel)
-    reduced = getattr(optimizer, "averaged_gradients", {})
-    if group_index is None or reduced.get(group_index) is None:
-        return None
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:
-        return torch.empty(0, dtype=reduced[group_index][0].dtype, device=param.device)
-    return mapping.get_lp_grad_fragment(param._index_in_param_group)
-
-
-def _stage0_master(root: DeepSpeedModel, param: nn.Parameter) -> torch.Tensor:
-    """What the stage-0 torch optimizer keys ``param``'s state by: the parameter itself, or under
-    bf16/fp16 the fp32 master copy DeepSpeed's FP16 optimizer wrapper steps in its place."""
-    optimizer = root.engine.optimizer
-    for low, master in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ())):
-        for low_param, master_param in zip(low, master):
-            if low_param is param:
-                return master_param
-    return param
-
-
-def _zero_state_layout(base: torch.optim.Optimizer) -> tuple[list[str], dict[str, Any]]:
-    """Under ZeRO the base optimizer steps flat fp32 partitions: its elementwise states
-    (Adam's exp_avg, ...) belong to the parameters laid out in them, its scalar states (step)
-    to the whole group; every flat group is stepped together, so they agree."""
-    elementwise: list[str] = []
-    scalars: dict[str, Any] = {}
-    for flat_state in base.state.values():
-        for key, value in flat_state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                if key not in elementwise:
-                    elementwise.append(key)
-            else:
-                scalars.setdefault(key, value)
-    return elementwise, scalars
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in it (tuples, lists, dicts) cast to ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floating(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast_floating(item, dtype) for key, item in value.items()}
-    return value
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if torch.is_tensor(value) else value
-
-
-def _all_ranks_or_none(action: Callable[[], None], device: torch.device) -> None:
-    """Run ``action`` on every rank; if it raised anywhere, raise on every rank.
-
-    DeepSpeed's loaders can fail on some ranks only (a size check on the last rank); the
-    others would otherwise walk into the next collective and wait for the timeout.
-    """
-    error: BaseException | None = None
-    try:
-        action()
-    except Exception as caught:  # noqa: BLE001 - re-raised below, on this rank and the others
-        error = caught
-    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(failed)
-    if error is not None:
-        raise error
-    if failed.item():
-        raise RuntimeError(f"{int(failed.item())} other rank(s) failed here; see their report")

@@ -8,7 +8,7 @@ a failure on one rank fails that test everywhere instead of leaving the others h
 Each rank writes its own `rank-<r>.xml`.
 
 A rank waiting in a collective its peers will never issue learns so while it waits, through
-the store, and ends that wait in seconds (`harness.session.lockstep_watch`), as a pool's parent
+the store, and ends that wait in seconds (`harness.session.torchrun_watch`), as a pool's parent
 stops such a rank; the world is then unusable, as after a collective timeout.
 """
 
@@ -31,12 +31,12 @@ from harness.process.rank_env import loopback_interface
 from harness.rank.runner import TestRunner
 from harness.rank.world import join_world, rank_device
 from harness.session.flow import Execution, HarnessSession, WorldUnusable
-from harness.session.lockstep_clock import measure_offset
-from harness.session.lockstep_watch import LockstepWatch, ProtectedSockets, open_channel
+from harness.session.torchrun_clock import measure_offset
+from harness.session.torchrun_watch import ProtectedSockets, TorchrunWatch, open_channel
 from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_or_empty
 
 
-class LockstepSession(HarnessSession):
+class TorchrunSession(HarnessSession):
     def __init__(
         self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str, torchrun: TorchrunWorld
     ) -> None:
@@ -69,7 +69,7 @@ class LockstepSession(HarnessSession):
         self.clock = measure_offset(self.control, self.rank, self.world_size)
         self.protected.ready()
         self.tests_run = 0
-        self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-lockstep-")
+        self.trace_dir = tempfile.mkdtemp(prefix="fsdp-harness-torchrun-")
         self.trace_path = os.path.join(self.trace_dir, "trace")
         self.runner = TestRunner(
             self.rank,
@@ -129,7 +129,7 @@ class LockstepSession(HarnessSession):
             if watch is not None:
                 watch.forget()
 
-    def _watch(self, item: pytest.Function) -> LockstepWatch | None:
+    def _watch(self, item: pytest.Function) -> TorchrunWatch | None:
         """This test's watch for one-sided waits, None where pool mode has none either (a test
         that diverges on purpose may wait on purpose), the session has no store to share it, or
         the world is on CUDA (a stop shuts connections down, and NCCL's own must not be)."""
@@ -137,7 +137,7 @@ class LockstepSession(HarnessSession):
             return None
         if self.device_plan.kind == "cuda":
             return None
-        return LockstepWatch(
+        return TorchrunWatch(
             self.channel,
             self.tests_run,
             self.rank,

@@ -1,4 +1,4 @@
-"""One-sided waits in seconds under torchrun: each lockstep rank learns, while its own test body is
+"""One-sided waits in seconds under torchrun: each torchrun rank learns, while its own test body is
 blocked in a collective, that its peers can never match it, and ends that wait itself.
 
 Pool mode has the parent for this (`harness.trace.one_sided` over the ranks' trace files, then a
@@ -50,7 +50,7 @@ from harness.process import sockets
 from harness.trace.one_sided import OneSidedWatch
 from harness.trace.records import CollectiveRecord, RankTrace
 
-__all__ = ["LockstepChannel", "LockstepWatch", "ProtectedSockets", "WaitStopped", "open_channel"]
+__all__ = ["LockstepChannel", "ProtectedSockets", "TorchrunWatch", "WaitStopped", "open_channel"]
 
 POLL_S = 0.25
 """How often a watcher looks at its own trace (and, while it waits, at its peers'), as in pool mode."""
@@ -89,12 +89,12 @@ class ProtectedSockets:
 
 
 class LockstepChannel:
-    """The store keys through which the ranks of one lockstep session tell each other, per test,
+    """The store keys through which the ranks of one torchrun session tell each other, per test,
     how far their traces got, that they finished, and why a wait was stopped."""
 
     def __init__(self, store: dist.Store, session_key: str) -> None:
         self.store = store
-        self.prefix = f"fsdp-harness/lockstep/{session_key}"
+        self.prefix = f"fsdp-harness/torchrun/{session_key}"
 
     def _key(self, test: int, rank: int | None, name: str) -> str:
         return f"{self.prefix}/{test}/{'all' if rank is None else rank}/{name}"
@@ -201,7 +201,7 @@ class _Feed:
         return last
 
 
-class LockstepWatch:
+class TorchrunWatch:
     """This rank's watcher thread for one test: start it before the body runs, `finish` after."""
 
     def __init__(
@@ -240,7 +240,7 @@ class LockstepWatch:
         self.stopped: WaitStopped | None = None
         self.failure = ""
         """Why the watcher gave up (a store error), for the harness's own diagnosis; empty if it did not."""
-        self._thread = threading.Thread(target=self._loop, name=f"lockstep-watch-{test}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"torchrun-watch-{test}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -255,7 +255,7 @@ class LockstepWatch:
             self.channel.mark_finished(self.test, self.rank)
             stopped = self.stopped or self._stopped_by_peer()
         except Exception as error:  # noqa: BLE001 - the store failing must not fail the test
-            self.failure = f"lockstep watch: {type(error).__name__}: {error}"
+            self.failure = f"torchrun watch: {type(error).__name__}: {error}"
             stopped = self.stopped
         return outcome if stopped is None else stopped.loss(self.rank, outcome)
 
@@ -272,7 +272,7 @@ class LockstepWatch:
                 if self._judge():
                     return
         except Exception as error:  # noqa: BLE001 - a watcher that cannot read on leaves the timeout to end waits
-            self.failure = f"lockstep watch: {type(error).__name__}: {error}"
+            self.failure = f"torchrun watch: {type(error).__name__}: {error}"
 
     def _publish(self) -> None:
         """Send what this rank's trace file gained since the last look."""

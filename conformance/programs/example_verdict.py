@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from conformance.programs.patterns import PATTERNS
-from conformance.programs.program import Program, SwapRoute
+from conformance.programs.program import Program
 from conformance.programs.run import ProgramReport
 
 
@@ -109,7 +109,7 @@ def judge(program: Program, result: CallResult, known: Sequence[KnownFinding]) -
     # A first iteration whose forward order differs between ranks, refused by every rank: the
     # backend's order check exchanged each rank's unit (its collectives carry different unit
     # labels by design) and raised before any mismatched all-gather.
-    refused_on_purpose = bool(reports) and all(report.refused for report in reports) and _divergent_order(program)
+    refused_on_purpose = bool(reports) and all(report.refused for report in reports) and program.divergent_order
     findings = [finding for report in reports for finding in report.findings]
     unexplained = [f for f in findings if not any(entry.explains(f) for entry in applicable)]
     # A rank that raised a known finding left the program early; the collectives its peers went
@@ -147,10 +147,6 @@ def _root_cause(reports: Sequence[ProgramReport]) -> frozenset[str]:
 
 def _used(applicable: Sequence[KnownFinding], findings: Sequence[str]) -> list[KnownFinding]:
     return [entry for entry in applicable if any(entry.explains(f) for f in findings)]
-
-
-def _divergent_order(program: Program) -> bool:
-    return any(isinstance(op, SwapRoute) and op.odd_ranks_only for op in program.operations)
 
 
 def failure_text(backend: str, program: Program, verdict: ExampleVerdict, repro: str) -> str:
