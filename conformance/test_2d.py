@@ -493,7 +493,7 @@ def test_2d_state_dict_extension(backend: BackendAdapter, mesh_kind: str, rank: 
     over dp and its TP placement over tp. ``1d``: the plain model over a 1-D mesh of every rank:
     every value is a DTensor on exactly that mesh with ``(Shard(0),)`` (no extension: nothing
     2-D). FSDP1's own switch is checked literally where its fact is proven
-    (``tests/conformance/test_declared_facts.py``). Keys in order and ``full_tensor()`` equal to
+    (``tests/conformance_tests/test_declared_facts.py``). Keys in order and ``full_tensor()`` equal to
     the unwrapped values in every case.
     """
     require(backend, Capability.TENSOR_PARALLEL)

@@ -18,7 +18,7 @@ by parameter name with its size.
   (``plain``); the first ones inside the backend's ``no_gradient_sync`` (``no_sync``,
   ``NO_SYNC``); or no ``zero_grad`` at all, a step after every backward (``no_zero_grad``, the
   2-D seed's loop), so each step uses the sum of every gradient so far. A gradient overwritten
-  instead of added fails them (tests/conformance/family_mutants.py, accumulation_overwrite).
+  instead of added fails them (tests/conformance_tests/family_mutants.py, accumulation_overwrite).
 
 Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
 every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
@@ -82,7 +82,7 @@ STRATEGIES = list(ShardingStrategy)
 # summing in another order at larger world sizes), so the bounds are a few times it: losses
 # rtol 2 eps of the dtype plus atol 16 eps (fp16, 1.6e-2) or 32 eps (bf16, 0.25, 2.5 times that
 # 0.10, kept), parameters 4x, gradients 2 eps of their scale (4x). A gradient doubled
-# in low precision (tests/conformance/family_mutants.py, lowp_double) moves losses by at least
+# in low precision (tests/conformance_tests/family_mutants.py, lowp_double) moves losses by at least
 # 2.3, parameters by 3.8e-2 and gradients by 1.2x their scale: 9 to 300 times these bounds.
 #
 # Gradient accumulation (float32): losses 1.4e-6, parameters 3.0e-8 (one ulp), gradients 4.2e-7

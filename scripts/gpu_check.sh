@@ -42,14 +42,14 @@ run_pytest() { OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider "$@"; }
 
 # 1. Fork-safe discovery: pytest counts GPUs without the CUDA runtime, no rank is in torch's bad
 #    fork (forked zygote and cold one), under --device auto, cpu and cuda.
-check fork-discovery 1 run_pytest tests/harness/test_zygote_start.py
+check fork-discovery 1 run_pytest tests/harness_tests/test_zygote_start.py
 # 2. One rank on CUDA with NCCL, forked and cold, every traced collective of a world of one.
-check nccl-trace-world-of-one 1 run_pytest tests/harness/test_trace.py tests/harness/test_trace_below_python.py \
+check nccl-trace-world-of-one 1 run_pytest tests/harness_tests/test_trace.py tests/harness_tests/test_trace_below_python.py \
     --device $device --world-sizes 1
 # 3. A rank stuck in an NCCL collective no peer joins: stopped by the one-sided watch.
-check nccl-one-sided-wait 2 run_pytest tests/harness/test_divergence_one_sided.py --device $device
+check nccl-one-sided-wait 2 run_pytest tests/harness_tests/test_divergence_one_sided.py --device $device
 # 4. Per-test device state on a warm CUDA rank (default device, TF32, streams, sticky errors).
-check cuda-isolation 1 run_pytest tests/harness/test_isolation.py --device $device --world-sizes 1
+check cuda-isolation 1 run_pytest tests/harness_tests/test_isolation.py --device $device --world-sizes 1
 # 5. The unshard scenarios on CUDA at world size 1, and the generated CI set (programs of 2 ranks
 #    or more: it needs 2 GPUs), against the backends that run there.
 check conformance-cuda-unshard 1 run_pytest conformance/test_unshard_params.py --device $device --world-sizes 1 \

@@ -18,14 +18,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # conformance suite, runs on every torch CI proves (docs/ci.md). tests/test_torch_legs.py holds a
 # module here to the rule.
 TORCH_INDEPENDENT = {
-    "tests/harness/test_preflight.py": "usage errors decided before any rank starts",
-    "tests/harness/test_pytest_timeout.py": "pytest-timeout's limits as the deadlines of distributed tests",
-    "tests/harness/test_reports.py": "the per-rank report files' contents",
-    "tests/harness/test_repro.py": "the REPRO line and the options it carries",
-    "tests/harness/test_session_ends.py": "what an interrupted or stopped session reports",
-    "tests/harness/test_shared_helpers.py": "helpers of the self-tests",
-    "tests/harness/test_world_sizes.py": "which world sizes a session runs",
-    "tests/harness/test_warm_pytest.py": "the self-tests' forked inner sessions",
+    "tests/harness_tests/test_preflight.py": "usage errors decided before any rank starts",
+    "tests/harness_tests/test_pytest_timeout.py": "pytest-timeout's limits as the deadlines of distributed tests",
+    "tests/harness_tests/test_reports.py": "the per-rank report files' contents",
+    "tests/harness_tests/test_repro.py": "the REPRO line and the options it carries",
+    "tests/harness_tests/test_session_ends.py": "what an interrupted or stopped session reports",
+    "tests/harness_tests/test_shared_helpers.py": "helpers of the self-tests",
+    "tests/harness_tests/test_world_sizes.py": "which world sizes a session runs",
+    "tests/harness_tests/test_warm_pytest.py": "the self-tests' forked inner sessions",
 }
 
 

@@ -542,8 +542,8 @@ def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
             "conformance/adapters/__init__.py": "",
             "conformance/adapters/_common.py": "",
             "conformance/adapters/ref.py": "from conformance.adapters import _common\n",
-            "tests/conformance/helper.py": "",
-            "tests/conformance/test_x.py": "from helper import x\n",  # a neighbour by bare name
+            "tests/conformance_tests/helper.py": "",
+            "tests/conformance_tests/test_x.py": "from helper import x\n",  # a neighbour by bare name
             "engine/__init__.py": "",
             "engine/api.py": "",
         },
@@ -554,7 +554,7 @@ def test_checker_names_upward_and_private_imports(tmp_path: Path) -> None:
     assert "conformance.test_training imports engine.api: conformance/test_training.py:2: import engine.api" in (
         violation_message(rule, violations, root)
     )
-    assert ("tests.conformance.test_x", "tests.conformance.helper") in {
+    assert ("tests.conformance_tests.test_x", "tests.conformance_tests.helper") in {
         (edge.importer, edge.target) for edge in import_graph(root)
     }
     private = private_name_imports(root)

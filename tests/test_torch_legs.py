@@ -28,4 +28,4 @@ def test_every_module_left_out_of_the_torch_legs_keeps_to_the_rule() -> None:
 def test_the_torch_legs_leave_out_exactly_the_marked_modules() -> None:
     script = (REPO / ".ci" / "torch-leg").read_text(encoding="utf-8")
     assert '-m "not torch_independent"' in script
-    assert "tests/harness" in script
+    assert "tests/harness_tests" in script

@@ -86,7 +86,7 @@ class ReferenceAdapter(BackendAdapter):
     NON_TP_2D_STATE_DICT_MESH = "dp"  # engine/state_dict.py; proven in test_declared_facts.py
     # The engine's own refusals (engine/unshard.py, engine/topology.py): a call in the wrong state
     # is Python's RuntimeError where FSDP1 raises AssertionError; the unsupported unshard options
-    # are the seeds' NotImplementedError. Proven in tests/conformance/test_declared_facts.py.
+    # are the seeds' NotImplementedError. Proven in tests/conformance_tests/test_declared_facts.py.
     REFUSALS = {
         Misuse.UNSHARD_DURING_FORWARD: Refusal(
             (RuntimeError,), "Cannot manually unshard parameters during forward/backward"

@@ -52,12 +52,12 @@ from conformance.protocol import (
 )
 
 # summon_full_params(offload_to_cpu=True) on a CPU device frees the storage its views use on
-# torch 2.6 and 2.13 (seen; tests/conformance/test_declared_absences.py proves it where declared);
+# torch 2.6 and 2.13 (seen; tests/conformance_tests/test_declared_absences.py proves it where declared);
 # torch 2.14.1 gives the right values.
 OFFLOAD_TO_CPU_BROKEN_ON_CPU = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14)
 
 # On a CPU device summon_full_params(offload_to_cpu=True) of a unit it gathers (every strategy
-# but NO_SHARD) is broken (proven in tests/conformance/test_declared_absences.py).
+# but NO_SHARD) is broken (proven in tests/conformance_tests/test_declared_absences.py).
 _OFFLOAD_BROKEN_REASON = (
     "on a CPU device summon_full_params(offload_to_cpu=True) 'copies' the full parameter to CPU "
     "in place, then frees that storage: the views it exposes point at freed memory (RuntimeError "
@@ -105,14 +105,14 @@ class TorchFSDP1Adapter(TorchAdapter):
     PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
-    # tries the feature on torch and shows it missing (tests/conformance/test_declared_absences.py).
+    # tries the feature on torch and shows it missing (tests/conformance_tests/test_declared_absences.py).
     CAPABILITIES = frozenset(Capability) - {
         Capability.COMPOSABLE,
         Capability.SHARD_OPTIM_STATE,
         Capability.SHARD_GRAD_AND_OPTIM_STATE,
     }
     WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module"})
-    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDP1 is what the seeds
+    # Backend facts (proven in tests/conformance_tests/test_declared_facts.py): FSDP1 is what the seeds
     # test; it refuses the unshard misuses exactly as they require (it has no check of the TP mesh
     # dimension: held to the seeds' refusal, see its expectations). Its mixed-precision unshard is
     # the protocol's default (the seeds').

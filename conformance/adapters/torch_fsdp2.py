@@ -7,7 +7,7 @@ FULL_SHARD leaves ``reshard_after_forward`` to fully_shard's default where it ha
 every unit but the root reshards after forward, the root keeps its parameters for backward,
 as FSDP1's FULL_SHARD root does); an explicit True would make the root reshard too.
 Features FSDP2 does not have are declared missing, never emulated; each declared gap has a test
-that tries it on torch (tests/conformance/test_declared_absences.py).
+that tries it on torch (tests/conformance_tests/test_declared_absences.py).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class TorchFSDP2Adapter(TorchAdapter):
         Capability.UNSHARD_WITH_GRADS,
         Capability.SHARD_OPTIM_STATE,
     }
-    # Backend facts (proven in tests/conformance/test_declared_facts.py): FSDPModule.unshard()
+    # Backend facts (proven in tests/conformance_tests/test_declared_facts.py): FSDPModule.unshard()
     # all-gathers in mp_policy.param_dtype, so under mixed precision the unsharded parameters are
     # in the compute dtype, and a root gathered by forward stays so (the adapter leaves units it
     # did not gather). It declares no refusals: fully_shard refuses none of the misuses, so it is
@@ -98,10 +98,10 @@ class TorchFSDP2Adapter(TorchAdapter):
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True, root_stays_unsharded=True)
     # Each parameter is split along dim 0 (Shard(0)): to_local() is this rank's rows, unpadded;
     # the all-gather output a parameter's unsharded view lives in holds ceil(rows / world size)
-    # x world size rows (proven in tests/conformance/test_declared_facts.py).
+    # x world size rows (proven in tests/conformance_tests/test_declared_facts.py).
     SHARD_LAYOUT = ShardLayout.ROWS
     NON_TP_2D_STATE_DICT_MESH = "dp"  # fully_shard keeps them on the dp mesh; test_declared_facts.py
-    if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance/test_declared_absences.py
+    if not HAS_IGNORED_PARAMS:  # torch 2.6; proven in tests/conformance_tests/test_declared_absences.py
         CAPABILITIES -= {Capability.IGNORED_MODULES}
     # On CPU, fully_shard records events on torch.cpu.Stream, which has record_event from torch 2.7.
     SUPPORTED_PLATFORMS = {"cpu": ">=2.7", "cuda": ""}

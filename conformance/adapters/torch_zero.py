@@ -25,7 +25,7 @@ optimizers): such a factory is called once on a one-element probe parameter to r
 ``defaults``. Under NO_SHARD the factory is simply called on the parameters.
 
 Everything DDP and ZeroRedundancyOptimizer do not do is declared missing with the reason, never
-emulated; each gap is tried on torch in tests/conformance/test_declared_absences.py. What is
+emulated; each gap is tried on torch in tests/conformance_tests/test_declared_absences.py. What is
 declared is what holds trivially for whole parameters: ``unshard()`` is a context that changes
 nothing (the parameters are always full; changes made inside persist, as torch FSDP1 documents
 for its unsharded units whatever ``writeback`` says; with ``with_grads`` the parameters show the

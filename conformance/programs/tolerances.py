@@ -6,7 +6,7 @@ model, with the same loss (the sum of the output) and learning rate, and smaller
 more rounding noise. Campaigns on the clean shipped
 backends (``docs/findings.md``) are the measurement that they hold on generated programs; a
 doubled, dropped or overwritten gradient lands far outside them (the family mutants of
-``tests/conformance/family_mutants.py``, caught by the generated tests).
+``tests/conformance_tests/family_mutants.py``, caught by the generated tests).
 """
 
 from __future__ import annotations

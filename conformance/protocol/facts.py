@@ -164,7 +164,7 @@ class BackendFacts:
 
     A base of :class:`~conformance.protocol.adapter.BackendAdapter`: an adapter overrides what its
     backend does differently, and proves each fact on the real library as
-    tests/conformance/test_declared_facts.py does.
+    tests/conformance_tests/test_declared_facts.py does.
     """
 
     # The backend's name (each adapter sets it): what messages about its declarations name.

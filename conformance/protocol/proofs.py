@@ -3,7 +3,7 @@
 A backend fact an adapter declares (:class:`~conformance.protocol.facts.BackendFacts`;
 docs/writing-an-adapter.md, "Backend facts") changes what the scenarios accept, so each one is
 a claim about the backend, to be proven by a test that calls the real library, not the adapter.
-tests/conformance/test_declared_facts.py proves the built-ins' facts with these helpers; an
+tests/conformance_tests/test_declared_facts.py proves the built-ins' facts with these helpers; an
 adapter package outside this repository proves its own with them too:
 
 - :data:`FACTS_NEEDING_PROOF`: the facts that need a proof;

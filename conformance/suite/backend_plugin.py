@@ -132,7 +132,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
-    """What a failed test's reproduction does with each option above (tests/harness/test_repro.py
+    """What a failed test's reproduction does with each option above (tests/harness_tests/test_repro.py
     fails when an option is missing here); --backend-path comes first, so --backend can import."""
     return {
         "--backend-path": harness.Carried(_backend_path_args),

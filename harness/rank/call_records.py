@@ -6,7 +6,7 @@ group, shapes, dtypes, the label, tensor names, the call site, the root and redu
 must agree on, and what each member sends and receives. They patch nothing, issue nothing and
 write nothing: the group of a call comes from a ``GroupTable`` and the record's position from a
 ``Numbering``, both the caller's (``harness.rank.tracing``), so they are tested on their own
-(tests/harness/test_call_records.py).
+(tests/harness_tests/test_call_records.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ module is its device part. What it covers, with why each matters for the next te
   reported unusable and replaced before the next test.
 
 Only the CUDA part needs a GPU; everything else is the same on a CPU rank and proven there
-(``tests/harness/test_isolation.py``).
+(``tests/harness_tests/test_isolation.py``).
 """
 
 from __future__ import annotations

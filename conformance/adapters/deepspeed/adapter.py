@@ -92,7 +92,7 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.NATIVE_CHECKPOINT,
         }
     )
-    # Backend facts (proven in tests/conformance/test_declared_facts.py where DeepSpeed is
+    # Backend facts (proven in tests/conformance_tests/test_declared_facts.py where DeepSpeed is
     # installed): its bf16/fp16 mode casts the model's parameters to the low dtype (float32 lives
     # only in the ZeRO optimizer's master partitions), so GatheredParameters shows that dtype.
     MIXED_PRECISION_UNSHARD = MixedPrecisionUnshard(shows_compute_dtype=True)

@@ -6,7 +6,7 @@ Each module holds one kind's handler (``handler``: the parts every kind must hav
 (``conformance.programs.export.operations``) ask :func:`handler_for` and never test an
 operation's type themselves. A new operation: its dataclass in ``conformance.programs.program``
 (added to ``Operation``), its handler module here, and its place in :data:`DRAW_ORDER` (and
-:data:`TWO_D_DRAW_ORDER` if 2-D programs may draw it); ``tests/conformance/test_operation_handlers.py``
+:data:`TWO_D_DRAW_ORDER` if 2-D programs may draw it); ``tests/conformance_tests/test_operation_handlers.py``
 says what is missing.
 """
 

@@ -14,7 +14,7 @@ its handler, one module per kind in this package, found by the operation's type:
 - ``script_lines``: its lines in an exported script's ``main``.
 
 A handler lacking a part is refused when it is registered (:func:`missing_parts`), and
-``tests/conformance/test_operation_handlers.py`` holds every registered kind to it, so a new
+``tests/conformance_tests/test_operation_handlers.py`` holds every registered kind to it, so a new
 operation forgotten in one part fails at import, not when a draw first reaches it.
 """
 
