@@ -39,7 +39,9 @@ runs), `reports_dir(config)` (where reports go), `require_writable` (refuse, bef
 report paths that could not be written), `failure_reason` (one line that explains a failed test:
 a `DistributedTestResult.reason`, else the first line of the failure's text) and
 `incomplete_reason` (why a session stopped before running every selected test), and `Carried` /
-`NotCarried` / `ReproPolicy` for the `pytest_harness_repro_options` hook. Report plugins receive a
+`NotCarried` / `ReproPolicy` for the `pytest_harness_repro_options` hook, and `RankModules` for the
+`pytest_harness_rank_modules` hook (the rank fixture, label provider and preload modules a plugin's
+tests need in every rank, so that an installed plugin needs no ini lines). Report plugins receive a
 `DistributedTestResult` per test (`pytest_harness_test_result`); `trace_cells` gives a trace
 record's cells as the harness's trace tables show them, and `trace_report_file(config, nodeid)`
 the trace file the harness wrote for a test.
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from harness.config.devices import RunContext
 from harness.config.preflight import require_writable
+from harness.config.rank_modules import RankModules
 from harness.config.repro import Carried, NotCarried, ReproPolicy
 from harness.config.world_sizes import WorldShape, world_size_of
 from harness.rank.call_sites import asymmetric, skip_call_sites_in
@@ -118,7 +121,8 @@ def device_kinds(config: pytest.Config) -> tuple[str, ...]:
 
 
 def reports_dir(config: pytest.Config) -> str:
-    """The directory this session writes its reports to (`--reports-dir`, default `<rootdir>/reports`)."""
+    """The directory this session writes its reports to (`--reports-dir`, default `reports/` in the
+    directory pytest was started from)."""
     from harness import plugin
 
     return plugin.reports_dir(config)
@@ -201,6 +205,7 @@ __all__ = [
     "DriftReport",
     "NotCarried",
     "RankContext",
+    "RankModules",
     "ReplicaDrift",
     "ReplicaReport",
     "ReplicaSnapshot",

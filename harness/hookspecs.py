@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.config.rank_modules import RankModules
 from harness.config.repro import ReproPolicy
 from harness.report.results import DistributedTestResult
 
@@ -40,6 +41,21 @@ def pytest_harness_repro_options() -> dict[str, ReproPolicy]:
     follow the call order (the conformance plugin's `--backend-path` before its `--backend`).
     """
     raise NotImplementedError  # a hook specification: pytest collects the implementations
+
+
+@pytest.hookspec
+def pytest_harness_rank_modules(config: pytest.Config) -> RankModules | None:
+    """The modules this plugin's tests need in every rank (`harness.RankModules`: rank fixture
+    modules, collective label providers, zygote preloads), as the `rank_fixture_modules`,
+    `collective_label_providers` and `rank_preload_modules` ini options list a project's own.
+
+    A plugin shipped in a package returns them here, so that it works from any directory without
+    ini lines of the user's (the conformance plugin registers its `backend` rank fixture this way).
+    Called once, in the harness's `pytest_configure`; the ini file's entries come first, then every
+    implementation's in call order, each entry once (`harness.config.rank_modules`). A failed
+    test's reproduction loads the same plugins, so these need no carrying.
+    """
+    raise NotImplementedError
 
 
 @pytest.hookspec

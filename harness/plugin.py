@@ -28,6 +28,7 @@ from harness import hookspecs
 from harness.config import devices, preflight, repro, world_sizes
 from harness.config.deadlines import PYTEST_TIMEOUT_PLUGIN, PytestTimeoutBridge
 from harness.config.devices import DEVICE_CHOICES, DevicePlan, DeviceTally, RunContext, visible_gpu_count
+from harness.config.rank_modules import session_rank_modules
 from harness.config.signals import SignalGuard
 from harness.config.torchrun import torchrun_world
 from harness.config.world_sizes import world_size_of  # also imported from here by other plugins
@@ -117,7 +118,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--reports-dir",
         metavar="DIR",
         default=None,
-        help="where the reports go: junit/rank-<r>.xml, traces/, conformance.md and .html (default: <rootdir>/reports)",
+        help="where the reports go: junit/rank-<r>.xml, traces/, conformance.md and .html (default: "
+        "reports/ in the directory pytest was started from)",
     )
     parser.addini(
         "rank_fixture_modules",
@@ -185,17 +187,18 @@ def pytest_configure(config: pytest.Config) -> None:
         value = getattr(config.option, name)
         if value <= 0:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
-    modules = tuple(config.getini("rank_fixture_modules"))
-    for module in modules:
+    modules = session_rank_modules(config)
+    for module in modules.fixtures:
         try:
             importlib.import_module(module)
         except ImportError as error:
             raise pytest.UsageError(
-                f"rank_fixture_modules lists {module!r}, which cannot be imported ({error}); "
-                "fix the module name in the ini file or make the module importable"
+                f"rank fixture module {module!r} (from the rank_fixture_modules ini option or a plugin's "
+                f"pytest_harness_rank_modules) cannot be imported ({error}); fix the module name or make "
+                "the module importable"
             ) from error
     _register_placeholders(config)
-    reports_dir = preflight.reports_directory(config.getoption("reports_dir"), str(config.rootpath))
+    reports_dir = preflight.reports_directory(config.getoption("reports_dir"), str(config.invocation_params.dir))
     preflight.require_writable(
         directories=[
             ("the per-rank JUnit files", os.path.join(reports_dir, "junit")),
@@ -306,6 +309,22 @@ def _register_placeholders(config: pytest.Config) -> None:
 
         setattr(holder, f"rank_fixture_{name}", pytest.fixture(name=name)(placeholder))
     config.pluginmanager.register(holder, "harness-rank-fixture-placeholders")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Where the reports go: the directory pytest was started from unless --reports-dir says otherwise
+    (a suite run from an installed package writes into the user's directory, never site-packages)."""
+    session = config.stash.get(_SESSION, None)
+    if session is None:
+        return []
+    directory = session.reports_dir
+    try:
+        shown = os.path.relpath(directory, config.invocation_params.dir)
+    except ValueError:  # another drive (Windows)
+        shown = directory
+    if not shown.startswith(".."):
+        shown = os.path.join(".", shown)
+    return [f"harness reports: {shown} (change with --reports-dir)"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

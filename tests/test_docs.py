@@ -26,6 +26,7 @@ OUR_GROUPS = ("distributed test harness", "FSDP conformance suite")
 # Options of other tools that the docs show in their commands (not ours to check).
 OTHER_TOOLS = {
     "--lf": "pytest",
+    "--no-deps": "pip",
     "--rootdir": "pytest",
     "--timeout": "pytest-timeout",
     "--dist": "pytest-xdist (refused by harness.config.preflight)",

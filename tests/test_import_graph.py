@@ -142,6 +142,7 @@ CONFORMANCE_SIDES = {
     "conformance.suite": SHARED,  # the pytest plugin, and the rank-side backend fixture
     "conformance.report": PARENT,
     "conformance.adapters": SHARED,
+    "conformance.__main__": TOOL,
     "conformance.programs": SHARED,  # generated programs: drawn in the parent, run in the ranks
     "conformance.test_*": RANK,  # the scenarios (expectation ids embed their paths: they stay at the top)
     "conformance.scenario_*": RANK,  # what several scenario modules share (specs, the unshard models and helpers)

@@ -94,8 +94,9 @@ def backend(ctx: RankContext) -> Iterator[BackendAdapter]:
     selection = ctx.params.get("backend")
     if selection is None:
         raise LookupError(
-            "this test takes `backend` but was not parametrized with one: load "
-            "conformance.suite.backend_plugin (root conftest pytest_plugins) so --backend applies"
+            "this test takes `backend` but was not parametrized with one: the conformance plugin "
+            "(conformance.suite.backend_plugin, loaded by the installed package's pytest11 entry point) "
+            "is disabled in this session; drop -p no:conformance.suite.backend_plugin so --backend applies"
         )
     vacuous = None
     with opened_backend(

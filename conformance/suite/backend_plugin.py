@@ -1,6 +1,8 @@
 """pytest plugin: ``--backend`` selection, backend parametrization, expected-failure outcomes.
 
-Loaded by the root conftest (``pytest_plugins = ["harness.plugin", "conformance.suite.backend_plugin"]``).
+Loaded through the package's ``pytest11`` entry point wherever the package is installed (and by
+this repository's root conftest), so ``python -m pytest --pyargs conformance --backend ...`` runs
+from any directory; what the ranks need comes from ``pytest_harness_rank_modules``.
 This module holds the options and ``pytest_configure``, which resolves every ``--backend`` once
 into a :class:`SelectedBackend` (its selection, adapter name, ``module:attr`` target, adapter
 class, expectations, origin, and the gate's refusal) and registers the run's one
@@ -37,12 +39,13 @@ from typing import Any
 import pytest
 import torch
 
+import conformance
 import harness
 from conformance.protocol import BackendAdapter, versions
 from conformance.report.html import render_html
 from conformance.report.matrix import Matrix, RunDetails, classify, classify_status, render_markdown
 from conformance.report.trace_view import TraceView
-from conformance.suite import expectations, gate, generation, registry
+from conformance.suite import expectations, gate, generation, library_sites, registry
 from harness import skip_reason as skip_reason_of
 
 # Scenarios are distributed tests: the harness must be there (loading it twice is a no-op).
@@ -129,6 +132,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         ),
     )
     generation.add_options(group)
+
+
+def pytest_harness_rank_modules(config: pytest.Config) -> harness.RankModules:
+    """What every rank needs for the scenarios, from the plugin itself (no ini lines of the user's,
+    so an installed suite runs from any directory): the ``backend`` rank fixture, the reference
+    engine's collective labels, and, in a session that runs the suite, the zygote's preloads."""
+    selections = config.getoption("backend") or []
+    preload: tuple[str, ...] = ()
+    if _session_reaches_suite(config):
+        # Imported by the zygote once rather than by each of a run's ~30 ranks (~2 s of CPU each):
+        # Dynamo comes with the first optimizer step (torch.optim's `_disable_dynamo`).
+        preload = ("torch._dynamo",)
+    if any(selection == registry.ALL or "deepspeed" in selection.lower() for selection in selections):
+        # DeepSpeed's Muon module calls torch.compile at import (~1 s of CPU per rank). An adapter
+        # named by import path that wraps DeepSpeed without saying so costs its ranks that import,
+        # never a verdict.
+        preload = (*preload, "torch._inductor.compile_fx")
+    return harness.RankModules(
+        fixtures=("conformance.suite.backend_fixture",),
+        label_providers=("engine.collectives:current_label",),
+        preload=preload,
+    )
 
 
 def pytest_harness_repro_options() -> dict[str, harness.ReproPolicy]:
@@ -279,10 +304,40 @@ def _parametrizes_backend_itself(metafunc: pytest.Metafunc) -> bool:
     return False
 
 
+# The directory that holds the installed `conformance` package (this repository's root in a clone).
+_SUITE_ROOT = Path(conformance.__file__).resolve().parent.parent
+_SCENARIO_MODULE_PREFIX = "conformance.test_"
+
+
+def scenario_file_id(item: pytest.Item) -> str:
+    """The file a test is named by in scenario ids, the matrix and expectations: a scenario's own
+    module (``conformance/test_x.py``) wherever it was collected from (``--pyargs conformance`` from
+    an installed package, a backend repository's ``from conformance.suite.scenarios import *``);
+    any other test's file as pytest names it (its path from the root directory)."""
+    module_name = getattr(getattr(item, "function", None), "__module__", None) or ""
+    if module_name.startswith(_SCENARIO_MODULE_PREFIX):
+        return module_name.replace(".", "/") + ".py"
+    return item.nodeid.split("::", 1)[0]
+
+
+def suite_nodeid(item: pytest.Item) -> str:
+    """``item.nodeid`` with its file named by :func:`scenario_file_id`."""
+    return f"{scenario_file_id(item)}::{item.nodeid.partition('::')[2]}"
+
+
+def _file_path(file: str, config: pytest.Config) -> Path:
+    """Where an expectations entry's file is: under the root directory, else (a scenario module of
+    an installed suite) in the installed package."""
+    path = config.rootpath / file
+    if not path.exists() and file.startswith("conformance/") and (_SUITE_ROOT / file).exists():
+        return _SUITE_ROOT / file
+    return path
+
+
 def _scenario(item: pytest.Item) -> str:
     """The matrix row of a test: its file's name and function, without parameters."""
-    module, _, function = item.nodeid.partition("::")
-    return f"{module.rsplit('/', 1)[-1]}::{function.split('[')[0]}"
+    function = item.nodeid.partition("::")[2]
+    return f"{scenario_file_id(item).rsplit('/', 1)[-1]}::{function.split('[')[0]}"
 
 
 def _shown_path(path: Path, config: pytest.Config) -> str:
@@ -312,13 +367,46 @@ def _import_directories(selection: str, config: pytest.Config) -> list[str]:
 
 
 def _covered_files(config: pytest.Config) -> set[Path]:
-    """Files and directories the run asked for whole (a ``file::test`` argument covers nothing)."""
+    """Files and directories the run asked for whole (a ``file::test`` argument covers nothing);
+    under ``--pyargs``, a module or package name stands for its file or directory."""
     covered = set()
     for arg in config.args:
         if "::" in arg:
             continue
-        covered.add((config.invocation_params.dir / arg.split("[", 1)[0]).resolve())
+        path = (config.invocation_params.dir / arg.split("[", 1)[0]).resolve()
+        if not path.exists() and config.getoption("pyargs", False):
+            path = _module_location(arg) or path
+        covered.add(path)
     return covered
+
+
+def _session_reaches_suite(config: pytest.Config) -> bool:
+    """Whether the session selects backends (``--backend``) or its arguments reach the scenario
+    modules (the directory of the installed ``conformance`` package, or one holding it)."""
+    if config.getoption("backend"):
+        return True
+    suite = (_SUITE_ROOT / "conformance").resolve()
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::", 1)[0].split("[", 1)[0]).resolve()
+        if not path.exists() and config.getoption("pyargs", False):
+            path = _module_location(arg.split("::", 1)[0]) or path
+        if path == suite or suite in path.parents or path in suite.parents:
+            return True
+    return False
+
+
+def _module_location(name: str) -> Path | None:
+    """The file or package directory of an importable module name (``--pyargs`` arguments)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    origin = Path(spec.origin).resolve()
+    return origin.parent if spec.submodule_search_locations else origin
 
 
 @dataclass(eq=False)  # a plugin is registered by identity
@@ -334,6 +422,10 @@ class ConformanceRun:
     skips: dict[str, list[str]] = field(default_factory=dict)
     """Backend name -> the skip reasons of its tests."""
     stale: list[expectations.StaleEntry] = field(default_factory=list)
+    library_hints: list[str] = field(default_factory=list)
+    """Divergences seen inside a library the adapter's BACKEND_MODULES does not declare (the end-of-run hints)."""
+    collected_paths: dict[str, set[Path]] = field(default_factory=dict)
+    """A test file id (:func:`scenario_file_id`) -> the files its tests were collected from."""
     incomplete: str | None = None
     """Why the run stopped early (``harness.incomplete_reason``), at session finish."""
     backends: list[SelectedBackend] = field(init=False)
@@ -380,9 +472,16 @@ class ConformanceRun:
         )
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        """The backends, each with where it came from and its expectations file, and, for
-        ``--backend all``, the optional built-ins it could not pick up."""
-        lines = [f"conformance backends: {', '.join(backend.name for backend in self.backends)}"]
+        """The suite's versions, the backends, each with where it came from and its expectations
+        file, and, for ``--backend all``, the optional built-ins it could not pick up. Said when the
+        session selects backends or reaches the scenarios: the plugin loads in every session of an
+        environment that has the package, and a project's unrelated tests need none of this."""
+        if not _session_reaches_suite(config):
+            return []
+        lines = [
+            versions.version_line(),
+            f"conformance backends: {', '.join(backend.name for backend in self.backends)}",
+        ]
         for backend in self.backends:
             entries = backend.expectations
             source = (
@@ -414,10 +513,11 @@ class ConformanceRun:
             if not isinstance(node, pytest.Item):
                 continue
             name = self._name(node)
+            self.collected_paths.setdefault(scenario_file_id(node), set()).add(node.path.resolve())
             if name is not None:
-                self.record.note_collected(name, expectations.scenario_id(node.nodeid, name))
+                self.record.note_collected(name, expectations.scenario_id(suite_nodeid(node), name))
             else:
-                self.record.collected_files.add(node.nodeid.split("::", 1)[0])
+                self.record.collected_files.add(scenario_file_id(node))
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """Every selected test is planned in its matrix cell: one that never reports is "not run"."""
@@ -438,7 +538,7 @@ class ConformanceRun:
         if backend is None:
             return report
         name = backend.name
-        scenario = expectations.scenario_id(item.nodeid, name)
+        scenario = expectations.scenario_id(suite_nodeid(item), name)
         context = run_context(item)
         entry = None
         if report.when == "call":
@@ -483,6 +583,8 @@ class ConformanceRun:
         elif outcome == "fail":
             reason = harness.failure_reason(result.reason, result.message)
         failed = outcome == "fail"
+        if failed and result.diverged_at:
+            self._note_library_sites(item, name, result)
         self._enter(
             item,
             name,
@@ -495,6 +597,21 @@ class ConformanceRun:
             if failed and result.traces
             else None,
         )
+
+    def _note_library_sites(self, item: pytest.Item, name: str, result: harness.DistributedTestResult) -> None:
+        """A divergence seen inside a library the adapter does not declare: the hint to declare it."""
+        backend = self.backend_of(item)
+        if backend is None:
+            return
+        adapter = backend.adapter_cls
+        sites = library_sites.undeclared_library_sites(
+            library_sites.divergent_records(result),
+            adapter.BACKEND_MODULES,
+            adapter.__module__,
+            self.config.invocation_params.dir,
+        )
+        if sites:
+            self.library_hints.append(library_sites.describe(item.nodeid, name, adapter.__name__, sites))
 
     def _record(
         self, item: pytest.Item, name: str, report: pytest.TestReport, entry: expectations.ExpectedFailure | None
@@ -547,11 +664,15 @@ class ConformanceRun:
 
     # -- a failed test's REPRO line ---------------------------------------------------------
     def backend_path_args(self, item: pytest.Item) -> list[str]:
-        """What makes the failed test's import-path backend importable (when plain pytest would not find it)."""
+        """What makes the failed test's import-path backend importable: every ``--backend-path``
+        the run was given (an adapter may import its backend, or a helper, from a second one), each
+        absolute since the re-run starts in the root directory, then the adapter module's own
+        ``sys.path`` entry when plain pytest would not find it there."""
         backend = self.backend_of(item)
         if backend is None:
             return []
-        directories = _import_directories(backend.selection, self.config)
+        given = [str(Path(directory).resolve()) for directory in self.config.getoption("backend_path")]
+        directories = list(dict.fromkeys([*given, *_import_directories(backend.selection, self.config)]))
         return [arg for directory in directories for arg in ("--backend-path", directory)]
 
     def backend_args(self, item: pytest.Item) -> list[str]:
@@ -572,13 +693,15 @@ class ConformanceRun:
         roots = _covered_files(config)
 
         def covered(file: str) -> bool:
-            path = (config.rootpath / file).resolve()
-            return any(path == root or root in path.parents for root in roots)
+            # Where its tests were collected from (a backend repository's file that star-imports the
+            # scenarios covers them), else where the file is.
+            paths = self.collected_paths.get(file) or {_file_path(file, config).resolve()}
+            return any(path == root or root in path.parents for path in paths for root in roots)
 
         def never_collected(file: str) -> str | None:
-            path = config.rootpath / file
+            path = _file_path(file, config)
             if not path.is_file():
-                return f"its file {file} does not exist (under {config.rootpath})"
+                return f"its file {file} does not exist (under {config.rootpath} or the installed suite, {_SUITE_ROOT})"
             patterns = config.getini("python_files")
             if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
                 return f"its file {file} is not a test file (python_files: {' '.join(patterns)})"
@@ -619,11 +742,18 @@ class ConformanceRun:
         return written
 
     def pytest_harness_summary_lines(self, config: pytest.Config) -> list[str]:
-        """The backends this run tested, first in the end-of-run summary (-q hides the header)."""
+        """The backends this run tested, first in the end-of-run summary (-q hides the header);
+        nothing in a session that collected no scenario."""
+        if not self.record.collected and not _session_reaches_suite(config):
+            return []
         return [f"backends: {', '.join(backend.name for backend in self.backends)}"]
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         self._warn_older_protocols(terminalreporter)
+        if self.library_hints:
+            terminalreporter.section("call sites inside backend libraries", sep="=", yellow=True)
+            for line in self.library_hints:
+                terminalreporter.write_line(line, yellow=True)
         self._summarise_stale(terminalreporter)
 
     def _warn_older_protocols(self, terminalreporter: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import sys
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 
 from conformance.protocol import BackendAdapter
@@ -166,6 +167,30 @@ def target_of(selection: str) -> str:
     return target
 
 
+def _import_failure(selection: str, module_name: str, error: ImportError) -> str:
+    """Why an adapter module did not import, and the fix: the module itself not on the search path
+    (name the directory to pass with --backend-path), or something it imports missing."""
+    missing = getattr(error, "name", None)
+    search_path = ", ".join(entry or "'' (the working directory)" for entry in sys.path)
+    top = module_name.partition(".")[0]
+    if missing is not None and (module_name == missing or module_name.startswith(f"{missing}.")):
+        return (
+            f"backend {selection!r} is not available: module {module_name!r} is not on the module search "
+            f"path ({error}); pass --backend-path DIR with the directory that holds {top!r} ({top}.py or "
+            f"{top}/), or pip install the package that provides it. Searched (sys.path): {search_path}"
+        )
+    return (
+        f"backend {selection!r} is not available: importing {module_name!r} failed ({error}); "
+        + (
+            f"{missing!r}, which it imports, is missing: install it, or pass --backend-path DIR with the "
+            f"directory that holds it. "
+            if missing is not None
+            else "install what it imports, or choose another --backend. "
+        )
+        + f"Searched (sys.path): {search_path}"
+    )
+
+
 def load(selection: str) -> type[BackendAdapter]:
     """Import the adapter class behind ``selection``, with an error that names the fix."""
     return load_target(target_of(selection), selection)
@@ -181,10 +206,7 @@ def load_target(target: str, selection: str | None = None) -> type[BackendAdapte
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise BackendSelectionError(
-            f"backend {selection!r} is not available: importing {module_name!r} failed "
-            f"({error}); install the package that provides it or choose another --backend"
-        ) from error
+        raise BackendSelectionError(_import_failure(selection, module_name, error)) from error
     except Exception as error:
         raise BackendSelectionError(
             f"backend {selection!r}: importing {module_name!r} raised {type(error).__name__}: {error}; "

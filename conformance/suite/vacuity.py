@@ -23,7 +23,10 @@ body passed, two things must hold:
 
    A claim that is observable and not met fails the test as :class:`StorageClaimNotMet`, with
    the numbers: a backend that replicates what it claims to shard (plain DDP declaring ZeRO-1)
-   trains exactly like the oracle, so its passes would be false. The exact check over all ranks
+   trains exactly like the oracle, so its passes would be false. The message names the
+   strategies whose claims match what this rank stores of each kind the test left observable
+   (:func:`matching_strategies`: an adapter written when the docs mapped DeepSpeed's stage 2 to
+   SHARD_GRAD_OP stores what SHARD_GRAD_AND_OPTIM_STATE claims), or says that none does. The exact check over all ranks
    and phases is the storage scenario's (``conformance/test_storage.py``); this one is rank-local
    and runs after every test.
 
@@ -45,7 +48,7 @@ body passed, two things must hold:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,7 @@ from conformance.protocol import (
     Holding,
     Phase,
     ShardingSpec,
+    ShardingStrategy,
     Stored,
     shard_group_size,
     storage_claim,
@@ -88,6 +92,69 @@ class ExercisedNothing(AssertionError):
 
 class StorageClaimNotMet(AssertionError):
     """A test passed, but its backend stores whole what its strategy claims to shard."""
+
+
+# What other libraries and papers call a strategy, for the message naming the one that matches.
+KNOWN_AS: Mapping[ShardingStrategy, str] = {
+    ShardingStrategy.FULL_SHARD: "ZeRO-3",
+    ShardingStrategy.NO_SHARD: "DDP, ZeRO stage 0",
+    ShardingStrategy.SHARD_OPTIM_STATE: "ZeRO-1",
+    ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE: "ZeRO-2",
+}
+
+
+def matching_strategies(measured: Mapping[Stored, Holding]) -> list[ShardingStrategy]:
+    """The strategies, in the vocabulary's order, whose storage claim at rest
+    (``conformance.protocol.STORAGE_CLAIMS``) is what ``measured`` shows for every kind in it
+    (kinds a test left unobserved are not in it and rule nothing out)."""
+    return [
+        strategy
+        for strategy in ShardingStrategy
+        if all(storage_claim(strategy).holding(kind, Phase.AT_REST) is holding for kind, holding in measured.items())
+    ]
+
+
+def _named(strategy: ShardingStrategy) -> str:
+    known_as = KNOWN_AS.get(strategy)
+    return f"{strategy.name} ({known_as})" if known_as else strategy.name
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def storage_verdict(declared: ShardingStrategy, where: str, measured: Mapping[Stored, Holding]) -> str:
+    """What to declare instead of ``declared``, whose claim ``measured`` (what this rank stores of
+    the model ``where`` names) does not meet: the strategies that match it, or that none does."""
+    stores = ", ".join(f"{kind.value} {measured[kind].value}" for kind in Stored if kind in measured)
+    matches = matching_strategies(measured)
+    if not matches:
+        failed = _listed(
+            [
+                kind.value
+                for kind in Stored
+                if kind in measured and _claims_sharded(declared, kind) and measured[kind] is Holding.WHOLE
+            ]
+        )
+        return (
+            f"{where}: its claim for {failed} failed, and no strategy matches what your backend stores "
+            f"({stores}): declaring another one would not help; make the backend shard what "
+            f"{declared.name} claims, or fix the storage hooks if they read the wrong tensor"
+        )
+    if len(matches) == 1:
+        return (
+            f"{where}: what your backend stores ({stores}) matches {_named(matches[0])}: declare that "
+            f"instead of {declared.name}"
+        )
+    return (
+        f"{where}: what your backend stores ({stores}) matches {_listed([_named(s) for s in matches])}, which "
+        f"this test cannot tell apart: declare the one your backend implements instead of {declared.name} "
+        "(conformance/test_storage.py reads every kind)"
+    )
+
+
+def _claims_sharded(strategy: ShardingStrategy, kind: Stored) -> bool:
+    return storage_claim(strategy).holding(kind, Phase.AT_REST) is Holding.SHARDED
 
 
 @dataclass
@@ -204,17 +271,22 @@ class ShardWatch:
             # Nothing the claim shards was observable: the signs replication shows (shrunk
             # storage, units, or a collective below) are the evidence.
             shown.append(any(observed.values()) or model.storage_shrank or self._has_units(model))
-            broken += [problem for problem in observed.values() if isinstance(problem, str)]
+            problems = [problem for problem in observed.values() if isinstance(problem, str)]
+            if problems:
+                # What the rank stores of every kind, not only those the claim shards: what matches.
+                measured = {kind: holding for kind, (holding, _) in self._measured(model, Stored).items()}
+                broken += [*problems, storage_verdict(model.spec.strategy, self._where(model), measured)]
         if broken:
             return StorageClaimNotMet(
                 f"this test passed, but the {self.adapter.name} backend does not store what its strategy "
-                f"claims at world size {world_size}:\n  " + "\n  ".join(broken) + "\nA backend that "
-                "replicates what its strategy shards trains exactly like the single-process oracle, so "
-                "this pass would be false. Fix the adapter: map the strategy onto a configuration of the "
-                "backend that shards what conformance.protocol.STORAGE_CLAIMS says, or leave the strategy "
-                "out of CAPABILITIES and declare the one the backend implements; if the storage hooks "
-                "(local_shard, local_grad_shard, local_optim_state) read the wrong tensor, fix them. "
-                "conformance/test_storage.py shows every rank's numbers at every phase"
+                f"claims at world size {world_size}:\n  " + "\n  ".join(dict.fromkeys(broken)) + "\nA backend "
+                "that replicates what its strategy shards trains exactly like the single-process oracle, so "
+                "this pass would be false. Fix the adapter: declare the strategy its storage matches where "
+                "one is named above, or map the strategy onto a configuration of the backend that shards what "
+                "conformance.protocol.STORAGE_CLAIMS says, leaving out of CAPABILITIES the strategies the "
+                "backend does not implement; if the storage hooks (local_shard, local_grad_shard, "
+                "local_optim_state) read the wrong tensor, fix them. conformance/test_storage.py shows every "
+                "rank's numbers at every phase"
             )
         if self.backend_collectives or all(shown):
             return None
@@ -238,41 +310,61 @@ class ShardWatch:
         if len(model.spec.strategies()) != 1 or shard_group_size(model.spec, world_size) < 2:
             return {}  # mixed strategies or a group of one: no single claim to read
         claim = storage_claim(model.spec.strategy)
+        sharded = [kind for kind in Stored if claim.holding(kind, Phase.AT_REST) is Holding.SHARDED]
+        measured = self._measured(model, sharded)
         observed: dict[Stored, bool | str] = {}
-        where = f"{model.spec.strategy.name} ({model.form.name.lower()} form)"
-        total = sum(model.numels.values())
-        if claim.parameters[Phase.AT_REST] is Holding.SHARDED:
-            if model.storage_shrank or local_numel(model.module) < total or self._has_units(model):
-                observed[Stored.PARAMETERS] = True
-            else:
-                observed[Stored.PARAMETERS] = (
-                    f"{where} claims parameters sharded; this rank stores all {total} parameter elements "
-                    "and the adapter reports no unit"
+        for kind in sharded:
+            if kind in measured:
+                holding, stores = measured[kind]
+                observed[kind] = holding is Holding.SHARDED or (
+                    f"{self._where(model)} claims {kind.value} sharded; this rank stores {stores}"
                 )
-        if claim.gradients is Holding.SHARDED:
-            grads = self._stored(model, Stored.GRADIENTS)
-            if grads:
-                stored = sum(grads.values())
-                observed[Stored.GRADIENTS] = stored < total or (
-                    f"{where} claims gradients sharded; this rank stores {stored} gradient elements of a "
-                    f"model with {total} parameter elements"
-                )
-        if claim.optimizer_state is Holding.SHARDED:
-            for optimizer in model.optimizers:
-                state = self._stored(model, Stored.OPTIMIZER_STATE, optimizer)
-                by_name: dict[str, int] = {}
-                for key, count in state.items():
-                    name = key.rsplit("[", 1)[1].rstrip("]")
-                    by_name[name] = by_name.get(name, 0) + count
-                for name, stored in sorted(by_name.items()):
-                    if stored >= total:
-                        observed[Stored.OPTIMIZER_STATE] = (
-                            f"{where} claims optimizer state sharded; this rank stores {stored} elements of "
-                            f"the optimizer's {name!r} state for a model with {total} parameter elements"
-                        )
-                        break
-                    observed[Stored.OPTIMIZER_STATE] = True
+            elif kind is Stored.PARAMETERS:  # whole storage, but a unit: a backend that shards lazily
+                observed[kind] = True
         return observed
+
+    def _measured(self, model: ShardedModel, kinds: Iterable[Stored]) -> dict[Stored, tuple[Holding, str]]:
+        """What this rank stores of each of ``kinds`` that the test left observable: its share
+        (fewer elements than the model has parameter elements) or all of it, with what it stores
+        as the message says it. Parameters at full size with a unit reported are left out: a
+        backend that shards lazily, or whole NO_SHARD units, the storage cannot tell."""
+        total = sum(model.numels.values())
+        measured: dict[Stored, tuple[Holding, str]] = {}
+        for kind in kinds:
+            if kind is Stored.PARAMETERS:
+                if model.storage_shrank or local_numel(model.module) < total:
+                    measured[kind] = (Holding.SHARDED, "")
+                elif not self._has_units(model):
+                    stores = f"all {total} parameter elements and the adapter reports no unit"
+                    measured[kind] = (Holding.WHOLE, stores)
+            elif kind is Stored.GRADIENTS:
+                grads = self._stored(model, Stored.GRADIENTS)
+                if grads:
+                    stored = sum(grads.values())
+                    stores = f"{stored} gradient elements of a model with {total} parameter elements"
+                    measured[kind] = (Holding.SHARDED if stored < total else Holding.WHOLE, stores)
+            else:
+                for optimizer in model.optimizers:
+                    by_name: dict[str, int] = {}
+                    for key, count in self._stored(model, Stored.OPTIMIZER_STATE, optimizer).items():
+                        name = key.rsplit("[", 1)[1].rstrip("]")
+                        by_name[name] = by_name.get(name, 0) + count
+                    whole = [(name, stored) for name, stored in sorted(by_name.items()) if stored >= total]
+                    if whole:
+                        name, stored = whole[0]
+                        stores = (
+                            f"{stored} elements of the optimizer's {name!r} state for a model with {total} "
+                            "parameter elements"
+                        )
+                        measured[kind] = (Holding.WHOLE, stores)
+                        break
+                    if by_name:
+                        measured[kind] = (Holding.SHARDED, "")
+        return measured
+
+    @staticmethod
+    def _where(model: ShardedModel) -> str:
+        return f"{model.spec.strategy.name} ({model.form.name.lower()} form)"
 
     def _stored(self, model: ShardedModel, stored: Stored, optimizer: Any = None) -> dict[str, int]:
         try:

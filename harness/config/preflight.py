@@ -55,11 +55,14 @@ def writable_file_problem(path: str) -> str | None:
     return writable_directory_problem(parent, called=parent)
 
 
-def reports_directory(given: str | None, rootdir: str) -> str:
-    """The session's reports directory, absolute and created: `--reports-dir` (`given`), else
-    `<rootdir>/reports`. Refused (usage error) when files cannot be created in it; what goes in
-    it is checked by `require_writable`, by each plugin that writes there."""
-    directory = os.path.abspath(given) if given else os.path.join(rootdir, "reports")
+def reports_directory(given: str | None, invocation_dir: str) -> str:
+    """The session's reports directory, absolute and created: `--reports-dir` (`given`, relative to
+    where pytest was started), else `<invocation dir>/reports`: the user's directory, also when the
+    suite runs from an installed package or from a subdirectory of the root directory. Refused
+    (usage error) when files cannot be created in it; what goes in it is checked by
+    `require_writable`, by each plugin that writes there."""
+    directory = os.path.join(invocation_dir, given or "reports")
+    directory = os.path.abspath(directory)
     problem = writable_directory_problem(directory, called="it")
     if problem is None:
         try:

@@ -8,8 +8,8 @@ is missing from its table). A failure's arguments (node id, the carried options,
 `-c`/`-o`/`-p`/`--rootdir`, plus what other plugins add through `pytest_harness_repro_args`) are
 printed as a `REPRO:` line and recorded in pytest's cache; `pytest --repro NODEID` replaces the
 process with that recorded command, traces shown. The re-run writes its reports to
-`--reports-dir` if given, else to `<rootdir>/reports/repro`: never over the reports of the run it
-reproduces.
+`--reports-dir` if given, else to `reports/repro` in the directory pytest was started from: never
+over the reports of the run it reproduces.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def reexec_recorded(config: pytest.Config, nodeid: str) -> None:
     if capture is not None:
         capture.stop_global_capturing()
     # Absolute before the chdir: a relative --reports-dir was meant from where pytest was started.
-    reports_dir = os.path.abspath(config.getoption("reports_dir") or os.path.join(config.rootpath, "reports", "repro"))
+    reports_dir = os.path.join(config.invocation_params.dir, config.getoption("reports_dir") or "reports/repro")
+    reports_dir = os.path.abspath(reports_dir)
     os.chdir(config.rootpath)
     os.execv(
         sys.executable,

@@ -93,8 +93,9 @@ def resolve(names: tuple[str, ...], ctx: RankContext, stack: ExitStack) -> dict[
             factory = _REGISTRY[key]
         except KeyError:
             raise LookupError(
-                f"rank fixture {key!r} is not registered in this rank: list its module in "
-                "the 'rank_fixture_modules' ini option"
+                f"rank fixture {key!r} is not registered in this rank: list the module that registers it "
+                "in the 'rank_fixture_modules' ini option, or return it from the plugin's "
+                "pytest_harness_rank_modules hook (harness.RankModules(fixtures=...))"
             ) from None
         if inspect.isgeneratorfunction(factory):
             generator = factory(ctx)

@@ -24,6 +24,7 @@ import torch
 
 from harness.config import repro
 from harness.config.devices import DevicePlan, plan_world
+from harness.config.rank_modules import RankModules
 from harness.config.torchrun import TorchrunWorld
 from harness.message_text import describe_exception
 from harness.messages import RankOutcome, RankResult, Status, TestTask, picklable
@@ -87,11 +88,12 @@ class HarnessSession:
     torchrun: TorchrunWorld | None = None
     """The torchrun world this process is a rank of (the torchrun session), else None."""
 
-    def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
+    def __init__(self, config: pytest.Config, rank_modules: RankModules, reports_dir: str) -> None:
         self.config = config
         self.options = config.option
-        self.rank_fixture_modules = rank_fixture_modules
-        self.label_providers = tuple(config.getini("collective_label_providers"))
+        self.rank_modules = rank_modules
+        self.rank_fixture_modules = rank_modules.fixtures
+        self.label_providers = rank_modules.label_providers
         self.dispatched = 0
         self.reports_dir = reports_dir
         self.forwarded_options = {

@@ -18,6 +18,7 @@ import torch
 
 from harness.config.deadlines import deadline_of
 from harness.config.devices import visible_gpu_count
+from harness.config.rank_modules import RankModules
 from harness.message_text import read_tail
 from harness.messages import RankResult, TestTask
 from harness.process.launcher import WorkerLauncher
@@ -44,8 +45,8 @@ def agent_store_error(failure: str) -> str:
 class PoolSession(HarnessSession):
     """The parent owns warm pools of rank processes, one per (world size, device, timeout)."""
 
-    def __init__(self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str) -> None:
-        super().__init__(config, rank_fixture_modules, reports_dir)
+    def __init__(self, config: pytest.Config, rank_modules: RankModules, reports_dir: str) -> None:
+        super().__init__(config, rank_modules, reports_dir)
         self.tag = uuid.uuid4().hex[:12]
         sweep_stale_run_dirs(tempfile.gettempdir())
         self.run_dir = tempfile.mkdtemp(prefix=run_dir_name(self.tag))
@@ -58,7 +59,7 @@ class PoolSession(HarnessSession):
         self._reaper: Reaper | None = None
         # Imported once, by the zygote. See [Note: zygote preload] in harness.rank.zygote.
         provider_modules = tuple(spec.partition(":")[0] for spec in self.label_providers)
-        preload = (*config.getini("rank_preload_modules"), *provider_modules, *rank_fixture_modules)
+        preload = (*rank_modules.preload, *provider_modules, *rank_modules.fixtures)
         self.launcher = WorkerLauncher(
             self.run_dir, self.tag, on_spawn=self._on_spawn, preload=tuple(dict.fromkeys(preload))
         )

@@ -25,6 +25,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from harness.config.rank_modules import RankModules
 from harness.config.torchrun import TorchrunWorld
 from harness.messages import RankLoss, RankResult, TestTask
 from harness.process.rank_env import loopback_interface
@@ -38,9 +39,9 @@ from harness.trace.records import CollectiveRecord, last_unfinished, read_trace_
 
 class TorchrunSession(HarnessSession):
     def __init__(
-        self, config: pytest.Config, rank_fixture_modules: tuple[str, ...], reports_dir: str, torchrun: TorchrunWorld
+        self, config: pytest.Config, rank_modules: RankModules, reports_dir: str, torchrun: TorchrunWorld
     ) -> None:
-        super().__init__(config, rank_fixture_modules, reports_dir)
+        super().__init__(config, rank_modules, reports_dir)
         self.rank = torchrun.rank
         self.world_size = torchrun.world_size
         if torchrun.on_one_host:
@@ -76,7 +77,7 @@ class TorchrunSession(HarnessSession):
             self.world_size,
             torchrun.local_rank,
             device,
-            rank_fixture_modules,
+            rank_modules.fixtures,
             self.label_providers,
             self.trace_path,
         )

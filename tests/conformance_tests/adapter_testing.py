@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,23 +19,6 @@ from conformance.protocol import BackendAdapter
 from tests.support.warm_pytest import run_pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-# The project's `rank_preload_modules` (pyproject.toml) serve the whole suite, DeepSpeed included.
-# An inner session's zygote imports them once per session; inductor's compile_fx (~1 s of CPU)
-# is only DeepSpeed's (its Muon module compiles at import), so sessions without it leave it out.
-_PROJECT_PRELOAD: list[str] = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
-    "rank_preload_modules"
-]
-
-
-def _rank_preload(backends: list[str]) -> list[str]:
-    """What the zygote of an inner session running ``backends`` should import before forking ranks.
-
-    A backend named by import path might wrap DeepSpeed without saying so: leaving inductor out
-    then only costs that session's ranks the import, never a verdict."""
-    if any(backend == "all" or "deepspeed" in backend.lower() for backend in backends):
-        return _PROJECT_PRELOAD
-    return [module for module in _PROJECT_PRELOAD if not module.startswith("torch._inductor")]
 
 
 def train_steps(
@@ -99,8 +81,6 @@ def run_inner_session(
         str(directory / "expectations"),
         "-rA",
         "-q",
-        "-o",  # a linelist option: one module a line
-        "rank_preload_modules=" + "\n".join(_rank_preload(backends)),
         *extra,
         *[arg for backend in backends for arg in ("--backend", backend)],
     ]

@@ -127,3 +127,13 @@ class ZeroStyleFirstProtocolAdapter(OldStyleAdapter):
         submodule(engine.module, fqn)  # a bad FQN fails with the model's names
         self.gathered.append((fqn, writeback))
         return contextlib.nullcontext()
+
+
+class ZeroTwoAsShardGradOpAdapter(OldStyleAdapter):
+    """Written for protocol 4, when the adapter guide mapped DeepSpeed's ZeRO stage 2 onto
+    SHARD_GRAD_OP: it declares that strategy, whose meaning moved in version 5 (torch FSDP's
+    SHARD_GRAD_OP, parameters sharded at rest), so its warning must say so."""
+
+    name = "zero2-as-shard-grad-op"
+    PROTOCOL_VERSION = 4
+    CAPABILITIES = frozenset({Capability.COMPOSABLE, Capability.SHARD_GRAD_OP, Capability.UNSHARD})

@@ -143,6 +143,16 @@ def test_a_backend_librarys_own_paths_are_not_a_divergence(tmp_path) -> None:
         output,
     ), output
     assert "owner_broadcast_lib" in undeclared and "owner_broadcast_lib" not in declared
+    # The verdict names what to declare, for the undeclared adapter only.
+    hints = output.partition(" call sites inside backend libraries ")[2]
+    assert re.search(
+        r"test_inner.py::test_replicated_from_the_owner\[owner-broadcast-undeclared\]: the divergent collectives "
+        r"were issued inside tests.conformance_tests.owner_broadcast_lib .*OwnerBroadcastUndeclared.BACKEND_MODULES "
+        r"does not declare.*Declare BACKEND_MODULES = \('tests.conformance_tests.owner_broadcast_lib',\) in the "
+        r"owner-broadcast-undeclared adapter",
+        hints,
+    ), output
+    assert "test_replicated_from_the_owner[owner-broadcast]: " not in output, hints
 
 
 def test_declared_backend_modules_must_be_the_librarys() -> None:

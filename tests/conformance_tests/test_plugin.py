@@ -451,3 +451,50 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
     rerun = again.stdout + again.stderr
     assert again.returncode == 1 and "planned failure of vendor-fsdp on rank" in rerun, rerun
     assert sys.executable in command
+
+
+def test_repro_line_carries_every_backend_path(tmp_path) -> None:
+    """An adapter that imports its backend from a second --backend-path: the REPRO line carries
+    both paths (the adapter's own alone would make the re-run fail with "No module named ...")."""
+    import shlex
+
+    from adapter_testing import run_inner_session
+
+    vendor, library = tmp_path / "vendor", tmp_path / "library"
+    vendor.mkdir()
+    library.mkdir()
+    (library / "vendor_backend.py").write_text("from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter\n")
+    (vendor / "vendor_adapter.py").write_text(
+        "from vendor_backend import TorchFSDP2Adapter\n\nclass VendorAdapter(TorchFSDP2Adapter):\n"
+        '    name = "vendor-fsdp"\n'
+    )
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    result = run_inner_session(
+        inner, FAILING_DISTRIBUTED, ["vendor_adapter:VendorAdapter"],
+        "--backend-path", str(vendor), "--backend-path", str(library),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "planned failure of vendor-fsdp on rank" in output, output
+    repro = next(line for line in output.splitlines() if line.startswith("REPRO: "))
+    assert (
+        f"--backend-path {shlex.quote(str(vendor))} --backend-path {shlex.quote(str(library))} "
+        "--backend vendor_adapter:VendorAdapter"
+    ) in repro, repro
+
+
+def test_an_adapter_not_on_the_search_path_is_named_with_the_fix(pytester: pytest.Pytester) -> None:
+    """The module not found: the message names --backend-path and the search path; a module it
+    imports not found: the message names that module."""
+    from conformance.suite import registry
+
+    with pytest.raises(registry.BackendSelectionError) as absent:
+        registry.load("no_such_vendor_pkg.adapter:Adapter")
+    message = str(absent.value)
+    assert "pass --backend-path DIR with the directory that holds 'no_such_vendor_pkg'" in message, message
+    assert "Searched (sys.path): " in message and sys.path[-1] in message, message
+    pytester.makepyfile(broken_vendor_adapter="import no_such_backend_library\n")
+    pytester.syspathinsert()
+    with pytest.raises(registry.BackendSelectionError) as dependency:
+        registry.load("broken_vendor_adapter:Adapter")
+    assert "'no_such_backend_library', which it imports, is missing" in str(dependency.value), dependency.value

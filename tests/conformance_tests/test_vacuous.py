@@ -116,6 +116,11 @@ def test_a_backend_that_keeps_what_its_strategy_shards_whole_is_red_even_with_co
     assert "FULL_SHARD (wrapper form) claims parameters sharded; this rank stores all 10 parameter elements" in str(
         finding
     )
+    # Only the parameters were observable (no backward): every strategy keeping them whole fits.
+    assert (
+        "FULL_SHARD (wrapper form): what your backend stores (parameters whole) matches NO_SHARD (DDP, ZeRO stage 0), "
+        "SHARD_OPTIM_STATE (ZeRO-1) and SHARD_GRAD_AND_OPTIM_STATE (ZeRO-2), which this test cannot tell apart"
+    ) in str(finding)
     assert "Fix the adapter" in str(finding)
 
 
@@ -156,6 +161,60 @@ def test_ddp_with_an_unsharded_optimizer_declaring_zero_is_red(strategy: Shardin
     assert "claims optimizer state sharded; this rank stores 10 elements of the optimizer's 'exp_avg' state" in str(
         finding
     )
+    assert (
+        f"{strategy.name} (wrapper form): what your backend stores (parameters whole, gradients whole, optimizer "
+        f"state whole) matches NO_SHARD (DDP, ZeRO stage 0): declare that instead of {strategy.name}"
+    ) in str(finding)
+
+
+class HalfGradients(BroadcastsOnShard):
+    """Whole parameters, but half of each gradient after backward: what a ZeRO-2 backend stores."""
+
+    CAPABILITIES = WholeOptimizerState.CAPABILITIES
+
+    def local_grad_shard(self, model, fqn):
+        grad = super().local_grad_shard(model, fqn)
+        return None if grad is None else grad.flatten()[: (grad.numel() + 1) // 2]
+
+
+class Zero2Storage(HalfGradients, HalfOptimizerState):
+    """Whole parameters, half of each gradient and of each optimizer state: ZeRO-2's storage."""
+
+
+def test_a_zero2_backend_declared_as_shard_grad_op_is_told_to_declare_zero2() -> None:
+    """What an adapter written from the docs before protocol 5 did (DeepSpeed's stage 2 mapped to
+    SHARD_GRAD_OP, which also shards parameters at rest): the finding names the strategy whose
+    claims match what the rank stores."""
+    watch = watched(Zero2Storage)
+    stepped(watch, ShardingStrategy.SHARD_GRAD_OP)
+    finding = watch.finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
+    assert "SHARD_GRAD_OP (wrapper form) claims parameters sharded; this rank stores all 10 parameter" in str(finding)
+    assert (
+        "SHARD_GRAD_OP (wrapper form): what your backend stores (parameters whole, gradients sharded, optimizer "
+        "state sharded) matches SHARD_GRAD_AND_OPTIM_STATE (ZeRO-2): declare that instead of SHARD_GRAD_OP"
+    ) in str(finding)
+    # The same storage meets the ZeRO-2 claim.
+    zero2 = watched(Zero2Storage)
+    stepped(zero2, ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE)
+    assert zero2.finding(body_passed=True) is None
+
+
+def test_storage_that_no_strategy_claims_is_said_to_match_none() -> None:
+    """Gradients sharded but optimizer state whole: ZeRO-2 fails on the optimizer state, and no
+    strategy (ZeRO-1 keeps gradients whole) stores that, so none is named."""
+    watch = watched(HalfGradients)
+    stepped(watch, ShardingStrategy.SHARD_GRAD_AND_OPTIM_STATE)
+    finding = watch.finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
+    assert "claims optimizer state sharded; this rank stores 10 elements of the optimizer's 'exp_avg' state" in str(
+        finding
+    )
+    assert (
+        "SHARD_GRAD_AND_OPTIM_STATE (wrapper form): its claim for optimizer state failed, and no strategy matches "
+        "what your backend stores (parameters whole, gradients sharded, optimizer state whole)"
+    ) in str(finding)
+    assert "declare that" not in str(finding)
 
 
 def test_a_partitioned_optimizer_state_meets_the_zero1_claim() -> None:

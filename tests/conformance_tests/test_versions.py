@@ -2,12 +2,19 @@
 adapter runs with one warning naming what it misses and what that cost, and fails nothing for the
 suite's reasons (its own helpers keep their names, its wrapper's prefix does not hide its
 parameters); an adapter module that fails to import, or an adapter missing abstract methods, is a
-usage error at selection."""
+usage error at selection. And what a user quotes in a report: ``python -m conformance --version``
+(package, protocol and the torch range CI proves), with docs/changelog.md saying per protocol
+version what an adapter must change."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import re
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -15,6 +22,7 @@ import torch
 import torch.nn as nn
 from adapter_testing import run_inner_session
 
+from conformance.__main__ import main
 from conformance.protocol import (
     PROTOCOL_VERSION,
     ApiForm,
@@ -27,7 +35,14 @@ from conformance.protocol import (
     versions,
 )
 from conformance.suite import registry
-from tests.conformance_tests.old_adapters import FirstProtocolAdapter, Incomplete, ZeroStyleFirstProtocolAdapter
+from tests.conformance_tests.old_adapters import (
+    FirstProtocolAdapter,
+    Incomplete,
+    ZeroStyleFirstProtocolAdapter,
+    ZeroTwoAsShardGradOpAdapter,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _FirstProtocolDeclaringGaps(FirstProtocolAdapter):
@@ -268,3 +283,118 @@ def test_an_old_zero_style_adapter_runs_in_ranks_with_one_warning(tmp_path) -> N
     assert result.returncode == 0, output
     assert "1 passed" in output, output
     assert output.count("backend 'zero-style-first-protocol' was written for protocol version 1") == 1, output
+
+
+# -- what a user reports: the version line, the torch range, the changelog ---------------------
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.13.0+cpu`` -> (2, 13, 0): the release numbers, for ordering versions CI names."""
+    return tuple(int(part) for part in version.partition("+")[0].split("."))
+
+
+def test_python_m_conformance_version_prints_the_version_line(tmp_path: Path) -> None:
+    """In a fresh process, as a user runs it (outside the checkout: the installed package)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    oldest, newest = versions.SUPPORTED_TORCH
+    expected = (
+        f"fsdp-conformance {importlib.metadata.version('fsdp-conformance')}, adapter protocol {PROTOCOL_VERSION}, "
+        f"torch {oldest} to {newest} (this one: {torch.__version__})"
+    )
+    assert result.stdout.splitlines() == [expected], result.stdout + result.stderr
+
+
+def test_without_arguments_it_says_how_to_run_the_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    shown = capsys.readouterr().out
+    assert "python -m pytest --pyargs conformance --backend package.module:AdapterClass [--backend-path DIR]" in shown
+    assert shown.splitlines()[-1] == versions.version_line()
+
+
+def test_an_uninstalled_checkout_says_it_has_no_package_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(versions.metadata, "version", not_installed)
+    assert versions.package_version() == "unknown (not installed: pip install -e .)"
+    assert versions.version_line().startswith("fsdp-conformance unknown (not installed: pip install -e .), ")
+
+
+def test_the_supported_torch_range_is_the_one_ci_proves() -> None:
+    """The ends are the torch versions .ci/run hands to .ci/torch-leg, and the main leg's pin lies
+    between them: a range CI no longer runs cannot stay in the version line."""
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    legs = re.findall(r"^\.ci/torch-leg (\S+) ", ci, re.M)
+    pins = re.findall(r"\btorch==(\S+)", ci)
+    assert len(legs) >= 2 and pins, "no torch legs found in .ci/run: has its form changed?"
+    assert (min(legs, key=_release), max(legs, key=_release)) == versions.SUPPORTED_TORCH
+    oldest, newest = (_release(version) for version in versions.SUPPORTED_TORCH)
+    assert all(oldest <= _release(pin) <= newest for pin in pins), pins
+
+
+def test_the_changelog_has_a_section_for_every_protocol_version() -> None:
+    text = (REPO / "docs" / "changelog.md").read_text(encoding="utf-8")
+    sections = dict(re.findall(r"^### Protocol (\d+): (.+)$", text, re.M))
+    assert {int(version): title for version, title in sections.items()} == versions.CHANGELOG
+    assert set(versions.CHANGELOG) == set(range(1, PROTOCOL_VERSION + 1))
+    # Each says what an adapter of the version before must change (protocol 1: that nothing must).
+    for version in range(1, PROTOCOL_VERSION + 1):
+        body = text.partition(f"### Protocol {version}: ")[2].partition("\n### ")[0]
+        assert "must change" in body, f"docs/changelog.md, protocol {version}: what must an adapter change?"
+    assert f"| {importlib.metadata.version('fsdp-conformance')} | {PROTOCOL_VERSION} |" in text
+
+
+MOVED = "declares SHARD_GRAD_OP, whose meaning moved"
+
+
+def test_an_adapter_from_before_5_declaring_shard_grad_op_is_told_its_meaning_moved() -> None:
+    """Before protocol 5 the guide mapped ZeRO stage 2 onto SHARD_GRAD_OP; an adapter of then
+    that declares it is told what SHARD_GRAD_OP means now and what to declare instead."""
+    shortfall = versions.shortfall(ZeroTwoAsShardGradOpAdapter)
+    assert shortfall is not None
+    assert [moved.strategy for moved in shortfall.moved] == [ShardingStrategy.SHARD_GRAD_OP]
+    text = shortfall.describe(ZeroTwoAsShardGradOpAdapter.name, 0)
+    assert f"{MOVED} (before version 5 the adapter guide mapped DeepSpeed ZeRO stage 2 onto SHARD_GRAD_OP" in text
+    assert "must declare SHARD_GRAD_AND_OPTIM_STATE instead" in text
+    # The rest of the warning is as before.
+    assert "written for protocol version 4 (current: " in text and "implements _unshard in its version-4" in text
+
+
+class _FifthProtocolShardGradOp(_FifthProtocolUnshard):
+    """Written for protocol 5, when SHARD_GRAD_OP already meant what it means now."""
+
+    name = "fifth-protocol-shard-grad-op"
+    CAPABILITIES = _FifthProtocolUnshard.CAPABILITIES | {Capability.SHARD_GRAD_OP}
+
+
+class _CurrentShardGradOp(_SixthProtocolUnshard):
+    name = "current-shard-grad-op"
+    CAPABILITIES = _SixthProtocolUnshard.CAPABILITIES | {Capability.SHARD_GRAD_OP}
+
+
+def test_the_moved_meaning_is_said_only_where_it_applies() -> None:
+    """Not to an old adapter that does not declare the strategy, not to one written for 5 or
+    later (it knew the new meaning), and a current one has no warning at all."""
+    for adapter_cls in (FirstProtocolAdapter, _FifthProtocolShardGradOp):
+        shortfall = versions.shortfall(adapter_cls)
+        assert shortfall is not None and shortfall.moved == (), adapter_cls.name
+        assert "meaning moved" not in shortfall.describe(adapter_cls.name, 0)
+    assert versions.shortfall(_CurrentShardGradOp) is None
+
+
+def test_an_old_adapter_declaring_shard_grad_op_is_warned_at_the_end_of_the_run(tmp_path: Path) -> None:
+    result = run_inner_session(
+        tmp_path, USES_UNITS, ["tests.conformance_tests.old_adapters:ZeroTwoAsShardGradOpAdapter"]
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("backend 'zero2-as-shard-grad-op' was written for protocol version 4") == 1, output
+    assert output.count(MOVED) == 1, output

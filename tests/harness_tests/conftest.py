@@ -145,6 +145,10 @@ class InnerSession:
             "pytest",
             "-p",
             "harness.plugin",
+            # The harness alone: the installed package's entry point would load the conformance
+            # plugin too (its rank fixture and preloads in every inner session's zygote).
+            "-p",
+            "no:conformance.suite.backend_plugin",
             *no_cache,
             "--rootdir",
             str(self.directory),
