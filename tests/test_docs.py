@@ -20,7 +20,7 @@ import pytest
 from harness.process import gpu_locks
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*/README.md"))]
 OUR_GROUPS = ("distributed test harness", "FSDP conformance suite")
 
 # Options of other tools that the docs show in their commands (not ours to check).
@@ -206,10 +206,12 @@ def test_every_repository_path_the_docs_name_exists() -> None:
     missing, checked = [], 0
     for path in DOCS:
         text = path.read_text(encoding="utf-8")
+        # An example repository's README names its own files, from its root.
+        root = path.parent if path.parent.parent.name == "examples" else ROOT
         for target in _REPO_PATH.findall(text):
             checked += 1
-            if not (ROOT / target).exists():
-                missing.append(f"{path.name}: `{target}`")
+            if not (root / target).exists():
+                missing.append(f"{path.relative_to(ROOT)}: `{target}`")
         for target in _LINK.findall(text):
             checked += 1
             if not (path.parent / target).exists():

@@ -7,13 +7,18 @@ finder lives in a ``.pth`` file of that directory, which a ``.pth`` line does no
 test checks that ``conformance`` imports from the venv. Runs: the reference smoke tests through
 ``--pyargs conformance``; an adapter that lives only in the empty directory, through a test file
 of one line (``from conformance.suite.scenarios import *``); torch-fsdp1's smoke tests with
-``--strict-expectations`` (its expectations file must be in the wheel). Reports land in that
-directory. Last, the self-tests themselves run from the tests/ directory.
+``--strict-expectations`` (its expectations file must be in the wheel); the example backend
+repository (examples/zero2-backend), its own wheel installed beside the suite's, its tests run from
+a copy of its checkout without its package (so the installed one, found by its entry point, with
+the expectations file its wheel carries, is what runs). Reports land in that directory. Last, the
+self-tests themselves run from the tests/ directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +28,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "zero2-backend"
 
 LOCAL_ADAPTER = """
 from conformance.adapters.reference import ReferenceAdapter
@@ -32,37 +38,36 @@ class LocalAdapter(ReferenceAdapter):
 """
 
 
+def _purelib(python: Path) -> Path:
+    """The site-packages directory of the venv whose interpreter is ``python``."""
+    query = [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    return Path(subprocess.run(query, check=True, capture_output=True, text=True).stdout.strip())
+
+
+def _install_wheel(source: Path, python: Path, wheels: Path) -> Path:
+    """Build the wheel of the project at ``source`` into ``wheels`` and install it, without its
+    dependencies, into the venv whose interpreter is ``python``; the wheel's path."""
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+    subprocess.run([*build, str(source)], check=True, timeout=300)
+    (wheel,) = wheels.glob("*.whl")
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(_purelib(python))]
+    subprocess.run([*install, str(wheel)], check=True, timeout=300)
+    return wheel
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The venv's python, with the wheel of this tree installed."""
     root = tmp_path_factory.mktemp("installed")
-    wheels = root / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
-        check=True,
-        timeout=300,
-    )
-    (wheel,) = wheels.glob("fsdp_conformance-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    for shipped in ("torch-fsdp1", "torch-fsdp2", "torch-zero", "deepspeed"):
-        assert f"conformance/expectations/{shipped}.toml" in names, names
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    purelib = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
-    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(purelib), str(wheel)],
-        check=True,
-        timeout=300,
-    )
+    (_purelib(python) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheel = _install_wheel(REPO, python, root / "wheels")
+    assert wheel.name.startswith("fsdp_conformance-"), wheel
+    names = zipfile.ZipFile(wheel).namelist()
+    for shipped in ("torch-fsdp1", "torch-fsdp2", "torch-zero", "deepspeed"):
+        assert f"conformance/expectations/{shipped}.toml" in names, names
     return python
 
 
@@ -131,3 +136,50 @@ def test_self_tests_run_from_the_tests_directory(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_example_backend_repository_runs_its_own_suite(installed: Path, tmp_path: Path) -> None:
+    wheel = _install_wheel(EXAMPLE, installed, tmp_path / "wheels")
+    assert "zero2_backend/expectations.toml" in zipfile.ZipFile(wheel).namelist()
+    checkout = tmp_path / "zero2-backend"
+    shutil.copytree(EXAMPLE, checkout, ignore=shutil.ignore_patterns("zero2_backend", "reports", "__pycache__"))
+    done = run_in(checkout, installed, "-m", "pytest", "--strict-expectations", "-rA")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    # The backend came from the installed package's entry point, its expectations from its wheel.
+    assert re.search(r"zero2-from-docs: entry point of zero2-backend 0\.1\.0", output), output
+    assert str(installed.parents[1]) in output.partition("zero2-from-docs: entry point")[2].splitlines()[0], output
+    passed = re.findall(r"^PASSED (tests/\S+)", output, re.MULTILINE)
+    assert not re.search(r"^(FAILED|ERROR) ", output, re.MULTILINE), output
+    proofs = [
+        test for test in passed if test.startswith("tests/test_declared_absences.py::test_declared_absence_is_real")
+    ]
+    assert len(proofs) == 13, proofs  # one per proof: every declared gap shown on the library
+    scenarios = [test for test in passed if test.startswith("tests/test_conformance.py::")]
+    for family in ("test_training[", "test_storage_claim[", "test_generated_programs[", "test_gradient_accumulation["):
+        assert any(family in test for test in scenarios), (family, scenarios)
+    assert "stale" not in output, output
+    matrix = (checkout / "reports" / "conformance.md").read_text()
+    assert "| scenario | zero2-from-docs |" in matrix, matrix
+    assert {"rank-0.xml", "rank-1.xml"} <= {path.name for path in (checkout / "reports" / "junit").iterdir()}
+
+
+def test_the_example_workflow_runs_the_suite_on_cpu_and_on_gpu() -> None:
+    """The example's CI file (GitHub Actions) cannot run here: this holds it to what it must do,
+    each job installing the suite as a package and running the repository's tests strictly on
+    its device, reports kept whatever the outcome."""
+    import yaml
+
+    workflow = yaml.safe_load((EXAMPLE / ".github" / "workflows" / "conformance.yml").read_text())
+    assert set(workflow["jobs"]) == {"cpu", "gpu"}, workflow["jobs"]
+    assert "gpu" in workflow["jobs"]["gpu"]["runs-on"], workflow["jobs"]["gpu"]
+    for name, job in workflow["jobs"].items():
+        device = {"cpu": "cpu", "gpu": "cuda"}[name]
+        commands = [step["run"] for step in job["steps"] if "run" in step]
+        assert any("$SUITE" in command and "-e '.[test]'" in command for command in commands), commands
+        assert f"python -m pytest --device {device} --strict-expectations" in commands, commands
+        uploads = [step for step in job["steps"] if step.get("uses", "").startswith("actions/upload-artifact")]
+        assert uploads and uploads[0]["if"] == "always()" and uploads[0]["with"]["path"] == "reports/", uploads
+    assert workflow["env"]["SUITE"].startswith("fsdp-conformance"), workflow["env"]
+    project = (EXAMPLE / "pyproject.toml").read_text()
+    assert '[project.entry-points."fsdp_conformance.backends"]' in project and "fsdp-conformance" in project

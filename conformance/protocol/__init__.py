@@ -26,7 +26,8 @@ each is defined in the module of its concern:
   ``strip_path_components``).
 - ``proofs``: what an adapter's own tests use to prove the facts it declares
   (:data:`FACTS_NEEDING_PROOF`, :func:`declared_facts`, :class:`FactProofs`,
-  :func:`raises_declared`).
+  :func:`raises_declared`) and the capabilities it declares missing (:func:`declared_missing`,
+  :class:`AbsenceProofs`).
 - ``storage``: strategies defined by storage: what a rank holds of parameters, gradients and
   optimizer state at each phase (:data:`STORAGE_CLAIMS`, :class:`Phase`, :class:`Stored`,
   :class:`Holding`), and the bounds a shard group's storage must meet.
@@ -61,7 +62,14 @@ from conformance.protocol.facts import (
 )
 from conformance.protocol.helpers import innermost_first, strip_path_components, submodule
 from conformance.protocol.hooks import BackendHooks
-from conformance.protocol.proofs import FACTS_NEEDING_PROOF, FactProofs, declared_facts, raises_declared
+from conformance.protocol.proofs import (
+    FACTS_NEEDING_PROOF,
+    AbsenceProofs,
+    FactProofs,
+    declared_facts,
+    declared_missing,
+    raises_declared,
+)
 from conformance.protocol.storage import (
     STORAGE_CLAIMS,
     Holding,
@@ -95,6 +103,7 @@ __all__ = [
     "SEED_REFUSALS",
     "STORAGE_CLAIMS",
     "TEMPLATE_METHODS",
+    "AbsenceProofs",
     "ApiForm",
     "BackendAdapter",
     "BackendCapabilities",
@@ -121,6 +130,7 @@ __all__ = [
     "UnshardRequest",
     "declared_facts",
     "declared_fqn",
+    "declared_missing",
     "declared_refusal",
     "expected_local_numel",
     "expected_unsharded_numel",

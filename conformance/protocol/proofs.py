@@ -11,7 +11,9 @@ adapter package outside this repository proves its own with them too:
   misuse, ``REFUSALS.<MISUSE>``): what a meta-test compares with the proofs it has;
 - :class:`FactProofs`: a registry of proofs by backend and fact, with the world size each runs
   at, that says which declared facts lack a proof and which proofs outlived their declaration;
-- :func:`raises_declared`: ``pytest.raises`` for exactly the refusal an adapter declares.
+- :func:`raises_declared`: ``pytest.raises`` for exactly the refusal an adapter declares;
+- :func:`declared_missing` and :class:`AbsenceProofs`: the same for the capabilities an adapter
+  declares missing ("unsupported" is a claim too: each gap is proven on the real library).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import pytest
 import torch
 
 from conformance.protocol.adapter import BackendAdapter
+from conformance.protocol.capabilities import Capability
 from conformance.protocol.facts import BackendFacts, declared_refusal
-from conformance.protocol.vocabulary import Misuse
+from conformance.protocol.vocabulary import BackendEnv, Misuse
 
 # One proof: it runs on every rank of a world (``rank``, ``world_size``, the rank's ``device``)
 # and fails unless the real library behaves as the adapter declares.
@@ -100,3 +103,72 @@ def raises_declared(backend: BackendFacts | type[BackendFacts], misuse: Misuse) 
     (the seeds' refusal where it declares none)."""
     refusal = declared_refusal(backend, misuse)
     return pytest.raises(refusal.types, match=refusal.pattern)
+
+
+# The device kinds an adapter may be asked about: a gap declared on either needs its proof.
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+def declared_missing(adapter_cls: type[BackendAdapter], device: str, world_size: int = 2) -> frozenset[Capability]:
+    """The capabilities ``adapter_cls`` declares missing on ``device`` (``"cpu"``, ``"cuda"``), read
+    from its ``capabilities()`` without running its constructor (which may need a process group
+    or the library's device): the adapter is given its :class:`BackendEnv` only, as rank 0 of a
+    world of ``world_size``."""
+    adapter = adapter_cls.__new__(adapter_cls)
+    BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=world_size, device=torch.device(device)))
+    return frozenset(Capability) - adapter.capabilities()
+
+
+@dataclass
+class AbsenceProofs:
+    """Proofs that declared gaps are real, by (backend name, capability), each with the world size
+    it runs at: a test that tries the feature on the real library and shows it absent, refused or
+    broken (docs/writing-an-adapter.md, "Proving a declared gap").
+
+    Register with :meth:`proves` (one proof may back several capabilities that share a cause,
+    say every unit-scoped one of a backend without units); run :meth:`at` a world size from a
+    distributed test; in a meta-test, :meth:`unproven` and :meth:`stale` must both be empty.
+    """
+
+    proofs: dict[tuple[str, Capability], Proof] = field(default_factory=dict)
+    world_sizes: dict[tuple[str, Capability], int] = field(default_factory=dict)
+
+    def proves(self, backend: str, *capabilities: Capability, world_size: int = 2) -> Callable[[Proof], Proof]:
+        """Decorator: the proof that ``backend`` really lacks each of ``capabilities``."""
+        if not capabilities:
+            raise ValueError(f"{backend}: name the capabilities the proof shows missing")
+
+        def register(proof: Proof) -> Proof:
+            for capability in capabilities:
+                if (backend, capability) in self.proofs:
+                    held = self.proofs[backend, capability].__name__
+                    raise ValueError(f"{backend}: {capability.name} already has a proof ({held})")
+                self.proofs[backend, capability] = proof
+                self.world_sizes[backend, capability] = world_size
+            return proof
+
+        return register
+
+    def at(self, world_size: int) -> list[tuple[str, Capability]]:
+        """The (backend, capability) pairs whose proofs run at ``world_size``, sorted by name (stable
+        test ids)."""
+        return sorted(
+            (key for key, size in self.world_sizes.items() if size == world_size),
+            key=lambda key: (key[0], key[1].name),
+        )
+
+    def unproven(
+        self, backend: str, adapter_cls: type[BackendAdapter], devices: tuple[str, ...] = DEVICE_KINDS
+    ) -> set[Capability]:
+        """Capabilities ``adapter_cls`` declares missing on any of ``devices`` that no proof
+        registered for ``backend`` backs."""
+        missing = set().union(*(declared_missing(adapter_cls, device) for device in devices))
+        return missing - {capability for name, capability in self.proofs if name == backend}
+
+    def stale(
+        self, backend: str, adapter_cls: type[BackendAdapter], devices: tuple[str, ...] = DEVICE_KINDS
+    ) -> set[Capability]:
+        """Proofs registered for ``backend`` of capabilities ``adapter_cls`` declares missing on none
+        of ``devices``: the gap was closed, delete the proof."""
+        missing = set().union(*(declared_missing(adapter_cls, device) for device in devices))
+        return {capability for name, capability in self.proofs if name == backend} - missing

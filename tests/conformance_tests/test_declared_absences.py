@@ -21,30 +21,21 @@ import torch.nn as nn
 import fixtures
 from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
 from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
-from conformance.protocol import BackendAdapter, BackendEnv, Capability
+from conformance.protocol import AbsenceProofs, BackendAdapter, BackendEnv, Capability, declared_missing
+from conformance.protocol.proofs import DEVICE_KINDS
 from conformance.suite import gate, registry
 from conformance.test_divergence import training_step
 from harness import current_seed
 
 Proof = Callable[[int, int, torch.device], None]
-PROOFS: dict[tuple[str, Capability], Proof] = {}
-DEVICES = ("cpu", "cuda")
-
-
-def proves(backend: str, capability: Capability) -> Callable[[Proof], Proof]:
-    def register(proof: Proof) -> Proof:
-        PROOFS[backend, capability] = proof
-        return proof
-
-    return register
+PROOFS = AbsenceProofs()
+DEVICES = DEVICE_KINDS
+proves = PROOFS.proves
 
 
 def _declared_missing(backend: str, device: str) -> set[Capability]:
     """What the adapter declares missing on ``device``, without running its constructor."""
-    adapter_cls = registry.load(backend)
-    adapter = adapter_cls.__new__(adapter_cls)
-    BackendAdapter.__init__(adapter, BackendEnv(rank=0, world_size=2, device=torch.device(device)))
-    return set(Capability) - adapter.capabilities()
+    return set(declared_missing(registry.load(backend), device))
 
 
 def _two_linears(device: torch.device) -> nn.Sequential:
@@ -997,8 +988,8 @@ def test_every_declared_absence_has_a_proof() -> None:
         for device in DEVICES
         for capability in _declared_missing(backend, device)
     }
-    missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.keys())
-    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.keys() - declared if b in _installed_builtins())
+    missing_proofs = sorted(f"{b}: {c.name}" for b, c in declared - PROOFS.proofs.keys())
+    leftover_proofs = sorted(f"{b}: {c.name}" for b, c in PROOFS.proofs.keys() - declared if b in _installed_builtins())
     assert not missing_proofs, f"declared unsupported without a proof here: {missing_proofs}"
     assert not leftover_proofs, f"proofs of gaps no longer declared (delete them): {leftover_proofs}"
 
@@ -1052,7 +1043,7 @@ def test_declared_combination_absence_is_real(
 
 def _proof_params() -> list:
     params = []
-    for backend, capability in sorted(PROOFS, key=lambda key: (key[0], key[1].name)):
+    for backend, capability in sorted(PROOFS.proofs, key=lambda key: (key[0], key[1].name)):
         # The order proof runs two units in opposite orders on purpose.
         marks = [pytest.mark.expect_divergence] if capability is Capability.EXEC_ORDER_CHECK else []
         params.append(pytest.param(backend, capability, marks=marks, id=f"{backend}-{capability.name}"))
@@ -1073,4 +1064,4 @@ def test_declared_absence_is_real(
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
     if adapter.supports(capability):
         pytest.skip(f"{backend_name} supports {capability.value} on {device.type}: nothing to prove")
-    PROOFS[backend_name, capability](rank, world_size, device)
+    PROOFS.proofs[backend_name, capability](rank, world_size, device)

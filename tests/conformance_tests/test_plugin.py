@@ -455,7 +455,8 @@ def test_repro_line_reproduces_an_import_path_backend(tmp_path) -> None:
 
 def test_repro_line_carries_every_backend_path(tmp_path) -> None:
     """An adapter that imports its backend from a second --backend-path: the REPRO line carries
-    both paths (the adapter's own alone would make the re-run fail with "No module named ...")."""
+    both paths (the adapter's own alone would make the re-run fail with "No module named ..."), and
+    so does the HTML report."""
     import shlex
 
     from adapter_testing import run_inner_session
@@ -481,6 +482,11 @@ def test_repro_line_carries_every_backend_path(tmp_path) -> None:
         f"--backend-path {shlex.quote(str(vendor))} --backend-path {shlex.quote(str(library))} "
         "--backend vendor_adapter:VendorAdapter"
     ) in repro, repro
+    # The HTML report shows the same line under the failure.
+    from html import escape
+
+    page = (inner / "reports" / "conformance.html").read_text()
+    assert escape(repro.removeprefix("REPRO: ")) in page, page
 
 
 def test_an_adapter_not_on_the_search_path_is_named_with_the_fix(pytester: pytest.Pytester) -> None:

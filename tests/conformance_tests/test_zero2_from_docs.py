@@ -1,24 +1,27 @@
-"""A ZeRO-2 backend nobody here wrote an adapter for (tests/conformance_tests/zero2_from_docs: its own
-library, zero2_lib, and an adapter written from docs/writing-an-adapter.md and the template
-alone) is green with an empty expectations file on the unit-less families: training parity,
-gradient accumulation, the storage claim, full state dicts and optimizer state round trips.
+"""A ZeRO-2 backend nobody here wrote an adapter for (examples/zero2-backend, the example backend
+repository: its own library, zero2_lib, and an adapter written from docs/writing-an-adapter.md and
+the template alone, found through --backend-path as from a checkout of that repository) is green
+with an empty expectations file on the unit-less families: training parity, gradient accumulation,
+the storage claim, full state dicts and optimizer state round trips.
 
 And none of those passes is vacuous: the same scenarios against a twin that declares ZeRO-2 but
 replicates gradients and optimizer state (zero2_from_docs/replicating.py) fail on what it stores,
 and so do they against the adapter as the docs of protocol 4 had it written (zero2_from_docs/
-old_docs.py: ZeRO-2 declared as SHARD_GRAD_OP, which also shards parameters at rest), each with
-the strategy whose claims match what the ranks store: NO_SHARD, and SHARD_GRAD_AND_OPTIM_STATE
-(issue 41).
+old_docs.py: ZeRO-2 declared as SHARD_GRAD_OP, which also shards parameters at rest), each with the
+strategy whose claims match what the ranks store: NO_SHARD, and SHARD_GRAD_AND_OPTIM_STATE (issue
+41).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 from adapter_testing import run_inner_session
 
-ADAPTER = "tests.conformance_tests.zero2_from_docs.adapter:Zero2Adapter"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "zero2-backend"
+ADAPTER = "zero2_backend.adapter:Zero2Adapter"
 REPLICATING = "tests.conformance_tests.zero2_from_docs.replicating:Zero2ReplicatingAdapter"
 OLD_DOCS = "tests.conformance_tests.zero2_from_docs.old_docs:Zero2OldDocsAdapter"
 
@@ -56,7 +59,9 @@ def outcomes(output: str, verdict: str) -> set[str]:
 
 def test_zero2_from_docs_is_green_and_not_vacuous(tmp_path) -> None:
     started = time.monotonic()
-    real = run_inner_session(tmp_path, SCENARIOS, [ADAPTER], "--world-sizes", "2", "--strict-expectations")
+    real = run_inner_session(
+        tmp_path, SCENARIOS, [ADAPTER], "--backend-path", str(EXAMPLE), "--world-sizes", "2", "--strict-expectations"
+    )
     output = real.stdout + real.stderr
     passed, failed = outcomes(output, "PASSED"), outcomes(output, "FAILED") | outcomes(output, "ERROR")
     assert real.returncode == 0, output
@@ -72,7 +77,17 @@ def test_zero2_from_docs_is_green_and_not_vacuous(tmp_path) -> None:
     ):
         assert family in passed, (family, sorted(passed))
 
-    mutants = run_inner_session(tmp_path, SCENARIOS, [REPLICATING, OLD_DOCS], "--world-sizes", "2", "-k", STEPPING)
+    mutants = run_inner_session(
+        tmp_path,
+        SCENARIOS,
+        [REPLICATING, OLD_DOCS],
+        "--backend-path",
+        str(EXAMPLE),
+        "--world-sizes",
+        "2",
+        "-k",
+        STEPPING,
+    )
     mutant_output = mutants.stdout + mutants.stderr
     mutant_failed = outcomes(mutant_output, "FAILED")
     replicating_failed = {test_id for test_id in mutant_failed if "zero2-from-docs-replicating-" in test_id}

@@ -1,9 +1,9 @@
 """The zero2_lib adapter as the docs of protocol 4 had its author write it (issue 41): they mapped
 ZeRO stage 2 to ``SHARD_GRAD_OP`` (``SHARD_GRAD_AND_OPTIM_STATE`` came with protocol 5), so it
-declares the strategy FSDP means by that name, which also shards parameters at rest, for a
-backend that keeps them whole on every rank. It is the real adapter (adapter.py) with what that
-version changes: the version, the strategy declared, none of protocol 5's capabilities, and
-``_unshard`` in its keyword form.
+declares the strategy FSDP means by that name, which also shards parameters at rest, for a backend
+that keeps them whole on every rank. It is the real adapter
+(examples/zero2-backend/zero2_backend/adapter.py) with what that version changes: the version, the
+strategy declared, none of protocol 5's capabilities, and ``_unshard`` in its keyword form.
 
 Its training is right (zero2_lib's stage 2, run exactly as the real adapter runs it), so only the
 suite's storage checks can tell: its passes fail as ``StorageClaimNotMet``, naming the strategy
@@ -18,10 +18,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch.nn as nn
+from zero2_backend import lib as zero2_lib
+from zero2_backend.adapter import Zero2Adapter
 
 from conformance.protocol import Capability
-from tests.conformance_tests.zero2_from_docs import zero2_lib
-from tests.conformance_tests.zero2_from_docs.adapter import Zero2Adapter
 
 _ADDED_SINCE = {Capability.SHARD_GRAD_AND_OPTIM_STATE, Capability.REDUCE_DTYPE, Capability.NO_SYNC}  # protocol 5
 

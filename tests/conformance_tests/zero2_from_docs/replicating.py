@@ -10,10 +10,10 @@ store what its strategy claims", i.e. that those passes were not vacuous.
 from __future__ import annotations
 
 import torch.nn as nn
+from zero2_backend import lib as zero2_lib
+from zero2_backend.adapter import Zero2Adapter
 
 from conformance.protocol import ApiForm, ShardingSpec
-from tests.conformance_tests.zero2_from_docs import zero2_lib
-from tests.conformance_tests.zero2_from_docs.adapter import Zero2Adapter
 
 
 class Zero2ReplicatingAdapter(Zero2Adapter):

@@ -1,6 +1,6 @@
-"""The conformance adapter of zero2_lib (a ZeRO stage 2 library), written from
-docs/writing-an-adapter.md and conformance/adapters/template.py alone, as an out-of-tree backend's
-author would.
+"""The conformance adapter of zero2_lib (``zero2_backend.lib``, a ZeRO stage 2 library), written
+from the suite's docs/writing-an-adapter.md and conformance/adapters/template.py alone, as an
+out-of-tree backend's author would.
 
 zero2_lib keeps parameters whole on every rank, reduce-scatters gradients to the rank that owns
 each slice of the flat parameter space and steps float32 master copies of the owned slices only:
@@ -30,7 +30,7 @@ from conformance.protocol import (
     StateDictKind,
     UnshardRequest,
 )
-from tests.conformance_tests.zero2_from_docs import zero2_lib
+from zero2_backend import lib as zero2_lib
 
 _ONE_MODE = "zero2_lib has ZeRO stage 2 (SHARD_GRAD_AND_OPTIM_STATE) and stage 0 (NO_SHARD) only"
 _NO_UNITS = "zero2_lib partitions the whole model as one flat space; it has no units"
