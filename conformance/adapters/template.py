@@ -11,7 +11,9 @@ spelled out and a note on when to replace it. The protocol itself is the package
 ``conformance.protocol``: the defaults copied here are its ``hooks`` module's (``BackendHooks``),
 the declared facts its ``facts`` module's (``BackendFacts``), the capabilities and spec conditions
 its ``capabilities`` and ``vocabulary`` modules', and the template methods that check a call
-before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` module.
+before it reaches your ``_shard`` / ``_unshard`` / ... are in its ``adapter`` module. What your
+own tests use to prove the facts and gaps you declare is its ``proofs`` module (``FactProofs``,
+``AbsenceProofs``).
 
 A backend that owns its training loop (it builds the optimizer itself and runs its own backward
 and step, as DeepSpeed does) overrides ``make_optimizer`` / ``backward`` / ``step`` /
@@ -78,7 +80,9 @@ class TemplateAdapter(BackendAdapter):
             Capability.NO_SYNC,  # DDP's no_sync(): see no_gradient_sync below
         }
     )
-    # The reason each missing capability is missing: a claim about the backend, so a true one.
+    # The reason each missing capability is missing: a claim about the backend, so a true one,
+    # and proven on the library by your own tests (conformance.protocol.AbsenceProofs;
+    # docs/writing-an-adapter.md, "Proving a declared gap"; examples/zero2-backend does it).
     UNSUPPORTED_REASONS = {
         Capability.COMPOSABLE: "DistributedDataParallel is a wrapper; it has no in-place form",
         Capability.UNITS: "DDP replicates the whole model; it has no sharding units",

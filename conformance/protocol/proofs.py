@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pytest
 import torch
@@ -59,8 +59,47 @@ def declared_facts(adapter_cls: type[BackendFacts]) -> set[str]:
     return facts
 
 
+ClaimT = TypeVar("ClaimT", str, Capability)
+
+
+def _claim_name(claim: str | Capability) -> str:
+    return claim.name if isinstance(claim, Capability) else claim
+
+
 @dataclass
-class FactProofs:
+class _ProofRegistry(Generic[ClaimT]):
+    """Proofs by (backend name, claim), each with the world size it runs at: what fact and
+    absence proofs share."""
+
+    proofs: dict[tuple[str, ClaimT], Proof] = field(default_factory=dict)
+    world_sizes: dict[tuple[str, ClaimT], int] = field(default_factory=dict)
+
+    def _register(self, backend: str, claims: tuple[ClaimT, ...], world_size: int) -> Callable[[Proof], Proof]:
+        def register(proof: Proof) -> Proof:
+            for claim in claims:
+                if (backend, claim) in self.proofs:
+                    held = self.proofs[backend, claim].__name__
+                    raise ValueError(f"{backend}: {_claim_name(claim)} already has a proof ({held})")
+                self.proofs[backend, claim] = proof
+                self.world_sizes[backend, claim] = world_size
+            return proof
+
+        return register
+
+    def _proven(self, backend: str) -> set[ClaimT]:
+        return {claim for name, claim in self.proofs if name == backend}
+
+    def at(self, world_size: int) -> list[tuple[str, ClaimT]]:
+        """The (backend, claim) pairs whose proofs run at ``world_size``, sorted by name (stable
+        test ids)."""
+        return sorted(
+            (key for key, size in self.world_sizes.items() if size == world_size),
+            key=lambda key: (key[0], _claim_name(key[1])),
+        )
+
+
+@dataclass
+class FactProofs(_ProofRegistry[str]):
     """Proofs of declared facts, by (backend name, fact), each with the world size it runs at.
 
     Register with the :meth:`proves` decorator; run :meth:`at` a world size from a distributed
@@ -68,33 +107,18 @@ class FactProofs:
     backend the package declares facts for.
     """
 
-    proofs: dict[tuple[str, str], Proof] = field(default_factory=dict)
-    world_sizes: dict[tuple[str, str], int] = field(default_factory=dict)
-
     def proves(self, backend: str, fact: str, world_size: int = 2) -> Callable[[Proof], Proof]:
         """Decorator: the proof that ``backend`` really has ``fact`` (``"SHARD_LAYOUT"``, or
         ``"REFUSALS.<MISUSE>"`` per refusal), run at ``world_size`` ranks."""
-
-        def register(proof: Proof) -> Proof:
-            if (backend, fact) in self.proofs:
-                raise ValueError(f"{backend}: {fact} already has a proof ({self.proofs[backend, fact].__name__})")
-            self.proofs[backend, fact] = proof
-            self.world_sizes[backend, fact] = world_size
-            return proof
-
-        return register
-
-    def at(self, world_size: int) -> list[tuple[str, str]]:
-        """The (backend, fact) pairs whose proofs run at ``world_size``, sorted (stable test ids)."""
-        return sorted(key for key, size in self.world_sizes.items() if size == world_size)
+        return self._register(backend, (fact,), world_size)
 
     def unproven(self, backend: str, adapter_cls: type[BackendFacts]) -> set[str]:
         """Facts ``adapter_cls`` declares that no proof registered for ``backend`` backs."""
-        return declared_facts(adapter_cls) - {fact for name, fact in self.proofs if name == backend}
+        return declared_facts(adapter_cls) - self._proven(backend)
 
     def stale(self, backend: str, adapter_cls: type[BackendFacts]) -> set[str]:
         """Proofs registered for ``backend`` of facts ``adapter_cls`` no longer declares: delete them."""
-        return {fact for name, fact in self.proofs if name == backend} - declared_facts(adapter_cls)
+        return self._proven(backend) - declared_facts(adapter_cls)
 
 
 def raises_declared(backend: BackendFacts | type[BackendFacts], misuse: Misuse) -> AbstractContextManager[Any]:
@@ -120,7 +144,7 @@ def declared_missing(adapter_cls: type[BackendAdapter], device: str, world_size:
 
 
 @dataclass
-class AbsenceProofs:
+class AbsenceProofs(_ProofRegistry[Capability]):
     """Proofs that declared gaps are real, by (backend name, capability), each with the world size
     it runs at: a test that tries the feature on the real library and shows it absent, refused or
     broken (docs/writing-an-adapter.md, "Proving a declared gap").
@@ -130,45 +154,26 @@ class AbsenceProofs:
     distributed test; in a meta-test, :meth:`unproven` and :meth:`stale` must both be empty.
     """
 
-    proofs: dict[tuple[str, Capability], Proof] = field(default_factory=dict)
-    world_sizes: dict[tuple[str, Capability], int] = field(default_factory=dict)
-
     def proves(self, backend: str, *capabilities: Capability, world_size: int = 2) -> Callable[[Proof], Proof]:
         """Decorator: the proof that ``backend`` really lacks each of ``capabilities``."""
         if not capabilities:
             raise ValueError(f"{backend}: name the capabilities the proof shows missing")
-
-        def register(proof: Proof) -> Proof:
-            for capability in capabilities:
-                if (backend, capability) in self.proofs:
-                    held = self.proofs[backend, capability].__name__
-                    raise ValueError(f"{backend}: {capability.name} already has a proof ({held})")
-                self.proofs[backend, capability] = proof
-                self.world_sizes[backend, capability] = world_size
-            return proof
-
-        return register
-
-    def at(self, world_size: int) -> list[tuple[str, Capability]]:
-        """The (backend, capability) pairs whose proofs run at ``world_size``, sorted by name (stable
-        test ids)."""
-        return sorted(
-            (key for key, size in self.world_sizes.items() if size == world_size),
-            key=lambda key: (key[0], key[1].name),
-        )
+        return self._register(backend, capabilities, world_size)
 
     def unproven(
         self, backend: str, adapter_cls: type[BackendAdapter], devices: tuple[str, ...] = DEVICE_KINDS
     ) -> set[Capability]:
         """Capabilities ``adapter_cls`` declares missing on any of ``devices`` that no proof
         registered for ``backend`` backs."""
-        missing = set().union(*(declared_missing(adapter_cls, device) for device in devices))
-        return missing - {capability for name, capability in self.proofs if name == backend}
+        return _missing_on_any(adapter_cls, devices) - self._proven(backend)
 
     def stale(
         self, backend: str, adapter_cls: type[BackendAdapter], devices: tuple[str, ...] = DEVICE_KINDS
     ) -> set[Capability]:
         """Proofs registered for ``backend`` of capabilities ``adapter_cls`` declares missing on none
         of ``devices``: the gap was closed, delete the proof."""
-        missing = set().union(*(declared_missing(adapter_cls, device) for device in devices))
-        return {capability for name, capability in self.proofs if name == backend} - missing
+        return self._proven(backend) - _missing_on_any(adapter_cls, devices)
+
+
+def _missing_on_any(adapter_cls: type[BackendAdapter], devices: tuple[str, ...]) -> set[Capability]:
+    return set().union(*(declared_missing(adapter_cls, device) for device in devices))
