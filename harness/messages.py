@@ -94,6 +94,9 @@ class TestTask:
     check_replicas: bool = False
     """Digest what the test's models keep replicated after the body (the `check_replicas` marker or
     `--check-replicas`): the ranks' `RankOutcome.replicas`, compared by the parent's verdict."""
+    reuse_groups: bool = True
+    """Serve the test's `new_group` / `split_group` requests from the groups earlier tests on the
+    rank created with the same request (`harness.rank.group_reuse`); False with `--fresh-groups`."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,10 @@ class SpmdCall:
 class RankOutcome:
     """What one rank reports after running a task.
 
-    `sync_state` is (default-group collective sequence number, process groups created so far):
-    when every rank reports the same pair, no collective is left half-issued (see
-    `harness.session.verdict.world_reusable`).
+    `sync_state` is (default-group collective sequence number, process groups created so far,
+    digest of the groups kept for later tests): when every rank reports the same values, no
+    collective is left half-issued and every rank keeps the same groups (see
+    `harness.session.verdict.world_reusable` and `harness.rank.group_reuse`).
     """
 
     rank: int
@@ -140,7 +144,7 @@ class RankOutcome:
     duration_s: float
     summary: str = ""
     traceback: str = ""
-    sync_state: tuple[int, int] = (0, 0)
+    sync_state: tuple[int, ...] = (0, 0, 0)
     injected_faults: list[str] = field(default_factory=list)
     replace_reason: str = ""
     """Why this rank must not run another test (it could not put its state back, e.g. the test

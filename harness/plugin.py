@@ -115,6 +115,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "whole) and fail a test whose replicas differ; per test: @pytest.mark.check_replicas (False opts out)",
     )
     group.addoption(
+        "--fresh-groups",
+        action="store_true",
+        help="create every process group a test asks for anew and destroy it after the test (default: a warm "
+        "rank keeps the groups and meshes a test created and hands them to later tests that request the same "
+        "members and options, so a session does not create thousands of communicators)",
+    )
+    group.addoption(
         "--reports-dir",
         metavar="DIR",
         default=None,
@@ -156,6 +163,9 @@ def pytest_harness_repro_options() -> dict[str, repro.ReproPolicy]:
         "--repro": repro.NotCarried("it starts the reproduction; the re-run is the recorded command"),
         "--show-traces": repro.NotCarried("it only prints traces (a --repro re-run prints them anyway)"),
         "--check-replicas": repro.Carried(),  # a drift fails the test
+        # A failure that only shows on a kept group (or only on a fresh one) reproduces either way:
+        # a --repro re-run starts fresh ranks, and with the option it keeps nothing.
+        "--fresh-groups": repro.Carried(),
         "--reports-dir": repro.NotCarried(
             "it only says where reports go; a --repro re-run writes to its own --reports-dir or "
             "reports/repro, never over the reports of the run it reproduces"
@@ -174,6 +184,11 @@ def pytest_configure(config: pytest.Config) -> None:
     world_sizes.configure(config, visible_gpu_count(), torchrun)
     config.stash[_DEVICES] = DeviceTally(config.option.device)
     config.addinivalue_line("markers", "fresh_world: run the test on brand-new rank processes")
+    config.addinivalue_line(
+        "markers",
+        "fresh_groups: the test's process groups are created anew and destroyed after it, and the groups earlier "
+        "tests kept for reuse are destroyed with them (the default is --fresh-groups)",
+    )
     config.addinivalue_line(
         "markers",
         "expect_divergence: ranks issue different collectives on purpose; the trace diff does not fail the test",

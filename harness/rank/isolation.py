@@ -32,6 +32,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from harness.message_text import describe_exception
 from harness.process import procfs
+from harness.rank import group_reuse
 from harness.rank.device_state import CudaState, current_settings, restore_settings
 
 _current_seed = 0
@@ -86,15 +87,17 @@ def _accelerator_initialized() -> bool:
     return _SEEDED_AT_ONCE or any(is_initialized() for is_initialized in _LAZY_DEVICE_CHECKS)
 
 
-def sync_state() -> tuple[int, int]:
-    """(default-group collective sequence number, process groups created so far) of this rank.
+def sync_state() -> tuple[int, int, int]:
+    """(default-group collective sequence number, process groups created so far, digest of the
+    groups kept for later tests) of this rank.
 
     Both counters only grow over the worker's life, so ranks that report equal values have issued
-    as many default-group collectives and created as many groups as each other
-    (`harness.messages.RankOutcome.sync_state`). Costs two reads: a call on the light path of a
-    parent-side SPMD call reports it too."""
+    as many default-group collectives and created as many groups as each other; equal digests say
+    they keep the same groups (`harness.rank.group_reuse`), so a later request is served from the
+    kept groups on every rank or on none (`harness.messages.RankOutcome.sync_state`). Costs three
+    reads: a call on the light path of a parent-side SPMD call reports it too."""
     default_group = c10d._get_default_group()
-    return (default_group._get_sequence_number_for_group(), c10d._world.group_count)
+    return (default_group._get_sequence_number_for_group(), c10d._world.group_count, group_reuse.digest())
 
 
 def _clear_dtensor_caches() -> None:
@@ -213,11 +216,17 @@ class TestIsolation:
         # and weak references to those released then, checked for leaks when that test ends.
         self._held_groups: list[dist.ProcessGroup] = []
         self._released_groups: list[weakref.ref[dist.ProcessGroup]] = []
+        # Groups kept for later tests (harness.rank.group_reuse) when the last test ended.
+        self._kept_groups: set[Any] = set()
 
-    def enter(self, seed: int) -> None:
+    def enter(self, seed: int, reuse_groups: bool = True) -> None:
         self._released_groups = [weakref.ref(group) for group in self._held_groups]
         self._held_groups = []
         self._groups_before = set(c10d._world.pg_map)
+        if not reuse_groups:
+            group_reuse.forget_all()  # what earlier tests kept is destroyed with this test's groups
+            self._groups_before -= self._kept_groups
+        group_reuse.begin_test(reuse_groups)
         seed_everything(seed)
         torch.set_default_dtype(self._default_dtype)
         self._cuda.enter()
@@ -231,20 +240,23 @@ class TestIsolation:
         warnings.resetwarnings()
         warnings.simplefilter("default")
 
-    def exit(self) -> tuple[tuple[int, int], str]:
+    def exit(self) -> tuple[tuple[int, ...], str]:
         """Undo the test's changes; return the sync state the parent compares across ranks, and why
         this rank cannot run another test ("" when it can)."""
         self._stack.close()
+        kept = group_reuse.end_test()
         self._functions.restore()
         restore_settings(self._device_settings)
         cuda_failure = self._cuda.exit()
         if cuda_failure:
-            return (0, 0), cuda_failure
+            return (0, 0, 0), cuda_failure
         if not dist.is_initialized():
-            return (0, 0), "the test destroyed the default process group"
-        destroyed, failure = _destroy_groups_created_since(self._groups_before, self._held_groups)
+            group_reuse.forget_all()
+            return (0, 0, 0), "the test destroyed the default process group"
+        destroyed, failure = _destroy_groups_created_since(self._groups_before | kept, self._held_groups)
+        self._kept_groups = kept
         if failure:
-            return (0, 0), failure
+            return (0, 0, 0), failure
         if GLOO_DESTRUCTOR_HOLDS_GIL:
             destroyed, self._released_groups = self._released_groups, []
         else:

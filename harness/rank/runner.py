@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from harness.message_text import clip, describe_exception
 from harness.messages import RankOutcome, Status, TestTask
-from harness.rank import faults, rank_fixtures, replicas, tracing
+from harness.rank import faults, group_reuse, rank_fixtures, replicas, tracing
 from harness.rank.isolation import TestIsolation, seed_everything, sync_state
 from harness.rank.labels import load_label_providers
 
@@ -107,6 +107,7 @@ class TestRunner:
         self.trace_path = trace_path
         self.raised_path = raised_path
         tracing.install()
+        group_reuse.install()  # after the trace: what is kept is what the traced new_group returned
         load_label_providers(label_providers)
         self.isolation = TestIsolation()
 
@@ -127,7 +128,14 @@ class TestRunner:
             return status, summary, failure, failed_at, None
 
         return run_bracketed(
-            self, started, body, seed=task.seed, isolate=True, trace=True, check_replicas=task.check_replicas
+            self,
+            started,
+            body,
+            seed=task.seed,
+            isolate=True,
+            trace=True,
+            check_replicas=task.check_replicas,
+            reuse_groups=task.reuse_groups,
         )
 
     def _execute(self, task: TestTask) -> tuple[Status, str, str, float | None]:
@@ -212,6 +220,7 @@ def run_bracketed(
     isolate: bool,
     trace: bool,
     check_replicas: bool = False,
+    reuse_groups: bool = True,
 ) -> RankOutcome:
     """Run ``body`` (a test's, or a parent-side SPMD call's) in the bracket every unit of work on
     a rank gets, and make its outcome.
@@ -224,7 +233,7 @@ def run_bracketed(
     isolation can collect, not state that lives into the next test.
     """
     if isolate:
-        runner.isolation.enter(seed)
+        runner.isolation.enter(seed, reuse_groups)
     else:
         seed_everything(seed)
     if trace:
@@ -243,7 +252,7 @@ def run_bracketed(
     elif dist.is_initialized():
         state, replace_reason = sync_state(), ""
     else:
-        state, replace_reason = (0, 0), "the call destroyed the default process group"
+        state, replace_reason = (0, 0, 0), "the call destroyed the default process group"
     return RankOutcome(
         rank=runner.rank,
         status=status,

@@ -561,6 +561,12 @@ class _Replacement:
     """Attribute names under which torch publishes the original (its own name and aliases)."""
 
 
+def rebind_everywhere(original: Callable, wrapper: Callable, names: set[str]) -> None:
+    """Replace module-level references to `original` with `wrapper` in every loaded module, as
+    `install` does for the trace's own wrappers (`names`: the names torch publishes it under)."""
+    _rebind_everywhere({id(original): _Replacement(original, wrapper, set(names))})
+
+
 def _rebind_everywhere(replacements: dict[int, _Replacement]) -> None:
     """Replace module-level references to an original with its wrapper, so that bindings made
     before `install` are traced too.

@@ -280,6 +280,7 @@ class HarnessSession:
             options=self.forwarded_options,
             sys_path=list(sys.path),
             check_replicas=check_replicas(item),
+            reuse_groups=reuse_groups(item),
         )
 
     def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict, reproduction: str) -> None:
@@ -354,6 +355,14 @@ def check_replicas(item: pytest.Item) -> bool:
     if marker is None:
         return bool(getattr(item.config.option, "check_replicas", False))
     return bool(marker.args[0] if marker.args else marker.kwargs.get("enabled", True))
+
+
+def reuse_groups(item: pytest.Item) -> bool:
+    """Whether `item`'s ranks serve its process-group requests from the groups earlier tests kept
+    (`harness.rank.group_reuse`): not with the `fresh_groups` marker or `--fresh-groups`."""
+    if item.get_closest_marker("fresh_groups") is not None:
+        return False
+    return not getattr(item.config.option, "fresh_groups", False)
 
 
 def _skipped(report: pytest.TestReport) -> tuple[Status, str]:

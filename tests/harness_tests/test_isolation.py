@@ -44,6 +44,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fresh_groups  # its group is destroyed after it, not kept (tests/harness_tests/test_group_reuse.py)
 def test_1_dirty_every_kind_of_state(rank: int, shared_dir: Path) -> None:
     (shared_dir / f"pid-{rank}").write_text(str(os.getpid()))
     (shared_dir / f"seeded-{rank}").write_text(repr(torch.rand(3).tolist()))
@@ -140,6 +141,7 @@ _LEAK_SEEN_AFTER = 1 if GLOO_DESTRUCTOR_HOLDS_GIL else 0
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fresh_groups  # kept for reuse, its groups would not be destroyed, so never leaked
 @pytest.mark.parametrize(
     "index", [pytest.param(0, marks=pytest.mark.fresh_world), *range(1, LEAKED_GROUP_LIMIT + 2 + _LEAK_SEEN_AFTER)]
 )

@@ -18,7 +18,9 @@ from harness.session.verdict import decide, world_reusable
 from harness.trace.records import CollectiveRecord, last_unfinished
 
 
-def outcome(rank: int, status: str = "passed", sync_state: tuple[int, int] = (3, 1), summary: str = "") -> RankOutcome:
+def outcome(
+    rank: int, status: str = "passed", sync_state: tuple[int, ...] = (3, 1, 0), summary: str = ""
+) -> RankOutcome:
     return RankOutcome(rank=rank, status=status, duration_s=0.1, summary=summary, sync_state=sync_state)  # type: ignore[arg-type]
 
 
@@ -46,8 +48,8 @@ def test_the_pool_is_reused_only_when_nothing_can_be_in_flight() -> None:
     assert world_reusable({0: outcome(0), 1: outcome(1)}, clean)
     assert world_reusable({0: outcome(0, "failed"), 1: outcome(1, "failed")}, clean)  # failed cleanly
     assert not world_reusable({0: outcome(0), 1: RankLoss(1, "hung")}, clean)
-    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(4, 1))}, clean)
-    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(3, 2))}, clean)
+    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(4, 1, 0))}, clean)
+    assert not world_reusable({0: outcome(0), 1: outcome(1, sync_state=(3, 2, 0))}, clean)
     stuck = {0: [record(0, 0), record(0, 1, completed=False)], 1: [record(1, 0)]}
     assert not world_reusable({0: outcome(0, "failed"), 1: outcome(1)}, stuck)
 
