@@ -142,9 +142,10 @@ def _bar(counts: Counter[str]) -> str:
     return f'<div class="bar">{segments}</div>' if segments else ""
 
 
-def _cell(counts: Counter[str], link: str | None) -> str:
-    text = escape(cell_text(counts))
-    title = escape(cell_text(counts), quote=True)
+def _cell(counts: Counter[str], link: str | None, shown: str | None = None) -> str:
+    """A cell's bar and text (`shown`: the text by device kind, `Matrix.cell`, where it differs)."""
+    text = escape(shown or cell_text(counts))
+    title = escape(shown or cell_text(counts), quote=True)
     content = f'{_bar(counts)}<div class="counts">{text}</div>'
     if link is not None:
         return f'<td class="cellfail" title="{title}"><a href="#{link}">{content}</a></td>'
@@ -158,7 +159,8 @@ def _table(matrix: Matrix) -> str:
         cells = []
         for backend in matrix.backends:
             counts = matrix.counts(scenario, backend)
-            cells.append(_cell(counts, anchor(scenario, backend) if counts["fail"] else None))
+            link = anchor(scenario, backend) if counts["fail"] else None
+            cells.append(_cell(counts, link, matrix.cell(scenario, backend)))
         rows.append(f"<tr><th><code>{escape(scenario)}</code></th>{''.join(cells)}</tr>")
     totals = "".join(_cell(matrix.totals(b), None) for b in matrix.backends)
     return (
@@ -175,12 +177,13 @@ def _failures(matrix: Matrix, reports_dir: str | None) -> str:
         parts.append(f'<h3 id="{anchor(scenario, backend)}">{escape(backend)}: <code>{escape(scenario)}</code></h3>')
         for failure in failures:
             number += 1
-            parts.append(_failure(failure, number, matrix.traces.get(failure.test_id), reports_dir))
+            parts.append(_failure(failure, number, matrix.traces.get(failure.test_id), reports_dir, matrix))
     return "".join(parts)
 
 
-def _failure(failure: Failure, number: int, trace_path: str | None, reports_dir: str | None) -> str:
-    parts = [f'<section class="failure" id="failure-{number}"><h4>{escape(failure.test_id)}</h4>']
+def _failure(failure: Failure, number: int, trace_path: str | None, reports_dir: str | None, matrix: Matrix) -> str:
+    heading = escape(failure.test_id + matrix.on_device(failure.device))
+    parts = [f'<section class="failure" id="failure-{number}"><h4>{heading}</h4>']
     if failure.reason:
         parts.append(f'<p class="reason">{escape(failure.reason)}</p>')
     if failure.repro:
@@ -229,7 +232,8 @@ def _expected_failures(matrix: Matrix, reports_dir: str | None) -> str:
         trace = matrix.traces.get(entry.test_id)
         trace_link = f'<a href="{_href(trace, reports_dir)}">trace</a>' if trace else "-"
         rows.append(
-            f'<tr><td class="name">{escape(entry.backend)}</td><td><code>{escape(entry.test_id)}</code></td>'
+            f'<tr><td class="name">{escape(entry.backend)}</td><td><code>{escape(entry.test_id)}</code>'
+            f"{escape(matrix.on_device(entry.device))}</td>"
             f'<td>{escape(entry.reason)}</td><td>{link}</td><td class="name">{trace_link}</td></tr>'
         )
     return (

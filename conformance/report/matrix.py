@@ -28,6 +28,7 @@ class Failure:
     reason: str = ""  # one line that explains it (harness.failure_reason)
     repro: str = ""  # the `REPRO:` line that re-runs it (harness.DistributedTestResult.repro), if any
     trace: TraceView | None = None  # the ranks' collective traces, for a distributed test that had ranks
+    device: str | None = None  # the device kind its verdict was reached on
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ExpectedFailure:
     test_id: str
     reason: str
     link: str | None = None
+    device: str | None = None
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Matrix:
     planned: Counter[tuple[str, str]] = field(default_factory=Counter)  # tests selected per cell
     expected_failures: list[ExpectedFailure] = field(default_factory=list)
     devices: set[str] = field(default_factory=set)
+    # Per cell, its outcomes by the device kind each was reached on (shown when the run used several).
+    cell_devices: dict[tuple[str, str], dict[str, Counter[str]]] = field(default_factory=dict)
     world_sizes: set[int] = field(default_factory=set)
     run: RunDetails | None = None
     incomplete: str | None = None  # why the run stopped early (harness.incomplete_reason)
@@ -96,13 +100,15 @@ class Matrix:
         self.cells[scenario, backend][outcome] += 1
         if device is not None:
             self.devices.add(device)
+            self.cell_devices.setdefault((scenario, backend), {}).setdefault(device, Counter())[outcome] += 1
         if world_size is not None:
             self.world_sizes.add(world_size)
         if outcome == "fail":
             printed = "\n".join(filter(None, [text, repro]))
-            self.failures[scenario, backend].append(Failure(test_id, printed[-_MAX_TEXT:], reason, repro, trace))
+            failure = Failure(test_id, printed[-_MAX_TEXT:], reason, repro, trace, device)
+            self.failures[scenario, backend].append(failure)
         elif outcome == "expected-fail":
-            self.expected_failures.append(ExpectedFailure(backend, test_id, reason, link))
+            self.expected_failures.append(ExpectedFailure(backend, test_id, reason, link, device))
         elif outcome == "unsupported":
             self.unsupported[backend, text.split("\n")[0][:200]] += 1
 
@@ -117,6 +123,25 @@ class Matrix:
     @property
     def scenarios(self) -> list[str]:
         return sorted({scenario for scenario, _ in self.cells} | {scenario for scenario, _ in self.planned})
+
+    def cell(self, scenario: str, backend: str) -> str:
+        """The cell's text: its counts, by device kind when the run reached verdicts on several
+        (under `--device auto` a scenario may run on CUDA at one world size and on CPU at another)."""
+        counts = self.counts(scenario, backend)
+        by_device = self.cell_devices.get((scenario, backend), {})
+        if len(self.devices) < 2 or not by_device:
+            return cell_text(counts)
+        recorded = sum(sum(outcomes.values()) for outcomes in by_device.values())
+        parts = [f"{device}: {cell_text(outcomes)}" for device, outcomes in sorted(by_device.items())]
+        if counts["not run"]:
+            parts.append(f"{counts['not run']} not run")
+        elif recorded < sum(counts.values()):
+            parts.append(f"elsewhere: {sum(counts.values()) - recorded}")
+        return "; ".join(parts)
+
+    def on_device(self, device: str | None) -> str:
+        """` (on cuda)` after a test's id when the run used several device kinds, else nothing."""
+        return f" (on {device})" if device and len(self.devices) > 1 else ""
 
     def totals(self, backend: str) -> Counter[str]:
         total: Counter[str] = Counter()
@@ -161,7 +186,7 @@ def render_markdown(matrix: Matrix) -> str:
         cells = []
         for backend in matrix.backends:
             counts = matrix.counts(scenario, backend)
-            text = cell_text(counts)
+            text = matrix.cell(scenario, backend)
             cells.append(f"**{text}**" if counts["fail"] else text)
         lines.append(f"| `{scenario}` | " + " | ".join(cells) + " |")
     lines.append("| **total** | " + " | ".join(cell_text(matrix.totals(b)) for b in matrix.backends) + " |")
@@ -177,7 +202,7 @@ def render_markdown(matrix: Matrix) -> str:
         for (_scenario, _backend), failures in sorted(matrix.failures.items()):
             for failure in failures:
                 first = failure.reason or next((line for line in failure.text.splitlines() if line.strip()), "")
-                lines.append(f"- `{failure.test_id}`: {first[:300]}")
+                lines.append(f"- `{failure.test_id}`{matrix.on_device(failure.device)}: {first[:300]}")
                 if failure.repro:
                     lines.append(f"  `{failure.repro}`")
     return "\n".join(lines) + "\n"

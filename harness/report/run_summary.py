@@ -103,6 +103,8 @@ class RunSummary:
         self.started = time.time()
         self.devices: Counter[str] = Counter()
         self.world_sizes: set[int] = set()
+        # The world sizes each device kind ran (under --device auto, CUDA for some, CPU for others).
+        self.device_world_sizes: dict[str, set[int]] = {}
         self.skips: Counter[str] = Counter()
         self.reported: set[str] = set()
         self.incomplete: str | None = None
@@ -111,6 +113,7 @@ class RunSummary:
     def pytest_harness_test_result(self, item: pytest.Item, result: DistributedTestResult) -> None:
         self.devices[result.suite.device] += 1
         self.world_sizes.add(result.suite.world_size)
+        self.device_world_sizes.setdefault(result.suite.device, set()).add(result.suite.world_size)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or report.failed or report.skipped:
@@ -141,9 +144,17 @@ class RunSummary:
         hook = self.config.hook.pytest_harness_summary_lines
         contributed = [line for lines in hook(config=self.config) for line in lines]
         harness = f"harness: {self.harness_summary()}"
-        if self.devices:
+        if len(self.devices) == 1:
             harness += f"; device: {', '.join(sorted(self.devices))}"
             harness += f"; world sizes: {', '.join(map(str, sorted(self.world_sizes)))}"
+        elif self.devices:
+            # Each verdict's device: which tests ran where is not the same for every world size.
+            harness += "; devices: " + ", ".join(
+                f"{device} ({count} test{'s' * (count != 1)} at world size"
+                f"{'s' * (len(self.device_world_sizes[device]) != 1)} "
+                f"{', '.join(map(str, sorted(self.device_world_sizes[device])))})"
+                for device, count in sorted(self.devices.items())
+            )
         lines = [*contributed, harness]
         if self.skips:
             total = sum(self.skips.values())

@@ -44,3 +44,26 @@ def test_matrix_renders_counts_and_failure_links() -> None:
     # The REPRO line, data of its own, is shown above the failure text and last in it, as pytest printed it.
     assert '<pre class="repro">REPRO: cd /x &amp;&amp; python -m pytest t --backend torch-fsdp2</pre>' in page
     assert "<pre>boom\nREPRO: cd /x &amp;&amp; python -m pytest t --backend torch-fsdp2</pre>" in page
+
+
+def test_a_run_on_several_devices_names_each_verdicts_device() -> None:
+    """Under --device auto a GPU runner runs a scenario on CUDA at one world size and on CPU at
+    another: each cell counts by device, and each failure and expected failure names its own."""
+    matrix = Matrix()
+    scenario = "test_runtime.py::test_training"
+    matrix.record(scenario, "reference", "t[ws1-reference]", "pass", "", device="cuda", world_size=1)
+    matrix.record(scenario, "reference", "t[ws2-reference]", "pass", "", device="cpu", world_size=2)
+    matrix.record(scenario, "reference", "t[ws4-reference]", "fail", "boom", device="cpu", world_size=4)
+    matrix.record(scenario, "deepspeed", "t[ws2-deepspeed]", "expected-fail", "", reason="known", device="cpu")
+    markdown = render_markdown(matrix)
+    assert f"| `{scenario}` | **cpu: 1 pass / 1 fail; cuda: 1 pass** | cpu: 1 expected-fail |" in markdown
+    assert "- `t[ws4-reference]` (on cpu): boom" in markdown
+    page = render_html(matrix)
+    assert '<div class="counts">cpu: 1 pass / 1 fail; cuda: 1 pass</div>' in page
+    assert "<h4>t[ws4-reference] (on cpu)</h4>" in page
+    assert "<code>t[ws2-deepspeed]</code> (on cpu)</td>" in page
+    # One device: the header names it, the cells stay as they were.
+    single = Matrix()
+    single.record(scenario, "reference", "t[ws2-reference]", "fail", "boom", device="cpu", world_size=2)
+    assert f"| `{scenario}` | **1 fail** |" in render_markdown(single)
+    assert "- `t[ws2-reference]`: boom" in render_markdown(single)

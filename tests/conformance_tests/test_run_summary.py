@@ -133,3 +133,24 @@ def test_the_reason_is_the_line_that_explains_the_failure() -> None:
     assert failure_reason(None, "Failed: could not start a world of 2 (cpu): boom") == (
         "could not start a world of 2 (cpu): boom"
     )
+
+
+def test_the_summary_names_the_device_of_each_world_size_when_a_run_used_several(tmp_path: Path) -> None:
+    """--device auto on a 1-GPU runner: world size 1 on CUDA, 2 and 4 on CPU. One device kind keeps
+    the short form."""
+    from types import SimpleNamespace
+
+    from harness.report.results import SuiteKey
+    from harness.report.run_summary import RunSummary
+
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_harness_summary_lines=lambda config: []), stash={})
+    summary = RunSummary(config, str(tmp_path), lambda: "5 distributed tests", lambda item, report: None)  # type: ignore[arg-type]
+    for world_size, device in [(1, "cuda"), (2, "cpu"), (2, "cpu"), (4, "cpu"), (1, "cuda")]:
+        result = SimpleNamespace(suite=SuiteKey(world_size=world_size, device=device))
+        summary.pytest_harness_test_result(None, result)  # type: ignore[arg-type]
+    line = summary.lines([])[0]
+    devices = "devices: cpu (3 tests at world sizes 2, 4), cuda (2 tests at world size 1)"
+    assert line == f"harness: 5 distributed tests; {devices}"
+    single = RunSummary(config, str(tmp_path), lambda: "1 distributed tests", lambda item, report: None)  # type: ignore[arg-type]
+    single.pytest_harness_test_result(None, SimpleNamespace(suite=SuiteKey(world_size=2, device="cpu")))  # type: ignore[arg-type]
+    assert single.lines([])[0] == "harness: 1 distributed tests; device: cpu; world sizes: 2"
