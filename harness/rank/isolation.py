@@ -216,6 +216,8 @@ class TestIsolation:
         # and weak references to those released then, checked for leaks when that test ends.
         self._held_groups: list[dist.ProcessGroup] = []
         self._released_groups: list[weakref.ref[dist.ProcessGroup]] = []
+        # What the last test left behind that does not stop the rank, for its stderr (take_notes).
+        self._notes: list[str] = []
         # Groups kept for later tests (harness.rank.group_reuse) when the last test ended.
         self._kept_groups: set[Any] = set()
 
@@ -273,6 +275,9 @@ class TestIsolation:
             if isinstance(mapping, dict):
                 mapping.clear()
         self._collect_garbage()
+        leaked_memory = self._cuda.leaked_memory()  # after the collection: what the test's objects still hold
+        if leaked_memory:
+            self._notes.append(leaked_memory)
         self._leaked_groups = [ref for ref in [*self._leaked_groups, *destroyed] if ref() is not None]
         data = _encoded_environ()
         if (data != self._environ_data) if data is not None else (os.environ != self._environ):
@@ -281,6 +286,12 @@ class TestIsolation:
         if os.getcwd() != self._cwd:
             os.chdir(self._cwd)
         return sync_state(), ""
+
+    def take_notes(self) -> list[str]:
+        """What the last test left behind that the rank survives (device memory still allocated),
+        one line each, for that test's stderr; forgotten once taken."""
+        notes, self._notes = self._notes, []
+        return notes
 
     def leaked_groups(self) -> list[str]:
         """Names of destroyed process groups that something still references: an object of a

@@ -143,6 +143,7 @@ class RankWorker:
         # Before the outcome leaves: the parent reads the output files once it has every outcome,
         # so notes about what the test left behind belong to this test's stderr.
         notes, replace_reason = self.process_isolation.restore()
+        notes += self.runner.isolation.take_notes()
         leaked = self.runner.isolation.leaked_groups()
         if len(leaked) >= LEAKED_GROUP_LIMIT:
             notes.append(

@@ -206,3 +206,38 @@ def test_a_sticky_cuda_error_makes_the_rank_unusable(monkeypatch: pytest.MonkeyP
     )
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert state.exit() == ""  # a rank that never used CUDA has nothing to check
+
+
+# A test's leak: a module-level cache that keeps a device tensor alive after the test.
+LEAKED_CACHE: dict[str, torch.Tensor] = {}
+
+
+def test_device_memory_a_test_leaves_allocated_is_reported_with_its_size_and_holder() -> None:
+    """Simulated (no GPU here): a stand-in for torch.cuda whose allocator count grows by 4 MiB during
+    the test, and the rank's tensors on the CPU standing for device tensors. The note names the
+    device, the growth, and the largest live tensors with the global that holds them; a test that
+    left nothing allocated gets no note, nor does a rank that never initialised CUDA."""
+    from types import SimpleNamespace
+
+    from harness.rank import device_state
+
+    allocated = {0: 1 << 20}
+    cuda = SimpleNamespace(
+        is_initialized=lambda: True,
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        memory_allocated=lambda index: allocated[index],
+    )
+    state = device_state.CudaState(cuda, tensor_device="cpu")
+    state.enter()
+    assert state.leaked_memory() == ""
+    LEAKED_CACHE["activations"] = torch.empty(1024, 1024, dtype=torch.float32)  # 4 MiB, the largest
+    allocated[0] += 4 << 20
+    note = state.leaked_memory()
+    assert note.startswith(
+        "the test left device memory allocated: cuda:0 4.0 MiB (1.0 MiB before the test, 5.0 MiB after)"
+    ), note
+    assert "(1024, 1024) float32 (4.0 MiB) held by " + __name__ + ".LEAKED_CACHE" in note, note
+    LEAKED_CACHE.clear()
+    cuda.is_initialized = lambda: False
+    assert state.leaked_memory() == ""
