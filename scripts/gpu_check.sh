@@ -7,9 +7,7 @@
 #
 # Each line reads "PASS|FAIL|SKIP <check> (<seconds> s)[: why]"; the exit status is 1 if any
 # check failed. Checks that need more GPUs than the machine has say SKIP with how many they need.
-# What this script does not check yet (not built): an NCCL watchdog timeout turned into the
-# divergence report, and device memory a test leaves allocated; docs/ci.md lists what of the GPU
-# path is proven on CPU by simulation only.
+# docs/ci.md lists what of the GPU path is proven on CPU by simulation only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${GPU_CHECK_LOGS:-$(mktemp -d -t gpu-check-XXXXXX)}"
@@ -54,6 +52,9 @@ check cuda-isolation 1 run_pytest tests/harness_tests/test_isolation.py --device
 #    or more: it needs 2 GPUs), against the backends that run there.
 check conformance-cuda-unshard 1 run_pytest conformance/test_unshard_params.py --device $device --world-sizes 1 \
     --backend reference --backend torch-fsdp1 --backend torch-fsdp2
+# 6. An NCCL watchdog timeout: the rank's cause and the Flight Recorder dumps in the report (the
+#    simulated one on any machine; the real one needs 2 GPUs and is skipped below that).
+check nccl-watchdog-report 1 run_pytest tests/harness_tests/test_watchdog_report.py
 check conformance-cuda-generated 2 run_pytest conformance/test_generated.py --device $device \
     --backend reference --backend torch-fsdp1 --backend torch-fsdp2
 

@@ -41,7 +41,11 @@ ALLOWED = {
         "a rank's exception message from gloo, NCCL or torch: did a peer's failure break its collective"
     ),
     ("harness/session/verdict.py", "_FRAME"): "Python's traceback text: the frames' files and lines",
-    ("harness/tools/flight_recorder.py", "_RANK_SUFFIX"): "the rank suffix of Flight Recorder's dump file names",
+    ("harness/trace/flight_recorder.py", "_RANK_SUFFIX"): "the rank suffix of Flight Recorder's dump file names",
+    (
+        "harness/session/verdict.py",
+        "_WATCHDOG_TIMEOUT",
+    ): "the line NCCL's watchdog writes to a rank's stderr before it aborts it",
     ("conformance/protocol/facts.py", "Refusal.__post_init__"): "an adapter-declared pattern, compiled to check it",
     ("conformance/protocol/facts.py", "Refusal.mismatch"): "an adapter-declared pattern on a backend's exception",
     ("conformance/report/matrix.py", "anchor"): "an HTML id made of a backend and scenario name",

@@ -198,6 +198,11 @@ class WorkerPool:
         self._gpus: GpuReservation | None = None
         self.interrupted_results: dict[int, RankResult] | None = None
         """Set when `run` was interrupted (Ctrl-C, SIGTERM): what each rank had done by then."""
+        # Where the ranks' Flight Recorder dumps go (torch appends the rank): the user's choice, else
+        # the pool's own directory, so that a dump is never another session's.
+        self.flight_recorder_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.path.join(
+            run_dir, "flight-recorder", "rank_"
+        )
 
     @property
     def agent_store_failure(self) -> str | None:
@@ -206,6 +211,19 @@ class WorkerPool:
 
     def rank_files(self, rank: int) -> RankFiles:
         return RankFiles(self.run_dir, rank)
+
+    def flight_recorder_dumps(self, since: float) -> list[str]:
+        """The Flight Recorder dumps this pool's ranks wrote since `since` (`time.time()`): NCCL's
+        watchdog writes one per rank when a collective times out (`TORCH_NCCL_DUMP_ON_TIMEOUT`)."""
+        found = []
+        for rank in range(self.key.world_size):
+            for path in (f"{self.flight_recorder_prefix}{rank}", f"{self.flight_recorder_prefix}{rank}.json"):
+                try:
+                    if os.path.getmtime(path) >= since:
+                        found.append(path)
+                except OSError:
+                    continue
+        return found
 
     @property
     def pids(self) -> list[int]:
@@ -217,6 +235,7 @@ class WorkerPool:
 
     def start(self, timeout_s: float = 300.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(self.flight_recorder_prefix) or ".", exist_ok=True)
         if self.key.device_kind == "cuda":
             try:
                 self._gpus = GpuReservation(self.key.world_size)
@@ -242,6 +261,7 @@ class WorkerPool:
             world_size=self.key.world_size,
             master_port=self._agent_store.port,
             cuda_devices=self._gpus.names if self._gpus is not None else None,
+            flight_recorder_prefix=self.flight_recorder_prefix,
         )
         # Only what differs from the session's environment travels: the zygote and spawned
         # workers start from the session's (`session_environment` drops what a rank must not see).

@@ -83,8 +83,12 @@ def rank_environment(
     world_size: int,
     master_port: int,
     cuda_devices: Sequence[str] | None = None,
+    flight_recorder_prefix: str | None = None,
 ) -> dict[str, str]:
-    """`base` with the torchrun contract of rank `rank` of a one-host world (see the module doc)."""
+    """`base` with the torchrun contract of rank `rank` of a one-host world (see the module doc).
+
+    `flight_recorder_prefix`: where the rank's Flight Recorder dump goes (`TORCH_FR_DUMP_TEMP_FILE`,
+    the prefix torch appends the rank to) unless the user chose: the pool reads it after a test."""
     env = session_environment(base)
     env.update(TorchrunWorld(rank, local_rank=rank, world_size=world_size, local_world_size=world_size).environment())
     env.update(
@@ -94,6 +98,8 @@ def rank_environment(
         GLOO_SOCKET_IFNAME=loopback_interface(),
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if flight_recorder_prefix is not None:
+        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", flight_recorder_prefix)
     if cuda_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_devices)
         for name, value in FLIGHT_RECORDER_DEFAULTS.items():

@@ -71,6 +71,9 @@ class Execution:
     results: dict[int, RankResult]
     captured: dict[int, tuple[str, str]]
     traces: dict[int, list[CollectiveRecord]]
+    flight_recorder: str = ""
+    """What the Flight Recorder dumps the ranks wrote during the test say (NCCL's watchdog writes
+    them when a collective times out: `harness.trace.flight_recorder.dump_report`), else empty."""
 
 
 def session_properties(config: pytest.Config) -> dict[str, str]:
@@ -173,6 +176,7 @@ class HarnessSession:
             expected,
             unfinished_collectives(execution.traces),
             {rank: stderr for rank, (_, stderr) in execution.captured.items()},
+            execution.flight_recorder,
         )
         # Ranks first, reports second: `_report` ends in pytest's outcome exception, and the
         # next test must find its pool already kept or discarded.

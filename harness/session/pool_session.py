@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 
 import pytest
@@ -26,6 +27,7 @@ from harness.process.pool import PoolKey, PoolStartError, WorkerPool
 from harness.process.reaper import Reaper, hold_run_dir, run_dir_name, sweep_stale_run_dirs
 from harness.session.flow import Execution, HarnessSession, WorldStartError, WorldUnusable
 from harness.session.verdict import world_reusable
+from harness.trace.flight_recorder import dump_report
 from harness.trace.one_sided import OneSidedWatch
 from harness.trace.records import read_trace_or_empty
 
@@ -152,6 +154,7 @@ class PoolSession(HarnessSession):
             hopeless = None if item.get_closest_marker("expect_divergence") else watch.check
             # --test-timeout, or pytest-timeout's limit for this test (whose own timer is held off).
             deadline = deadline_of(item, self.options.test_timeout)
+            started_at = time.time()
             results = pool.run(task, deadline.seconds, self.options.straggler_grace, hopeless, deadline.source)
         except BaseException as error:
             # Interrupted (Ctrl-C, SIGTERM): no rank may outlive the test.
@@ -174,6 +177,7 @@ class PoolSession(HarnessSession):
                 for rank, f in files.items()
             },
             traces={rank: read_trace_or_empty(f.trace) for rank, f in files.items()},
+            flight_recorder=dump_report(pool.flight_recorder_dumps(started_at), list(results)),
         )
 
     def after_test(self, item: pytest.Function, execution: Execution) -> None:

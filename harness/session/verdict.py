@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -35,6 +36,7 @@ def decide(
     divergence_expected: bool = False,
     unfinished: str | None = None,
     stderr: Mapping[int, str] | None = None,
+    flight_recorder: str = "",
 ) -> Verdict:
     """All ranks must agree: one failing rank fails the test; ranks disagreeing on a skip fail it too.
 
@@ -50,6 +52,7 @@ def decide(
     the reason's whole text (`FailureReason.outcomes`: what explains a failure where no rank
     failed and the traces agree).
     """
+    results = with_watchdog_causes(results, stderr or {})
     distinct = {result.status for result in results.values()}
     drift = replica_drift(results) if distinct <= {"passed", "failed"} else None
     drift_text = f"\n\n{drift.describe()}" if drift is not None else ""
@@ -57,7 +60,9 @@ def decide(
 
     def account(first: FirstFailure | None) -> str:  # built only for a test that fails: not for every pass
         text = failure_text(results, first, stderr)
-        return f"{text}\n\nunfinished collectives: {unfinished}" if unfinished and "failed" in distinct else text
+        if unfinished and "failed" in distinct:
+            text = f"{text}\n\nunfinished collectives: {unfinished}"
+        return f"{text}\n\n{flight_recorder}" if flight_recorder else text
 
     if divergence and not (divergence_expected and "failed" not in distinct):
         heading = f"ranks issued divergent collectives: {divergence}"
@@ -75,6 +80,29 @@ def decide(
         return Verdict(distinct.pop(), "; ".join(reasons))  # type: ignore[arg-type]
     first = first_failure(results)
     return Verdict("failed", account(first) + drift_text, reason=failure_reason(results, first), drift=drift_heading)
+
+
+# What NCCL's watchdog writes to a rank's stderr before it aborts the process (SIGABRT under
+# TORCH_NCCL_ASYNC_ERROR_HANDLING): "[rank1]:[E...] [PG ID 0 ...] Watchdog caught collective
+# operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...) ran for 30012 milliseconds before
+# timing out." The work it names is the cause; the signal is only how it ended.
+_WATCHDOG_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout: (WorkNCCL\(.*?\)) ran for")
+
+
+def with_watchdog_causes(results: dict[int, RankResult], stderr: Mapping[int, str]) -> dict[int, RankResult]:
+    """`results` with each rank that NCCL's watchdog aborted named so: "was aborted by NCCL's
+    watchdog: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...) timed out", not only "killed by SIGABRT".
+    A timeout is a consequence (a peer did not join), so the rank that went wrong first is still
+    told apart from it."""
+    changed = {}
+    for rank, result in results.items():
+        if not isinstance(result, RankLoss) or "SIGABRT" not in result.cause:
+            continue
+        found = _WATCHDOG_TIMEOUT.search(stderr.get(rank, ""))
+        if found is not None:
+            cause = f"was aborted by NCCL's watchdog: {found.group(1)} timed out ({result.cause})"
+            changed[rank] = dataclasses.replace(result, cause=cause)
+    return {**results, **changed} if changed else results
 
 
 def replica_drift(results: dict[int, RankResult]) -> DriftReport | None:
