@@ -30,6 +30,9 @@ TORCH_INDEPENDENT = {
 
 
 def pytest_configure(config) -> None:
+    from tests.support import cuda_runtime_guard
+
+    cuda_runtime_guard.install()
     config.addinivalue_line(
         "markers", "torch_independent: a self-test of the session's own logic; CI's torch legs leave it out"
     )
@@ -42,3 +45,25 @@ def pytest_collection_modifyitems(config, items) -> None:
         path = item.path.relative_to(config.rootpath).as_posix() if item.path.is_relative_to(config.rootpath) else ""
         if path in TORCH_INDEPENDENT:
             item.add_marker(pytest.mark.torch_independent)
+
+
+# Every phase of a self-test is held to not asking the CUDA runtime in pytest's own process
+# (tests/support/cuda_runtime_guard.py says why: it would make the zygote's forks unable to use CUDA).
+def _guarded(phase: str):
+    import pytest
+
+    @pytest.hookimpl(wrapper=True)
+    def hook(item):
+        from tests.support import cuda_runtime_guard
+
+        cuda_runtime_guard.forget()
+        result = yield
+        cuda_runtime_guard.check(phase)
+        return result
+
+    return hook
+
+
+pytest_runtest_setup = _guarded("setup")
+pytest_runtest_call = _guarded("call")
+pytest_runtest_teardown = _guarded("teardown")

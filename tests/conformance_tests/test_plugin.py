@@ -8,8 +8,8 @@ import tempfile
 import time
 
 import pytest
-import torch
 
+from harness.config.gpu_count import visible_gpu_count
 from tests.support.warm_pytest import run_pytest
 
 pytest_plugins = ["pytester"]
@@ -273,7 +273,7 @@ def test_an_unusable_matrix_file_is_refused_before_any_test(pytester: pytest.Pyt
 
 
 def test_a_test_skipped_for_lack_of_devices_is_not_stale(pytester: pytest.Pytester) -> None:
-    if torch.cuda.device_count() >= 2:
+    if visible_gpu_count() >= 2:
         pytest.skip("this machine has the GPUs: nothing is skipped for lack of them")
     pytester.makepyfile(
         test_scenario="""

@@ -185,26 +185,35 @@ def test_skip_on_every_rank_is_a_skip(rank: int) -> None:
     pytest.skip("unsupported: demo capability")
 
 
-def test_a_sticky_cuda_error_makes_the_rank_unusable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sticky_cuda_error_makes_the_rank_unusable() -> None:
     """Simulated (no GPU here): after a device-side assert every CUDA call fails, synchronize
     included; the test's exit says why the rank cannot run another test, so the pool replaces it
-    (the reason travels as the outcome's replace_reason, as for a destroyed default group)."""
-    from harness.rank import device_state
+    (the reason travels as the outcome's replace_reason, as for a destroyed default group).
 
-    state = device_state.CudaState()
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    state.enter()
+    A stand-in for torch.cuda, not torch.cuda patched: on a CUDA build the real device_count or
+    memory_allocated in this (pytest's) process would ask the CUDA runtime, and torch would mark
+    every later fork, the warm zygote's included, unable to use CUDA."""
+    from types import SimpleNamespace
+
+    from harness.rank import device_state
 
     def sticky() -> None:
         raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ...")
 
-    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    cuda = SimpleNamespace(
+        is_initialized=lambda: True,
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        memory_allocated=lambda index: 0,
+        synchronize=sticky,
+    )
+    state = device_state.CudaState(cuda, tensor_device="cpu")
+    state.enter()
     assert state.exit() == (
         "a CUDA error left this rank unable to use its GPU (CUDA error: device-side assert triggered): "
         "the rank is replaced"
     )
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    cuda.is_initialized = lambda: False
     assert state.exit() == ""  # a rank that never used CUDA has nothing to check
 
 

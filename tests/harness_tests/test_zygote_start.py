@@ -230,6 +230,20 @@ def test_no_rank_is_in_a_bad_fork_for_cuda_and_pytest_never_asks_the_cuda_runtim
     assert _zygote_log_line(output).startswith("zygote: forked from pytest"), output[-3000:]
 
 
+def test_a_self_test_that_asks_the_cuda_runtime_in_pytest_fails_even_on_a_cpu_build() -> None:
+    """The same rule for the self-tests' own pytest process (tests/support/cuda_runtime_guard.py,
+    installed by tests/conftest.py): a call is noted with its place, and the phase fails naming it."""
+    import torch
+
+    from tests.support import cuda_runtime_guard
+
+    torch.cuda.device_count()
+    noted = r"asked the CUDA runtime in pytest.s own process \(torch.cuda.device_count\(\) at .*zygote_start\.py:\d+"
+    with pytest.raises(AssertionError, match=noted + r".*visible_gpu_count"):
+        cuda_runtime_guard.check("call")
+    cuda_runtime_guard.check("call")  # the calls are forgotten once reported
+
+
 def test_a_fork_that_torch_would_mark_bad_makes_the_zygote_start_cold(monkeypatch: pytest.MonkeyPatch) -> None:
     env = dict(zygote_fork._START_ENV)
     monkeypatch.setattr(zygote_fork, "_thread_count", lambda: 1)
