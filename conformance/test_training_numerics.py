@@ -1,4 +1,4 @@
-"""Training numerics: mixed-precision training and gradient accumulation against the oracle.
+"""Training numerics: mixed precision, gradient accumulation and clipping against the oracle.
 
 Both scenarios train ``fixtures.CompositeModel`` (width 16) with plain SGD, which moves each
 parameter by lr x gradient and so shows any wrong gradient scale, and compare the run with the
@@ -19,6 +19,10 @@ by parameter name with its size.
   ``NO_SYNC``); or no ``zero_grad`` at all, a step after every backward (``no_zero_grad``, the
   2-D seed's loop), so each step uses the sum of every gradient so far. A gradient overwritten
   instead of added fails them (tests/conformance_tests/family_mutants.py, accumulation_overwrite).
+* ``test_gradient_clipping``: three SGD steps, each clipping to one total norm through the
+  backend's ``clip_grad_norm`` (``GRADIENT_CLIPPING``); the norm it returns, the losses and the
+  final parameters equal the oracle's, which clips the whole averaged gradient. Clipping by the
+  local norm fails it (clip_local_norm).
 
 Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
 every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
@@ -258,6 +262,18 @@ def _compare_with_oracle(
                 what = f"{form.value} form: gradients used by step {step}"
                 problems.append(report(what, found, len(expected.grads[step]), bounds.grads))
 
+        def check_norm(step: int, norm: torch.Tensor | None, form: ApiForm = form, expected=expected) -> None:
+            if norm is None:  # a backend that clips inside its step: its training is what is checked
+                return
+            value, wanted = float(norm), expected.grad_norms[step]
+            if not abs(value - wanted) <= CLIP_NORM_RTOL * wanted:
+                problems.append(
+                    f"{form.value} form: clip_grad_norm at step {step} returned the total norm {value:.7g}; the "
+                    f"oracle's whole averaged gradient has norm {wanted:.7g} (relative difference "
+                    f"{abs(value - wanted) / wanted:.3g}, allowed {CLIP_NORM_RTOL:g}; a norm over this rank's "
+                    "shards only, the classic clipping bug, is smaller by up to the square root of the world size)"
+                )
+
         accumulate = functools.partial(backend.no_gradient_sync, sharded) if without_sync else None
         losses = fixtures.train_sharded(
             backend,
@@ -268,6 +284,7 @@ def _compare_with_oracle(
             device=device,
             after_backward=check_grads,
             accumulate_without_sync=accumulate,
+            clipped=check_norm,
         )
         state = backend.state_dict(sharded, StateDictKind.FULL)
         problems += _state_differences(backend, state, expected.state_dict, spec.param_dtype, bounds.params, form, plan)
@@ -375,14 +392,21 @@ def _state_differences(
     return problems
 
 
-def _plan(steps: int, micro_batches: int = 1, zero_grad: bool = True) -> fixtures.TrainingPlan:
+def _plan(
+    steps: int,
+    micro_batches: int = 1,
+    zero_grad: bool = True,
+    clip_norm: float | None = None,
+    make_optimizer: fixtures.OptimizerFactory = SGD,
+) -> fixtures.TrainingPlan:
     return fixtures.TrainingPlan(
         seed=current_seed(),
         iterations=steps,
         batch_size=LOCAL_BATCH,
-        make_optimizer=SGD,
+        make_optimizer=make_optimizer,
         micro_batches=micro_batches,
         zero_grad=zero_grad,
+        clip_norm=clip_norm,
     )
 
 
@@ -498,4 +522,64 @@ def test_gradient_accumulation(
     assert not problems, (
         f"rank {rank}: gradient accumulation ({mode}: {program.describe()}) differs from the "
         "single-process oracle:\n" + "\n".join(problems)
+    )
+
+
+# -- gradient clipping -------------------------------------------------------------------------
+# Every step clips (the oracle's total norm is at least CLIP_ACTIVE times CLIP_NORM at every step,
+# asserted: a clip that never acts proves nothing), so each step moves the parameters by exactly
+# CLIPPING_LR x CLIP_NORM in total, in the direction of the whole gradient. A backend clipping by
+# its local norm (its own shards only: smaller than the total) scales its update by up to
+# sqrt(world size) more (tests/conformance_tests/family_mutants.py, clip_local_norm); the norm it
+# returns is off by that much too. Measured on CPU + gloo, torch 2.13, seed 1234, ws2 and ws4,
+# reference (both forms), torch-fsdp1, torch-fsdp2, torch-zero: the returned norm within 3e-7
+# (relative) of the oracle's, losses and parameters within FULL_PRECISION_BOUNDS.
+CLIP_NORM = 0.05
+CLIP_ACTIVE = 1.5
+CLIP_NORM_RTOL = 1e-5
+CLIPPING_LR = 0.1  # SGD: large enough that a wrongly scaled clip moves parameters far beyond rounding
+CLIPPING_STEPS = 3
+
+# Units auto-wrapped for the strategies whose units every backend with units has; every
+# strategy runs unit-less.
+CLIPPING_WITH_UNITS = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD)
+CLIPPING_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+]
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), CLIPPING_CASES)
+def test_gradient_clipping(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Clipping by the total norm over ranks (``GRADIENT_CLIPPING``): three float32 SGD steps,
+    each clipping the gradients to ``CLIP_NORM`` through the backend's ``clip_grad_norm``
+    between backward and step. The norm it returns (where it returns one) is the oracle's norm of
+    the whole averaged gradient, and every local loss, the gradients the steps use
+    (``UNSHARD_WITH_GRADS``) and the final parameters equal the oracle's, which clips with
+    ``torch.nn.utils.clip_grad_norm_`` over the unsharded model."""
+    require_all(backend, {Capability.GRADIENT_CLIPPING, Capability.FULL_STATE_DICT})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(
+        CLIPPING_STEPS,
+        clip_norm=CLIP_NORM,
+        make_optimizer=functools.partial(torch.optim.SGD, lr=CLIPPING_LR),
+    )
+    oracle = _oracle_runs(plan, world_size=world_size, device=device)
+    quiet = [norm for norm in oracle(frozenset()).grad_norms if norm < CLIP_ACTIVE * CLIP_NORM]
+    assert not quiet, (
+        f"the scenario's clip would not act: the oracle's gradient norms {oracle(frozenset()).grad_norms} "
+        f"include some below {CLIP_ACTIVE} x CLIP_NORM ({CLIP_NORM}); lower CLIP_NORM"
+    )
+    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
+    assert not problems, (
+        f"rank {rank}: gradient clipping to total norm {CLIP_NORM} ({strategy.name}, "
+        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
+        + "\n".join(problems)
     )

@@ -3,12 +3,14 @@
 Public API (see README.md): `fully_shard`, `ShardedModule`, `ShardingOptions`, `unshard_params`,
 `ShardedOptimizer` (SHARD_OPTIM_STATE, SHARD_GRAD_AND_OPTIM_STATE), `ShardingStrategy`,
 `MixedPrecision`, `StateDictKind`, `set_state_dict_type`, `optim_state_dict`,
-`load_optim_state_dict`, `no_sync` / `set_gradient_sync` (gradient accumulation), introspection
-helpers and `collectives.current_label`.
+`load_optim_state_dict`, `clip_grad_norm_` (one total norm over ranks), `no_sync` /
+`set_gradient_sync` (gradient accumulation), introspection helpers and
+`collectives.current_label`.
 """
 
 from engine import collectives
 from engine.api import ShardedModule, fully_shard
+from engine.clip import clip_grad_norm_
 from engine.config import ShardingOptions, ShardingStrategy, StateDictKind
 from engine.grad_sync import no_sync, set_gradient_sync
 from engine.introspect import clear_events, events, is_unsharded, partitions_optimizer_state, unit_fqns, units
@@ -26,6 +28,7 @@ __all__ = [
     "ShardingStrategy",
     "StateDictKind",
     "clear_events",
+    "clip_grad_norm_",
     "collectives",
     "events",
     "fully_shard",

@@ -65,7 +65,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     # The engine's ZeRO partitions flat local pieces of whole parameters; a tensor-parallel
@@ -118,6 +118,9 @@ class ReferenceAdapter(BackendAdapter):
         if engine.partitions_optimizer_state(model):
             return engine.ShardedOptimizer(model, factory)
         return factory(model.parameters())
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        return engine.clip_grad_norm_(model, max_norm)
 
     # -- applying sharding ----------------------------------------------------------------
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:

@@ -58,7 +58,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 6
+    PROTOCOL_VERSION = 7
     # Test ids, reports and expectations use it. The expectations file is <name>.toml in
     # --expectations-dir when given, else the file EXPECTATIONS names (next to your module), else
     # conformance/expectations/<name>.toml (docs/writing-an-adapter.md, section 8).

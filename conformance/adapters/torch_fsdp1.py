@@ -102,7 +102,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance_tests/test_declared_absences.py).
@@ -194,6 +194,17 @@ class TorchFSDP1Adapter(TorchAdapter):
             if isinstance(module, FSDP) and module._handle is not None:
                 _HANDLE_PREFIXES[module._handle] = clean_fqn(fqn)
         return model
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        # FSDP1's own: each rank's flat-parameter shard holds plain-tensor pieces, so torch's
+        # clip over model.parameters() would see the local norm only.
+        if not isinstance(model, FSDP):
+            raise ValueError(
+                "torch-fsdp1 adapter: FullyShardedDataParallel.clip_grad_norm_ is the root FSDP "
+                "instance's; a model with an unmanaged root (shard_root=False) has several roots "
+                "and no total norm (shard the root to clip)"
+            )
+        return model.clip_grad_norm_(max_norm)
 
     def _kwargs(self, spec: ShardingSpec, unit: str, ignored: list[nn.Module]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {

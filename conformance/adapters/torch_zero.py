@@ -80,13 +80,16 @@ _NO_PUBLIC_MIXED_PRECISION = (
 
 
 class TorchZeroAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
     name = "torch-zero"
     WRAPPER_COMPONENTS = frozenset({"module"})  # DistributedDataParallel holds the model as .module
     CAPABILITIES = frozenset(
         {
             Capability.WRAPPER,
             Capability.COMPOSABLE,
+            # DDP all-reduces every gradient whole to every rank (ZeroRedundancyOptimizer shards
+            # only the optimizer state): the hook's default, torch's clip over them, is right.
+            Capability.GRADIENT_CLIPPING,
             Capability.NO_SHARD,
             Capability.SHARD_OPTIM_STATE,
             Capability.NO_SYNC,

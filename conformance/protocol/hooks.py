@@ -1,6 +1,7 @@
 """Optional hooks: what an adapter may override, each with a plain-torch default.
 
-The training loop a scenario drives (``make_optimizer``, ``zero_grad``, ``backward``, ``step``),
+The training loop a scenario drives (``make_optimizer``, ``zero_grad``, ``backward``,
+``clip_grad_norm``, ``step``),
 the per-rank storage of a parameter (``local_shard`` and its setters, gradient twins and
 optimizer state), the gradient-accumulation switch (``no_gradient_sync``), the
 label of the collective being issued (``collective_label``) and the end of a test (``close``).
@@ -37,6 +38,7 @@ class BackendHooks:
     #         backend.zero_grad(sharded, optim)
     #         loss = loss_of(sharded(*inputs))
     #         backend.backward(sharded, loss)
+    #         backend.clip_grad_norm(sharded, optim, max_norm)   # where the program clips
     #         backend.step(sharded, optim)
     #
     # A backend that owns its training loop (DeepSpeed builds the optimizer into its engine and
@@ -60,6 +62,26 @@ class BackendHooks:
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Apply one optimizer step with the current gradients. Default: ``optimizer.step()``."""
         optimizer.step()
+
+    def clip_grad_norm(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+    ) -> torch.Tensor | None:
+        """Clip the gradients the next :meth:`step` applies so that their total norm, over the
+        whole model and every rank, is at most ``max_norm`` (optional capability
+        ``GRADIENT_CLIPPING``; protocol 7). Called on every rank between the step's last
+        :meth:`backward` and :meth:`step` (it may be collective).
+
+        Returns the total norm before clipping (a scalar tensor, the same on every rank: the norm
+        of the averaged gradient one process holding every parameter would compute), or None
+        for a backend that clips inside its own step (DeepSpeed's ``gradient_clipping``): its
+        :meth:`step` then applies the clip, and only the training that follows is checked.
+
+        Default: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, right where
+        every rank holds its gradients whole (DDP, ZeRO-1) or as DTensors (FSDP2: the norm is
+        reduced over their mesh); a backend that stores plain-tensor shards (FSDP1's flat
+        parameters, ZeRO-2 partitions) must override it, or its norm is the local one."""
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Drop the gradients before the next backward. Default:

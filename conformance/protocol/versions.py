@@ -24,7 +24,7 @@ from conformance.protocol.vocabulary import Capability, ShardingStrategy
 # The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
 # an older one keeps running, with one warning naming what it does not declare of what came
 # later and how many scenarios that costs (:func:`shortfall`).
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # The oldest and the newest torch CI proves (.ci/run hands each to .ci/torch-leg; the main leg's
 # pin lies between): a torch outside them may work, but nothing here says it does.
@@ -131,6 +131,8 @@ ADDED: dict[int, Additions] = {
     # One value per call (issue 42): ``_unshard(model, request)`` takes an UnshardRequest; an
     # adapter written for an earlier version is still called with the options as keywords.
     6: Additions(signatures=("_unshard",)),
+    # Real training loops (issue 40): clipping by the total norm over ranks.
+    7: Additions(capabilities=frozenset({Capability.GRADIENT_CLIPPING}), hooks=("clip_grad_norm",)),
 }
 # What changed in each signature of ``Additions.signatures``, as the warning says it.
 _CHANGES = {
@@ -149,6 +151,7 @@ CHANGELOG: dict[int, str] = {
     4: "exact storage and raw names",
     5: "strategies are storage claims; ZeRO-2, reduce dtype, gradient accumulation",
     6: "one UnshardRequest per unshard",
+    7: "gradient clipping",
 }
 assert set(CHANGELOG) == set(range(1, PROTOCOL_VERSION + 1)), (
     "conformance.protocol.versions.CHANGELOG (and docs/changelog.md) must have an entry for every protocol version"

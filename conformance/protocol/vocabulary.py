@@ -95,6 +95,10 @@ class Capability(enum.Enum):
     # format, opaque to the suite): checked by round trip, for backends whose sharded state is
     # neither DTensor nor ShardedTensor (see BackendAdapter.save_checkpoint).
     NATIVE_CHECKPOINT = "native sharded checkpoint (save_checkpoint / load_checkpoint)"
+    # Clipping the gradients the next step applies to one total norm over every rank's pieces
+    # (BackendAdapter.clip_grad_norm, protocol 7): FSDP1's FullyShardedDataParallel.clip_grad_norm_,
+    # torch.nn.utils.clip_grad_norm_ over FSDP2's DTensors, DeepSpeed's gradient_clipping.
+    GRADIENT_CLIPPING = "gradient clipping by the total norm over ranks (clip_grad_norm)"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:

@@ -22,7 +22,11 @@ here belong to the other families and are injected the same way, from outside th
   is untouched;
 * ``accumulation_overwrite`` -- each backward overwrites the stored gradients instead of adding
   to them: the backend's own ``zero_grad`` runs before every ``backward``, so a step sees only
-  the last backward pass's gradients.
+  the last backward pass's gradients;
+* ``clip_local_norm`` -- gradient clipping by this rank's local norm: ``clip_grad_norm`` scales
+  the gradient pieces this rank stores by ``max_norm`` over their own norm (the classic bug:
+  ``torch.nn.utils.clip_grad_norm_`` over plain-tensor shards, or over a DTensor's local
+  tensors), so each rank's update is scaled differently and by too much.
 
 ``tests/conformance_tests/test_family_mutants.py`` runs each family's scenarios against the mutants.
 The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
@@ -58,6 +62,7 @@ MUTATIONS: dict[str, str] = {
     "divergence": "forward-order validation switched off (reference engine: check_exec_order=False)",
     "lowp_double": "gradients computed in low precision doubled (a low-precision reduction that does not average)",
     "accumulation_overwrite": "each backward overwrites the stored gradients instead of adding to them",
+    "clip_local_norm": "gradients clipped by the norm of this rank's own pieces, not the total over ranks",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -69,6 +74,9 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "lowp_double": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed"),  # MIXED_PRECISION
     # Every backend trains; torch-zero (a torch ZeroRedundancyOptimizer backend) runs where registered.
     "accumulation_overwrite": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
+    # The backends whose ranks store distinct pieces of a gradient in param.grad (DDP's are whole,
+    # so its local norm is the total; DeepSpeed clips inside its own step).
+    "clip_local_norm": ("reference", "torch-fsdp1", "torch-fsdp2"),
 }
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
@@ -142,6 +150,11 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                 self.zero_grad(model, self._optimizer)
             super().backward(model, loss)
 
+        def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> Any:
+            if mutation != "clip_local_norm":
+                return super().clip_grad_norm(model, optimizer, max_norm)
+            return _clip_by_local_norm(model, max_norm)
+
         def _state_dict(self, model: nn.Module, kind: StateDictKind) -> dict[str, Any]:
             state = super()._state_dict(model, kind)
             if mutation != "two_d" or kind is not StateDictKind.SHARDED:
@@ -175,6 +188,19 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             return sharded
 
     return mutant_backends.named_class(Mutant, base, mutation)
+
+
+def _clip_by_local_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's clip formula over the gradient pieces this rank holds in ``param.grad`` (a DTensor's
+    local tensor), with no reduction across ranks."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    grads = [g for g in grads if g is not None]
+    norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).norm()
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+    return norm
 
 
 def _compose(outer: Callable[[Any], Any], inner: Callable[..., Any]) -> Callable[..., Any]:

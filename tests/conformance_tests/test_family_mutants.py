@@ -220,6 +220,23 @@ def test_accumulation_family_catches_an_overwritten_gradient(
     assert _some_parameter_moved(texts), texts
 
 
+@against_mutants("clip_local_norm", world_size=2)
+def test_clipping_family_catches_a_local_norm(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_gradient_clipping[ws2-none-FULL_SHARD] passes with the backend and fails with each
+    rank clipping by the norm of its own gradient pieces: the norm it returns is named against
+    the oracle's, and the parameters moved."""
+    scenario = functools.partial(
+        numerics.test_gradient_clipping, wrap="none", strategy=ShardingStrategy.FULL_SHARD, world_size=world_size
+    )
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("clip_local_norm", backend_name, scenario, rank, world_size, device)
+    assert all("gradient clipping to total norm 0.05 (FULL_SHARD, one unit) differs" in t for t in texts), texts
+    assert all(re.search(r"clip_grad_norm at step 0 returned the total norm [\d.]+; the oracle's", t) for t in texts)
+    assert _some_parameter_moved(texts), texts
+
+
 DIVERGENCE_INNER_TESTS = """
 import pytest
 from conformance.test_divergence import test_same_shape_divergence_is_not_silent as same_shape

@@ -200,10 +200,10 @@ class _FifthProtocolUnshard(Incomplete):
 
 
 class _SixthProtocolUnshard(_FifthProtocolUnshard):
-    """The same adapter written for protocol 6: one UnshardRequest."""
+    """The same adapter written for the current protocol (6 and later): one UnshardRequest."""
 
     name = "sixth-protocol"
-    PROTOCOL_VERSION = 6
+    PROTOCOL_VERSION = PROTOCOL_VERSION
 
     def _unshard(self, model: nn.Module, request: UnshardRequest) -> Any:  # type: ignore[override]
         self.asked.append((request.fqn, {"request": request}))

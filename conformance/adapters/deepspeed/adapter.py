@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters._labels import current_label
-from conformance.adapters.deepspeed.library import PARAM_FQNS, import_deepspeed, label_collectives
+from conformance.adapters.deepspeed.library import PARAM_FQNS, choose_accelerator, import_deepspeed, label_collectives
 from conformance.adapters.deepspeed.model import (
     WRAPPED,
     DeepSpeedModel,
@@ -63,7 +63,7 @@ _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 6  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({WRAPPED})
     # DeepSpeed's own code (its owner-rank broadcasts, its partition-dependent reductions) is never
@@ -90,6 +90,7 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.INTROSPECT_UNSHARDED,
             Capability.INTROSPECT_STORAGE,
             Capability.NATIVE_CHECKPOINT,
+            Capability.GRADIENT_CLIPPING,
         }
     )
     # Backend facts (proven in tests/conformance_tests/test_declared_facts.py where DeepSpeed is
@@ -210,6 +211,10 @@ class DeepSpeedAdapter(BackendAdapter):
         and float16 only where oneDNN has it (``is_fp16_supported()`` is
         ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: a CPU with AVX512-FP16 or AMX-FP16,
         unless ``ONEDNN_MAX_CPU_ISA`` caps it; ``deepspeed.initialize`` refuses fp16 elsewhere)."""
+        # The accelerator fixed first: asked before __init__ (the declarations are read in
+        # pytest's process too), a bare import would probe CUDA there, which on a CUDA build
+        # leaves every later fork of pytest unable to use CUDA.
+        choose_accelerator(self.env.device)
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
@@ -394,7 +399,21 @@ class DeepSpeedAdapter(BackendAdapter):
         engine_of(model).backward(loss)
 
     def step(self, model: nn.Module, optimizer: Any) -> None:
-        engine_of(model).step()
+        engine = engine_of(model)
+        try:
+            engine.step()
+        finally:
+            if getattr(engine, _CLIPPING_SET, False):  # clip_grad_norm asked for this step only
+                _set_gradient_clipping(engine, 0.0)
+                setattr(engine, _CLIPPING_SET, False)
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> None:
+        # DeepSpeed clips inside its step, by the norm over every rank's partition, as its
+        # config's gradient_clipping asks (read at each step): set for the next step here.
+        engine = engine_of(model)
+        _set_gradient_clipping(engine, float(max_norm))
+        setattr(engine, _CLIPPING_SET, True)
+        return None
 
     def zero_grad(self, model: nn.Module, optimizer: Any) -> None:
         optimizer.zero_grad()
@@ -630,3 +649,16 @@ class DeepSpeedAdapter(BackendAdapter):
 
 
 _CHECKPOINT_TAG = "conformance"
+
+
+_CLIPPING_SET = "_conformance_clipping_set"
+"""Marks an engine whose next step clips because clip_grad_norm asked it to."""
+
+
+def _set_gradient_clipping(engine: Any, max_norm: float) -> None:
+    """What a config's ``gradient_clipping: max_norm`` sets: the engine's own clip (stage 0 in
+    float32, ``engine.gradient_clipping()``) and its optimizer wrapper's (ZeRO stages, bf16 and
+    fp16 modes: ``clip_grad``, read at each step)."""
+    engine._config.gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm

@@ -40,10 +40,16 @@ def label_collectives() -> None:
     label_calls(PartitionedParameterCoordinator, gather, fqns)
 
 
+def choose_accelerator(device: torch.device) -> None:
+    """Name ``device``'s accelerator to DeepSpeed (``DS_ACCELERATOR``) unless one is named: it
+    picks one at its first import, else by probing (``torch.cuda.device_count()``)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+
+
 def import_deepspeed(device: torch.device) -> Any:
     """Import DeepSpeed with the accelerator of ``device``: it picks one at import, from
     ``DS_ACCELERATOR`` or by probing, and a CPU rank on a GPU machine must not get CUDA."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
+    choose_accelerator(device)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
