@@ -170,6 +170,12 @@ class TemplateAdapter(BackendAdapter):
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        # Only if you declare GRADIENT_CLIPPING: the total norm over every rank, before clipping.
+        # DDP's gradients are whole on every rank, so torch's clip is right; a backend storing
+        # plain-tensor shards must use its library's own (the local norm is the classic bug).
+        return torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
 

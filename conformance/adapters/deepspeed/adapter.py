@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters._labels import current_label
-from conformance.adapters.deepspeed.library import PARAM_FQNS, choose_accelerator, import_deepspeed, label_collectives
+from conformance.adapters.deepspeed.library import PARAM_FQNS, import_deepspeed, label_collectives
 from conformance.adapters.deepspeed.model import (
     WRAPPED,
     DeepSpeedModel,
@@ -211,10 +211,6 @@ class DeepSpeedAdapter(BackendAdapter):
         and float16 only where oneDNN has it (``is_fp16_supported()`` is
         ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: a CPU with AVX512-FP16 or AMX-FP16,
         unless ``ONEDNN_MAX_CPU_ISA`` caps it; ``deepspeed.initialize`` refuses fp16 elsewhere)."""
-        # The accelerator fixed first: asked before __init__ (the declarations are read in
-        # pytest's process too), a bare import would probe CUDA there, which on a CUDA build
-        # leaves every later fork of pytest unable to use CUDA.
-        choose_accelerator(self.env.device)
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()

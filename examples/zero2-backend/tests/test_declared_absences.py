@@ -229,6 +229,12 @@ def _no_checkpoint_format(rank: int, world_size: int, device: torch.device) -> N
     assert not [name for name in names if "save" in name.lower() or "checkpoint" in name.lower()], names
 
 
+@proves(BACKEND, Capability.GRADIENT_CLIPPING)
+def _no_clipping(rank: int, world_size: int, device: torch.device) -> None:
+    names = [*dir(lib), *dir(lib.Zero2)]
+    assert not [name for name in names if "clip" in name.lower() or "norm" in name.lower()], names
+
+
 # -- the tests -----------------------------------------------------------------------------------
 
 

@@ -79,6 +79,10 @@ class Zero2Adapter(BackendAdapter):
         Capability.INTROSPECT_EVENTS: "zero2_lib never unshards or reshards parameters",
         Capability.INTROSPECT_STORAGE: "zero2_lib never shards parameters, so has no unsharded storage",
         Capability.NATIVE_CHECKPOINT: "zero2_lib has no checkpoint format of its own",
+        Capability.GRADIENT_CLIPPING: (
+            "zero2_lib has no clipping of its own, and torch's clip over its gradient slices would see "
+            "this rank's norm only"
+        ),
     }
     # The library's module: collectives it issues on rank-dependent paths are attributed to the
     # scenario line that called into it.
