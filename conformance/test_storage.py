@@ -11,10 +11,16 @@ For every strategy the backend declares, with a unit-less plan (the root is the 
 ZeRO has it) and with auto-wrapped units where the backend has them, two Adam steps run through
 the adapter and the claim is checked
 
-- in forward (inside each leaf module's forward, a read-only hook): the module's parameters are
-  whole on this rank (``local_shard`` holds all of each), and for a strategy that shards them
-  the running unit's unsharded storage holds at least those elements
-  (``unsharded_storage_numel``, where the backend declares ``INTROSPECT_STORAGE``);
+- in forward (inside each leaf module's forward, read-only): what the module computes with is
+  whole on this rank. Each of its parameters is either stored whole (``local_shard`` holds all
+  of it: FSDP's and DeepSpeed's gathered parameters) or read whole by the forward (a tensor of
+  the parameter's shape whose local part has all its elements is passed to a torch function
+  while the forward runs: a backend that keeps the shard stored and computes with a gathered
+  temporary, as a per-parameter DTensor design whose parametrization all-gathers does). A
+  backend that computes with its shard (a sharded DTensor, a slice) shows neither and fails.
+  For a strategy that shards parameters, the running unit's unsharded storage also holds at
+  least the module's elements (``unsharded_storage_numel``, where the backend declares
+  ``INTROSPECT_STORAGE``);
 - between forward and backward, after backward and at rest after the step: parameters
   (``local_shard``), gradients (``local_grad_shard``, after backward and after the step) and
   optimizer state (``local_optim_state``, once the optimizer has stepped).
@@ -35,6 +41,8 @@ from collections.abc import Callable, Mapping
 import pytest
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 import fixtures
 from conformance.programs.storage_probe import StorageProbe
@@ -57,6 +65,8 @@ LOCAL_BATCH = 2
 # Adam: per-parameter state tensors (exp_avg, exp_avg_sq) for the optimizer-state claim.
 OPTIMIZER = functools.partial(torch.optim.Adam, lr=1e-3)
 DIM = 16  # small: the claim is about counts, not arithmetic
+# A parameter read in forward is told by its shape: no activation may have DIM rows.
+assert LOCAL_BATCH != DIM
 
 
 def _world_sizes(world: WorldShape, params: Mapping[str, object]) -> str | None:
@@ -109,6 +119,7 @@ def test_storage_claim(
     for form in backend.forms():
         model = fixtures.build(fixtures.CompositeModel, seed, device, dim=DIM)
         numels = {name: param.numel() for name, param in model.named_parameters()}
+        shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
         sharded = backend.shard(model, spec, form)
         names = {declared_fqn(backend, name) for name, _ in sharded.named_parameters()}
         assert set(numels) <= names, (
@@ -129,6 +140,7 @@ def test_storage_claim(
                     backend,
                     sharded,
                     numels,
+                    shapes,
                     declared_fqn(backend, name),
                     _unit_of(declared_fqn(backend, name), plan),
                     # A shard group of one rank (HYBRID_SHARD on a (2, 1) mesh) shards nothing.
@@ -164,43 +176,74 @@ def test_storage_claim(
     assert not problems, f"rank {rank}: storage differs from what the strategy claims:\n" + "\n".join(problems)
 
 
-def _watch_forward(module: nn.Module, check: Callable[[nn.Module], None]) -> nn.Module:
-    """Run ``check(module)`` at the start of every call of ``module``'s own forward."""
+def _watch_forward(module: nn.Module, check: Callable[..., object]) -> nn.Module:
+    """Run every call of ``module``'s own forward through ``check(module, run, inputs)``, which
+    calls ``run()`` (the forward proper) and returns its output."""
     forward = module.forward
 
     def checked_forward(*args: object, **kwargs: object) -> object:
-        check(module)
-        return forward(*args, **kwargs)
+        return check(module, functools.partial(forward, *args, **kwargs), (args, kwargs))
 
     module.forward = checked_forward  # an instance attribute: nn.Module.__call__ calls it
     return module
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    """Elements of ``tensor`` on this rank (a DTensor's local part)."""
+    local = getattr(tensor, "_local_tensor", None)  # DTensor; an attribute read, no dispatch
+    return (local if isinstance(local, torch.Tensor) else tensor).numel()
+
+
+class ForwardReads(TorchFunctionMode):
+    """What a forward computes with: the shape and local element count of every tensor passed
+    to a torch function while the mode is active, the forward's own inputs left out.
+
+    A function mode sees every ``torch.*`` / ``F.*`` call and tensor method, whatever tensor
+    type takes part (plain, Parameter, DTensor), so a parameter a backend gathers into a
+    temporary (a parametrization, a property, a pre-forward hook's plain tensor) is seen where
+    the forward hands it to ``F.linear``."""
+
+    def __init__(self, inputs: object) -> None:
+        super().__init__()
+        self._inputs = {id(leaf) for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor)}
+        self.reads: set[tuple[tuple[int, ...], int]] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        # torch pops this mode while its handler runs: reading shapes here records nothing.
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self._inputs:
+                self.reads.add((tuple(leaf.shape), _local_numel(leaf)))
+        return func(*args, **kwargs)
 
 
 def _check_in_forward(
     backend: BackendAdapter,
     sharded: nn.Module,
     numels: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
     module_fqn: str,
     unit: str,
     unit_storage_known: bool,
     problems: list[str],
     where: str,
     module: nn.Module,
-) -> None:
-    """Inside a leaf module's forward, this rank holds the module's parameters whole, whatever the
-    strategy keeps at rest: ``local_shard`` shows all of each, and where the backend reports its
-    unsharded storage (``INTROSPECT_STORAGE``), the running unit has at least those elements
-    allocated (a unit of FSDP gathers all of its parameters, DeepSpeed ZeRO-3 those of the running
-    module; either holds these). Reads only, no collective."""
+    run: Callable[[], object],
+    inputs: object,
+) -> object:
+    """Inside a leaf module's forward, this rank computes with the module's parameters whole,
+    whatever the strategy keeps at rest: each is stored whole (``local_shard`` shows all of it)
+    or read whole (a tensor of its shape with all its elements on this rank reaches a torch
+    function during the forward: a gathered temporary). Where the backend reports its unsharded
+    storage (``INTROSPECT_STORAGE``), the running unit also has at least those elements
+    allocated (a unit of FSDP gathers all of its parameters, DeepSpeed ZeRO-3 those of the
+    running module; either holds these). Reads only, no collective. Runs the forward (``run``)
+    and returns its output.
+
+    A tensor is told for a parameter by its shape, which is unambiguous in this scenario's
+    model: every activation has the batch dimension (``LOCAL_BATCH`` rows, never ``DIM``)."""
     own = [f"{module_fqn}.{name}" for name, _ in module.named_parameters(recurse=False)]
     counts = stored_elements(backend, sharded, Stored.PARAMETERS, own)
-    for fqn, count in counts.items():
-        expected = numels[fqn]
-        if count != expected:
-            problems.append(
-                f"{where}, {Phase.FORWARD.value} of {module_fqn!r}: this rank holds {count} of the {expected} "
-                f"elements of {fqn!r}: it computes with a parameter it has not gathered whole"
-            )
     if unit_storage_known:
         needed = sum(numels[fqn] for fqn in own)
         allocated = backend.unsharded_storage_numel(sharded, unit)
@@ -210,3 +253,21 @@ def _check_in_forward(
                 f"elements of unsharded storage allocated, fewer than the {needed} of the module's own "
                 "parameters it is computing with"
             )
+    with ForwardReads(inputs) as observed:
+        output = run()
+    for fqn, count in counts.items():
+        expected, shape = numels[fqn], shapes[fqn]
+        if count == expected or (shape, expected) in observed.reads:
+            continue
+        same_shape = sorted(local for read_shape, local in observed.reads if read_shape == shape)
+        read = (
+            f"tensors of its shape {list(shape)} with {same_shape} elements on this rank"
+            if same_shape
+            else f"no tensor of its shape {list(shape)}"
+        )
+        problems.append(
+            f"{where}, {Phase.FORWARD.value} of {module_fqn!r}: this rank stores {count} of the {expected} "
+            f"elements of {fqn!r} and its forward read {read}: it computes with a parameter it has not "
+            "gathered whole (neither stored whole nor read whole as a temporary)"
+        )
+    return output

@@ -14,7 +14,13 @@ body passed, two things must hold:
    * parameters, where the strategy shards them at rest: this rank's parameter storage shrank
      (local numel after ``shard()`` or at the end below the model's: a proper shard, a DeepSpeed
      ZeRO-3 placeholder, a DTensor's local part), or the adapter reports a unit for the model
-     (``unit_fqns``, where ``INTROSPECT_UNIT_FQNS`` is declared: a backend that shards lazily);
+     (``unit_fqns``, where ``INTROSPECT_UNIT_FQNS`` is declared: a backend that shards lazily),
+     or this rank is one whose share is all of every parameter: under the declared
+     ``SHARD_LAYOUT`` its share of each parameter is the whole parameter, the storage hooks
+     (``local_shard``) show exactly that, and another rank of its shard group has less of some
+     parameter (a model of 1-element parameters: the group's first rank holds each, the others
+     none). Such a rank's storage cannot show the share, the others' does, and the same rule run
+     on them fails a backend that replicates, so a correct backend without units passes;
    * gradients, where the strategy shards them and the test left gradients stored: this rank
      stores fewer gradient elements (``local_grad_shard``) than the model has parameter elements;
    * optimizer state, where the strategy shards it and an optimizer the adapter made has state:
@@ -52,6 +58,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from conformance.protocol import (
@@ -63,6 +70,7 @@ from conformance.protocol import (
     ShardingSpec,
     ShardingStrategy,
     Stored,
+    expected_local_numel,
     shard_group_size,
     storage_claim,
     stored_elements,
@@ -165,8 +173,10 @@ class ShardedModel:
     spec: ShardingSpec
     form: ApiForm
     storage_shrank: bool
-    # The unsharded model's parameters by FQN (the names the storage hooks take) and sizes.
+    # The unsharded model's parameters by FQN (the names the storage hooks take), sizes and
+    # shapes, in registration order.
     numels: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, torch.Size] = field(default_factory=dict)
     optimizers: list[Any] = field(default_factory=list)  # what make_optimizer returned for it
 
 
@@ -192,10 +202,12 @@ class ShardWatch:
         def watched_shard(model: nn.Module, spec: ShardingSpec, form: ApiForm) -> Any:
             self.calls += 1
             numels = {name: param.numel() for name, param in model.named_parameters()}
+            shapes = {name: param.shape for name, param in model.named_parameters()}
             before = local_numel(model)
             result = shard(model, spec, form)
             if isinstance(result, nn.Module):
-                self.sharded.append(ShardedModel(result, spec, form, local_numel(result) < before, numels))
+                shrank = local_numel(result) < before
+                self.sharded.append(ShardedModel(result, spec, form, shrank, numels, shapes))
                 self._attribute_forward(result)
             return result
 
@@ -332,7 +344,7 @@ class ShardWatch:
         measured: dict[Stored, tuple[Holding, str]] = {}
         for kind in kinds:
             if kind is Stored.PARAMETERS:
-                if model.storage_shrank or local_numel(model.module) < total:
+                if model.storage_shrank or local_numel(model.module) < total or self._holds_whole_share(model):
                     measured[kind] = (Holding.SHARDED, "")
                 elif not self._has_units(model):
                     stores = f"all {total} parameter elements and the adapter reports no unit"
@@ -361,6 +373,31 @@ class ShardWatch:
                     if by_name:
                         measured[kind] = (Holding.SHARDED, "")
         return measured
+
+    def _holds_whole_share(self, model: ShardedModel) -> bool:
+        """This rank's share of every parameter under the declared ``SHARD_LAYOUT`` is all of
+        it, the storage hooks show exactly that, and another rank of its shard group has less
+        of some parameter: sharding is right on this rank and shows on the others. Original
+        parameters of a unit-less model only (the root is the one unit a FLAT_UNIT layout
+        splits); a flat parameter pads every rank to the same size, which shows nothing."""
+        if not model.spec.use_orig_params or not model.shapes or len(model.spec.strategies()) != 1:
+            return False
+        layout = type(self.adapter).SHARD_LAYOUT
+        group = shard_group_size(model.spec, self.adapter.env.world_size)
+        mesh = model.spec.mesh
+        hybrid = ShardingStrategy.HYBRID_SHARD in model.spec.strategies() and mesh is not None
+        index = mesh.get_local_rank(1) if hybrid else self.adapter.env.rank  # this rank's place in its group
+        shapes = list(model.shapes.values())
+        stored = self._stored(model, Stored.PARAMETERS)
+        for position, (fqn, shape) in enumerate(model.shapes.items()):
+            share = expected_local_numel(layout, shapes, position, index, group)
+            if share != shape.numel() or stored.get(fqn) != share:
+                return False
+        return any(
+            expected_local_numel(layout, shapes, position, other, group) < shape.numel()
+            for other in range(group)
+            for position, shape in enumerate(shapes)
+        )
 
     @staticmethod
     def _where(model: ShardedModel) -> str:
