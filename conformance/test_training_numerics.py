@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 import fixtures
+from conformance.programs.tolerances import CLIP_NORM_RTOL
 from conformance.protocol import (
     ApiForm,
     BackendAdapter,
@@ -536,7 +537,6 @@ def test_gradient_accumulation(
 # (relative) of the oracle's, losses and parameters within FULL_PRECISION_BOUNDS.
 CLIP_NORM = 0.05
 CLIP_ACTIVE = 1.5
-CLIP_NORM_RTOL = 1e-5
 CLIPPING_LR = 0.1  # SGD: large enough that a wrongly scaled clip moves parameters far beyond rounding
 CLIPPING_STEPS = 3
 

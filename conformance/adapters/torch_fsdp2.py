@@ -107,6 +107,12 @@ class TorchFSDP2Adapter(TorchAdapter):
     SUPPORTED_PLATFORMS = {"cpu": ">=2.7", "cuda": ""}
     PLATFORM_REASONS = {"cpu": "fully_shard calls torch.cpu.Stream.record_event, which torch 2.6 lacks"}
     UNSUPPORTED_COMBINATIONS = {
+        frozenset({Capability.GRADIENT_CLIPPING, Capability.MIXED_STRATEGIES, Capability.NO_SHARD}): (
+            "torch.nn.utils.clip_grad_norm_ stacks every gradient's norm, and DTensor refuses to stack "
+            'norms from different meshes ("All operands in aten.stack.default must have the same mesh"): '
+            "a NO_SHARD unit lives on the adapter's (world, 1) replicate mesh, the other units on the "
+            "1-D mesh, so a model mixing them cannot be clipped (pytorch/pytorch#180346, open)"
+        ),
         frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD}): (
             "fully_shard replicates only over the first dimension of a 2-D (replicate, shard) mesh: "
             "over a 1-D mesh it always shards (DTensor Shard(0)). NO_SHARD of a tensor-parallel "

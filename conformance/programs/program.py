@@ -132,6 +132,22 @@ class Step:
 
 
 @dataclass(frozen=True)
+class ClipStep:
+    """Clip the gradients through the backend's ``clip_grad_norm`` to ``fraction`` times the
+    oracle's total norm (below 1, so the clip always acts, whatever the gradients are), then an
+    optimizer step. One operation, because a backend may clip inside its step (DeepSpeed): a clip
+    means the step right after it."""
+
+    fraction: float = 0.5
+
+    def describe(self) -> str:
+        return f"clip the gradients to {self.fraction:g} x their total norm (clip_grad_norm), then an optimizer step"
+
+    def requirements(self) -> set[Requirement]:
+        return {Capability.GRADIENT_CLIPPING}
+
+
+@dataclass(frozen=True)
 class SetMode:
     train: bool
 
@@ -232,7 +248,9 @@ class OptimRoundTrip:
         return {Capability.OPTIM_STATE_DICT, Capability.for_state_dict(StateDictKind(self.kind))}
 
 
-Operation = Backward | ZeroGrad | Step | SetMode | EvalForward | SwapRoute | Unshard | SaveLoad | OptimRoundTrip
+Operation = (
+    Backward | ZeroGrad | Step | ClipStep | SetMode | EvalForward | SwapRoute | Unshard | SaveLoad | OptimRoundTrip
+)
 
 
 @dataclass(frozen=True)

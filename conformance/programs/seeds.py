@@ -4,7 +4,7 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, eval mode, the forward-order check and its refusal of
+no-sync switch and across steps, gradient clipping, eval mode, the forward-order check and its refusal of
 rank-divergent orders, state dict and optimizer round trips, and each strategy's storage claim.
 """
 
@@ -14,6 +14,7 @@ from conformance.programs.declared import Declared
 from conformance.programs.draw import base_setups, tensor_parallel_possible
 from conformance.programs.program import (
     Backward,
+    ClipStep,
     EvalForward,
     ModelShape,
     Operation,
@@ -92,6 +93,12 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     add(plain, ZeroGrad(), Backward(micro_batches=2), Step())
     add(plain, ZeroGrad(), Backward(micro_batches=3, no_sync=True), Step())
     add(plain, ZeroGrad(), Backward(), Step(), Backward(), Step())
+    # Gradient clipping (GRADIENT_CLIPPING): the total norm over every rank's pieces, the whole
+    # model one unit and with units, SGD so that a wrongly scaled clip shows in the parameters.
+    add(plain, ZeroGrad(), Backward(), ClipStep(), ZeroGrad(), Backward(), ClipStep())
+    with_units = first(lambda s: s.unit_plan in ("auto", "leaves"))
+    if with_units is not None:
+        add(with_units, ZeroGrad(), Backward(), ClipStep())
     # Eval mode: its forwards differ from training ones.
     add(plain, ZeroGrad(), Backward(), Step(), SetMode(False), EvalForward())
     # The forward-order check: a later change of order warns; a first iteration whose order

@@ -96,6 +96,16 @@ class Shadow:
     def step(self) -> None:
         self.optimizer.step()
 
+    def grad_norm(self) -> float:
+        """The total 2-norm of the gradients (the averaged ones a single process holds)."""
+        grads = [p.grad.detach().reshape(-1) for p in self.model.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.cat(grads))) if grads else 0.0
+
+    def clip(self, max_norm: float) -> float:
+        """Clip the gradients to total norm ``max_norm`` as torch does; the norm before."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
     def set_mode(self, train: bool) -> None:
         self.model.train(train)
 

@@ -22,7 +22,16 @@ import torch.nn as nn
 import fixtures
 from conformance.adapters.torch_fsdp1 import OFFLOAD_TO_CPU_BROKEN_ON_CPU
 from conformance.adapters.torch_fsdp2 import HAS_IGNORED_PARAMS
-from conformance.protocol import AbsenceProofs, BackendAdapter, BackendEnv, Capability, declared_missing
+from conformance.protocol import (
+    AbsenceProofs,
+    ApiForm,
+    BackendAdapter,
+    BackendEnv,
+    Capability,
+    ShardingSpec,
+    ShardingStrategy,
+    declared_missing,
+)
 from conformance.protocol.proofs import DEVICE_KINDS
 from conformance.suite import gate, registry
 from conformance.test_divergence import training_step
@@ -494,6 +503,22 @@ def _fsdp2_one_dimensional_mesh_always_shards(rank: int, world_size: int, device
 COMBINATION_PROOFS["torch-fsdp2", frozenset({Capability.TENSOR_PARALLEL, Capability.NO_SHARD})] = (
     _fsdp2_one_dimensional_mesh_always_shards
 )
+
+
+def _fsdp2_cannot_clip_units_on_two_meshes(rank: int, world_size: int, device: torch.device) -> None:
+    # The adapter's own sharding of a mixed model: unit "0" NO_SHARD (its replicate mesh), the root
+    # FULL_SHARD (the 1-D mesh); torch's clip then refuses the two meshes' norms.
+    backend = registry.load("torch-fsdp2")(BackendEnv(rank, world_size, device))
+    spec = ShardingSpec(manual_units=("0",), strategy_overrides={"0": ShardingStrategy.NO_SHARD})
+    model = backend.shard(_two_linears(device), spec, ApiForm.COMPOSABLE)
+    model(torch.randn(2, 4, device=device)).sum().backward()
+    with pytest.raises(RuntimeError, match="same mesh"):
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+
+
+COMBINATION_PROOFS[
+    "torch-fsdp2", frozenset({Capability.GRADIENT_CLIPPING, Capability.MIXED_STRATEGIES, Capability.NO_SHARD})
+] = _fsdp2_cannot_clip_units_on_two_meshes
 
 
 @proves("torch-fsdp2", Capability.FLAT_PARAMETERS)

@@ -32,6 +32,7 @@ import pytest
 from conformance.programs import export
 from conformance.programs.program import (
     Backward,
+    ClipStep,
     EvalForward,
     ModelShape,
     OptimRoundTrip,
@@ -62,7 +63,7 @@ FSDP1_AUTO = Program(
         ZeroGrad(set_to_none=False),
         SwapRoute(),
         Backward(),
-        Step(),
+        ClipStep(),
         Unshard(writeback=True, write=True),
         SaveLoad("full"),
         Backward(),
@@ -148,7 +149,7 @@ ZERO_DDP_ZERO1 = Program(
         SaveLoad("full"),
         SwapRoute(),
         Backward(),
-        Step(),
+        ClipStep(),
     ),
     seed=2,
 )
@@ -183,6 +184,15 @@ TWO_D = Program(
     ),
     seed=13,
 )
+# Clipping over DTensor gradients (torch's clip_grad_norm_ returns a DTensor norm), a frozen block,
+# and both optimizer round trips.
+FSDP2_CLIPPED = Program(
+    world_size=2,
+    model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,)),
+    setup=Setup(ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam"),
+    operations=(Backward(), ClipStep(), OptimRoundTrip("full"), Backward(), Step(), OptimRoundTrip("sharded")),
+    seed=8,
+)
 PASSING = [
     pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-order-swap-no_sync-writeback-full-eval"),
     pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-adam-eval-sharded"),
@@ -190,24 +200,13 @@ PASSING = [
     pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),
     pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-no_sync-unshard-grads-optim-eval-full"),
     pytest.param("torch-fsdp2", TWO_D, id="fsdp2-2d-tp-sharded-full-eval"),
+    pytest.param("torch-fsdp2", FSDP2_CLIPPED, id="fsdp2-clip-both-optim-round-trips"),
 ]
 # Written and linted, not run (each run costs ten seconds or more): FSDP1's form of the 2-D program
-# (the 2-D mesh's dp dimension as device_mesh), the composable replicate() form, and both optimizer
-# round trips in one FSDP2 script.
+# (the 2-D mesh's dp dimension as device_mesh) and the composable replicate() form.
 LINTED_ONLY = [
     pytest.param("torch-fsdp1", TWO_D, id="fsdp1-2d"),
     pytest.param("torch-zero", ZERO_REPLICATE, id="zero-replicate"),
-    pytest.param(
-        "torch-fsdp2",
-        Program(
-            world_size=2,
-            model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,)),
-            setup=Setup(ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam"),
-            operations=(Backward(), Step(), OptimRoundTrip("full"), Backward(), Step(), OptimRoundTrip("sharded")),
-            seed=8,
-        ),
-        id="fsdp2-both-optim-round-trips",
-    ),
 ]
 
 

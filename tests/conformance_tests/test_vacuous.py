@@ -13,7 +13,7 @@ import torch.nn as nn
 from adapter_testing import run_inner_session
 
 from conformance.adapters.template import TemplateAdapter
-from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy
+from conformance.protocol import ApiForm, BackendEnv, Capability, ShardingSpec, ShardingStrategy, ShardLayout
 from conformance.suite.gate import SessionDevices, refusal
 from conformance.suite.vacuity import ExercisedNothing, ShardWatch, StorageClaimNotMet
 from tests.conformance_tests.vacuous_adapters import BrokenConstructorAdapter, NoFormsHereAdapter, ShardsNothingAdapter
@@ -258,6 +258,59 @@ def test_world_size_one_failures_and_refusals_are_left_alone() -> None:
     with pytest.raises(ValueError, match="refused"):  # as a misuse scenario expects: no model to inspect
         shard_linear(refusing)
     assert refusing.finding(body_passed=True) is None
+
+
+class RowsOnRankZero(ShardsNothingAdapter):
+    """ROWS layout done right on every rank: rank 0 keeps the first ceil(rows / 2) rows of each
+    parameter, rank 1 the rest (nothing of a one-row weight); ``keep_all`` replicates instead."""
+
+    SHARD_LAYOUT = ShardLayout.ROWS
+    keep_all = False
+
+    def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if not self.keep_all:
+                    chunks = torch.chunk(param.detach(), self.env.world_size, dim=0)
+                    part = chunks[self.env.rank] if self.env.rank < len(chunks) else param.detach()[:0]
+                    setattr(module, name, nn.Parameter(part.clone()))
+        return model
+
+
+class RowsKeptWhole(RowsOnRankZero):
+    keep_all = True
+
+
+def _singleton_watch(adapter_cls: type[ShardsNothingAdapter], rank: int) -> ShardWatch:
+    adapter = adapter_cls(BackendEnv(rank=rank, world_size=2, device=torch.device("cpu"), local_rank=rank))
+    watch = ShardWatch(adapter, collectives=lambda: 0)
+    adapter.shard(nn.Linear(1, 1, bias=False), ShardingSpec(), ApiForm.WRAPPER)
+    return watch
+
+
+def test_a_rank_whose_share_is_the_whole_parameter_passes_without_units_and_replication_still_fails() -> None:
+    """A 1-element weight under ROWS: rank 0's share is all of it and rank 1's is nothing. A
+    unit-less backend that shards right passes on both ranks (rank 0 by its declared layout);
+    one that replicates passes on rank 0, where the two look alike, and fails on rank 1."""
+    assert _singleton_watch(RowsOnRankZero, rank=0).finding(body_passed=True) is None
+    assert _singleton_watch(RowsOnRankZero, rank=1).finding(body_passed=True) is None
+    assert _singleton_watch(RowsKeptWhole, rank=0).finding(body_passed=True) is None
+    finding = _singleton_watch(RowsKeptWhole, rank=1).finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
+    assert "FULL_SHARD (wrapper form) claims parameters sharded; this rank stores all 1 parameter elements" in str(
+        finding
+    )
+
+
+def test_a_layout_that_gives_every_rank_the_whole_parameter_is_no_evidence() -> None:
+    """PER_PARAMETER pads a 1-element weight to one element on every rank: whole storage is what
+    a replicating backend shows too, so without units or collectives the pass stays unproven."""
+
+    class PaddedPerParameter(RowsKeptWhole):
+        SHARD_LAYOUT = ShardLayout.PER_PARAMETER
+
+    finding = _singleton_watch(PaddedPerParameter, rank=0).finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
 
 
 SHARDS = """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from conformance.programs.export.uses import FSDP1, FSDP2, ZERO, Uses, block, indented, uses_ddp_wrapper
-from conformance.programs.program import EvalForward, Unshard
+from conformance.programs.program import ClipStep, EvalForward, Unshard
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -204,6 +204,20 @@ def oracle_part(uses: Uses) -> str:
             """
         )
     )
+    if uses.has(ClipStep):
+        methods.append(
+            block(
+                '''
+                def clip(self, fraction: float) -> tuple[float, float]:
+                    """Clip the gradients to `fraction` x their total norm, as torch does; the norm before
+                    and the max_norm clipped to."""
+                    params = [p for p in self.model.parameters() if p.grad is not None]
+                    norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in params])).item()
+                    torch.nn.utils.clip_grad_norm_(params, fraction * norm)
+                    return norm, fraction * norm
+                '''
+            )
+        )
     if uses.has(Unshard):
         methods.append(
             block(

@@ -9,7 +9,8 @@ import textwrap
 import torch
 
 from conformance.programs.export.uses import FSDP1, FSDP2, ORDER_WARNING, ZERO, Uses, script_name, tolerance_literal
-from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Backward, EvalForward, Unshard
+from conformance.programs.model import build_model
+from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Backward, ClipStep, EvalForward, Unshard
 from conformance.programs.shadow import ADAM_LR, EVAL_ITERATIONS, FRESH_SEED_OFFSET, LOCAL_BATCH, SGD_LR
 from conformance.programs.tolerances import bounds_for
 from conformance.protocol import ApiForm
@@ -209,6 +210,12 @@ def constants_part(uses: Uses) -> str:
         f"LOSS_RTOL, LOSS_ATOL = {bounds.loss_rtol!r}, {bounds.loss_atol!r}",
         f"PARAM_TOLERANCE = {tolerance_literal(bounds.params)}  # rtol, atol, scaled_atol",
     ]
+    if uses.has(ClipStep):
+        model = build_model(shape, program.seed, torch.device("cpu"))
+        trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        lines.append(
+            f"GRAD_NORM_RTOL = {bounds.norm_rtol(trained)!r}  # a returned gradient norm, relative to the oracle's"
+        )
     if uses.reads_grads:
         lines.append(f"GRAD_TOLERANCE = {tolerance_literal(bounds.grads)}")
         if uses.program.model.frozen:

@@ -19,7 +19,7 @@ from conformance.programs.export.uses import (
     sync_off_call,
     uses_ddp_wrapper,
 )
-from conformance.programs.program import Backward, EvalForward, Unshard
+from conformance.programs.program import Backward, ClipStep, EvalForward, Unshard
 
 
 # -- the run: state and one method per kind of operation ----------------------------------------
@@ -119,6 +119,8 @@ def run_class_part(uses: Uses) -> str:
         methods.append(_compare_grads_method(uses))
     if uses.has(EvalForward):
         methods.append(_eval_method(uses))
+    if uses.has(ClipStep):
+        methods.append(_clip_method(uses))
     if uses.order_checked:
         methods.append(_order_method(uses))
     if uses.has(Unshard):
@@ -441,4 +443,42 @@ def _order_method(uses: Uses) -> str:
                 what = "a training" if training else "an eval"
                 self.mismatch(f"{what} forward issued forward-order warnings it should not: {issued}")
         '''
+    )
+
+
+def _clip_method(uses: Uses) -> str:
+    if uses.backend == FSDP1:
+        clip = "\n".join(
+            [
+                "# FSDP1's own clip: the norm over every rank's shard of the flat parameters.",
+                "returned = float(self.sharded.clip_grad_norm_(max_norm))",
+            ]
+        )
+    else:
+        what = "DTensor gradients (a DTensor norm)" if uses.backend == FSDP2 else "whole gradients on every rank"
+        clip = "\n".join(
+            [
+                f"# torch's clip over {what}.",
+                "clipped = torch.nn.utils.clip_grad_norm_(list(self.sharded.parameters()), max_norm)",
+                'full = getattr(clipped, "full_tensor", None)',
+                "returned = float(full() if callable(full) else clipped)",
+            ]
+        )
+    return block(
+        '''
+        def clip_and_step(self, fraction: float) -> None:
+            """Clip the gradients to `fraction` x the oracle's total norm (so the clip acts), the norm the
+            clip returns against the oracle's, then an optimizer step of both."""
+            expected, max_norm = self.oracle.clip(fraction)
+        <<clip>>
+            if abs(returned - expected) > GRAD_NORM_RTOL * expected:
+                self.mismatch(
+                    f"clip_grad_norm_ returned the total norm {returned:.7g}; the oracle's averaged gradient has "
+                    f"norm {expected:.7g} (relative bound {GRAD_NORM_RTOL:g})"
+                )
+            self.optimizer.step()
+            self.oracle.optimizer.step()
+            self.check_params("after the clipped step")
+        ''',
+        clip=textwrap.indent(clip, "    "),
     )

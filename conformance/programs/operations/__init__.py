@@ -15,6 +15,7 @@ from __future__ import annotations
 import typing
 
 from conformance.programs.operations.backward import BackwardHandler
+from conformance.programs.operations.clip_step import ClipStepHandler
 from conformance.programs.operations.eval_forward import EvalForwardHandler
 from conformance.programs.operations.handler import (
     DrawContext,
@@ -32,6 +33,7 @@ from conformance.programs.operations.unshard import UnshardHandler
 from conformance.programs.operations.zero_grad import ZeroGradHandler
 from conformance.programs.program import (
     Backward,
+    ClipStep,
     EvalForward,
     Operation,
     OptimRoundTrip,
@@ -72,6 +74,7 @@ for _handler in (
     BackwardHandler,
     ZeroGradHandler,
     StepHandler,
+    ClipStepHandler,
     SetModeHandler,
     EvalForwardHandler,
     SwapRouteHandler,
@@ -84,6 +87,7 @@ for _handler in (
 DRAW_ORDER: tuple[type, ...] = (
     Backward,
     Step,
+    ClipStep,
     ZeroGrad,
     SetMode,
     EvalForward,
