@@ -1064,6 +1064,9 @@ def test_declared_combination_absence_is_real(
     if backend_name not in _installed_builtins():
         library, _target, install = registry.OPTIONAL_BUILTIN[backend_name]
         pytest.skip(f"{library} is not installed here ({install}): its absences are proven where it is")
+    cannot_run = gate.unsupported(registry.load(backend_name), device.type, torch.__version__)
+    if cannot_run is not None:
+        pytest.skip(reason=f"{backend_name}: {cannot_run} (its proofs run where it does)")
     adapter = registry.load(backend_name)(BackendEnv(rank, world_size, device))
     if combination not in adapter.unsupported_combinations():
         pytest.skip(f"{backend_name} supports {sorted(c.name for c in combination)} on {device.type}")
