@@ -1,4 +1,5 @@
-"""Training numerics: mixed precision, gradient accumulation and clipping against the oracle.
+"""Training numerics: mixed precision, gradient accumulation, clipping and activation
+checkpointing against the oracle.
 
 Both scenarios train ``fixtures.CompositeModel`` (width 16) with plain SGD, which moves each
 parameter by lr x gradient and so shows any wrong gradient scale, and compare the run with the
@@ -23,6 +24,10 @@ by parameter name with its size.
   backend's ``clip_grad_norm`` (``GRADIENT_CLIPPING``); the norm it returns, the losses and the
   final parameters equal the oracle's, which clips the whole averaged gradient. Clipping by the
   local norm fails it (clip_local_norm).
+* ``test_activation_checkpointing``: every unit called through ``torch.utils.checkpoint``
+  (non-reentrant), so backward runs each unit's forward again, module hooks included; two SGD
+  steps against the oracle running the same checkpointed model. Gradients reduced twice by the
+  recomputation fail it (checkpoint_reduced_twice).
 
 Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
 every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
@@ -237,6 +242,7 @@ def _compare_with_oracle(
     rank: int,
     device: torch.device,
     without_sync: bool = False,
+    checkpointed: bool = False,
 ) -> list[str]:
     """Train ``plan`` with ``spec`` in every form the backend has; return what differs from
     the oracle's run, ``oracle(stored_low)`` (empty: nothing), where ``stored_low`` names the
@@ -246,7 +252,7 @@ def _compare_with_oracle(
     shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
     problems: list[str] = []
     for form in backend.forms():
-        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH, checkpointed=checkpointed)
         sharded = backend.shard(model, spec, form)
         expected = oracle(_stored_in_compute_dtype(backend, sharded, spec.param_dtype))
         oracle_losses = torch.tensor([per_rank[rank] for per_rank in expected.rank_losses])
@@ -326,6 +332,7 @@ def _oracle_runs(
     world_size: int,
     device: torch.device,
     precision: fixtures.Precision | None = None,
+    checkpointed: bool = False,
 ) -> OracleFor:
     """``fixtures.train_oracle`` of the scenario's model, as a function of the parameters whose
     starting values are rounded to ``precision.param_dtype`` first (what a backend that stores
@@ -335,7 +342,7 @@ def _oracle_runs(
 
     def run(rounded: frozenset[str]) -> fixtures.OracleRun:
         if rounded not in runs:
-            model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH)
+            model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH, checkpointed=checkpointed)
             if precision is not None:
                 with torch.no_grad():
                     for name, param in model.named_parameters():
@@ -580,6 +587,46 @@ def test_gradient_clipping(
     problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
     assert not problems, (
         f"rank {rank}: gradient clipping to total norm {CLIP_NORM} ({strategy.name}, "
+        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
+        + "\n".join(problems)
+    )
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+CHECKPOINTING_STEPS = 2
+CHECKPOINTING_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+]
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), CHECKPOINTING_CASES)
+def test_activation_checkpointing(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Activation checkpointing of every unit, as Hugging Face models apply it (the parent calls
+    ``torch.utils.checkpoint.checkpoint(unit, hidden, use_reentrant=False)``): backward runs each
+    unit's forward a second time, its module hooks included, so a backend that gathers in a
+    pre-forward hook gathers again there, and one that reduces on a hook of the forward may
+    reduce twice. Two float32 SGD steps; every local loss, the gradients each step uses
+    (``UNSHARD_WITH_GRADS``) and the final parameters equal the oracle's, which runs the same
+    checkpointed model in one process (recomputation changes no value). A unit whose gradients
+    are reduced twice is off by a factor (tests/conformance_tests/family_mutants.py,
+    checkpoint_reduced_twice)."""
+    require_all(backend, {Capability.FULL_STATE_DICT})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(CHECKPOINTING_STEPS)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device, checkpointed=True)
+    problems = _compare_with_oracle(
+        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, checkpointed=True
+    )
+    assert not problems, (
+        f"rank {rank}: activation-checkpointed training ({strategy.name}, "
         f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
         + "\n".join(problems)
     )

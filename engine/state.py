@@ -11,6 +11,10 @@ Schedule of one training step (what runs when, and what may be in flight):
   if U was resharded; with `backward_prefetch` so is that of the unit that ran before U in *this*
   forward (the next one backward needs); U's gather is waited.  When U's flat gradient is
   complete (post-accumulate hook) its reduction is issued asynchronously and U reshards.
+* Activation checkpointing runs a unit's forward again inside backward (its saved tensors are
+  recomputed): the pre-hook then only makes sure U is gathered and installs its compute views,
+  recording nothing for the order check or the prefetch, and the post-hook keeps U gathered for
+  the recomputed graph's backward (U reshards when its gradient is reduced, as always).
 * At most one prefetch per direction is in flight; a prefetched unit that is never used stays
   gathered until backward ends (or the root forward ends without a backward) and reshards then.
 * At most `REDUCTIONS_IN_FLIGHT` reductions are in flight while backward computes: a new one
@@ -140,6 +144,8 @@ class RootState:
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._recover_from_failed_backward()
+        if self.phase is Phase.BACKWARD:
+            return self._recompute_forward(unit, args, kwargs)
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
             self.forward_root = unit
@@ -166,7 +172,27 @@ class RootState:
             args, kwargs = cast_floating((args, kwargs), unit.compute_dtype)
         return args, kwargs
 
+    def _recompute_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward that runs inside backward: activation checkpointing recomputing `unit`
+        (its saved tensors are unpacked). The unit computes with its gathered parameters, as in
+        forward, but this is no new forward: nothing is recorded for the order check or the
+        prefetch, and `post_forward` keeps the unit gathered, since the recomputed graph's
+        backward reads those parameters next (its gradient reduction reshards it, as always)."""
+        if unit.has_params:
+            try:
+                unit.unshard(async_op=True)
+                unit.wait_for_unshard()
+            except BaseException:
+                self._abort()
+                raise
+        unit.install_compute_views()
+        if unit.compute_dtype != unit.master_dtype:
+            args, kwargs = cast_floating((args, kwargs), unit.compute_dtype)
+        return args, kwargs
+
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if self.phase is Phase.BACKWARD:
+            return  # a recomputed forward (see `_recompute_forward`): no reshard, no new hooks
         if unit is not self.forward_root and unit.reshard_after_forward:
             unit.reshard()
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -3,13 +3,16 @@
 Deterministic in everything (its initial values come from the program's seed), so the ranks and
 the oracle build the same model. Its forward depends on the module's mode (``eval()`` halves each
 block's output), so a backend that ignores ``eval()`` computes wrong eval losses, and on the
-route (blocks 0 and 1 may swap places), so a forward-order check has something to see.
+route (blocks 0 and 1 may swap places), so a forward-order check has something to see. A
+checkpointed shape calls its blocks through ``torch.utils.checkpoint`` (non-reentrant), so
+backward recomputes each block's forward, hooks included.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from conformance.programs.program import ModelShape
 
@@ -54,7 +57,8 @@ class GeneratedModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for index in self.route():
-            h = self.blocks[index](h)
+            block = self.blocks[index]
+            h = checkpoint(block, h, use_reentrant=False) if self.shape.checkpointed else block(h)
         return self.out(h)
 
     def example_input(self, generator: torch.Generator, batch_size: int) -> tuple[torch.Tensor]:

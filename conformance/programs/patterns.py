@@ -96,6 +96,11 @@ def frozen_parameters(program: Program) -> bool:
     return bool(program.model.frozen) and any(does.backward for does in _facts(program))
 
 
+def checkpointed_backward(program: Program) -> bool:
+    """A model whose blocks are activation-checkpointed, and a backward (which recomputes them)."""
+    return program.model.checkpointed and any(does.backward for does in _facts(program))
+
+
 def adam_state_loaded(program: Program) -> bool:
     """Adam's state (moments) loaded into a freshly sharded model's new optimizer."""
     return program.setup.optimizer == "adam" and any(does.optimizer_state_loaded for does in _facts(program))
@@ -157,6 +162,7 @@ PATTERNS: dict[str, Callable[[Program], bool]] = {
     "stateless_optimizer_state_loaded": stateless_optimizer_state_loaded,
     "adam_state_loaded": adam_state_loaded,
     "frozen_parameters": frozen_parameters,
+    "checkpointed_backward": checkpointed_backward,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
     "native_checkpoint_before_first_step": native_checkpoint_before_first_step,
     "gradients_kept_across_steps": gradients_kept_across_steps,

@@ -35,7 +35,10 @@ class ModelShape:
     """``inp`` (in_width -> width), ``depth`` square blocks (width -> width, each a linear, tanh,
     times a buffer when ``buffers``), ``out`` (width -> out_width). Widths are drawn to include
     sizes no world size divides. ``frozen`` lists blocks whose linear does not train. Blocks 0 and
-    1 (depth >= 2) may swap places in the forward (:class:`SwapRoute`)."""
+    1 (depth >= 2) may swap places in the forward (:class:`SwapRoute`). ``checkpointed``: the
+    model calls each block through ``torch.utils.checkpoint.checkpoint(block, h,
+    use_reentrant=False)`` (activation checkpointing as Hugging Face models apply it), so every
+    backward runs each block's forward again, its module hooks included."""
 
     in_width: int
     width: int
@@ -43,6 +46,7 @@ class ModelShape:
     depth: int
     buffers: bool = False
     frozen: tuple[int, ...] = ()
+    checkpointed: bool = False
 
     def describe(self) -> str:
         text = f"Model(in={self.in_width}, width={self.width}, out={self.out_width}, blocks={self.depth}"
@@ -50,6 +54,8 @@ class ModelShape:
             text += ", buffers"
         if self.frozen:
             text += f", frozen blocks {list(self.frozen)}"
+        if self.checkpointed:
+            text += ", blocks activation-checkpointed"
         return text + ")"
 
 

@@ -4,11 +4,14 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, gradient clipping, eval mode, the forward-order check and its refusal of
-rank-divergent orders, state dict and optimizer round trips, and each strategy's storage claim.
+no-sync switch and across steps, gradient clipping, activation checkpointing, eval mode, the
+forward-order check and its refusal of rank-divergent orders, state dict and optimizer round
+trips, and each strategy's storage claim.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from conformance.programs.declared import Declared
 from conformance.programs.draw import base_setups, tensor_parallel_possible
@@ -99,6 +102,13 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     with_units = first(lambda s: s.unit_plan in ("auto", "leaves"))
     if with_units is not None:
         add(with_units, ZeroGrad(), Backward(), ClipStep())
+    # Activation checkpointing: backward recomputes every block's forward (its hooks, a
+    # backend's gather, run again), with the whole model one unit and with units; SGD steps, so
+    # gradients reduced twice show in the parameters and the next loss.
+    checkpointed = dataclasses.replace(SHAPE, checkpointed=True)
+    add(plain, *train, shape=checkpointed)
+    if with_units is not None:
+        add(with_units, *train, shape=checkpointed)
     # Eval mode: its forwards differ from training ones.
     add(plain, ZeroGrad(), Backward(), Step(), SetMode(False), EvalForward())
     # The forward-order check: a later change of order warns; a first iteration whose order

@@ -26,7 +26,12 @@ here belong to the other families and are injected the same way, from outside th
 * ``clip_local_norm`` -- gradient clipping by this rank's local norm: ``clip_grad_norm`` scales
   the gradient pieces this rank stores by ``max_norm`` over their own norm (the classic bug:
   ``torch.nn.utils.clip_grad_norm_`` over plain-tensor shards, or over a DTensor's local
-  tensors), so each rank's update is scaled differently and by too much.
+  tensors), so each rank's update is scaled differently and by too much;
+* ``checkpoint_reduced_twice`` -- a backward that recomputes a checkpointed unit's forward
+  reduces the gradients twice: after such a backward every gradient this rank stores is doubled
+  (through ``local_grad_shard`` / ``set_local_grad_shard``, the backend's own layout), as from a
+  reduction issued again by the hook the recomputed forward fires; a backward without
+  recomputation (no checkpointing) is untouched.
 
 ``tests/conformance_tests/test_family_mutants.py`` runs each family's scenarios against the mutants.
 The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
@@ -63,6 +68,7 @@ MUTATIONS: dict[str, str] = {
     "lowp_double": "gradients computed in low precision doubled (a low-precision reduction that does not average)",
     "accumulation_overwrite": "each backward overwrites the stored gradients instead of adding to them",
     "clip_local_norm": "gradients clipped by the norm of this rank's own pieces, not the total over ranks",
+    "checkpoint_reduced_twice": "gradients reduced twice by a backward that recomputes a checkpointed unit",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -77,6 +83,8 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     # The backends whose ranks store distinct pieces of a gradient in param.grad (DDP's are whole,
     # so its local norm is the total; DeepSpeed clips inside its own step).
     "clip_local_norm": ("reference", "torch-fsdp1", "torch-fsdp2"),
+    # Every backend that runs the activation-checkpointing scenario.
+    "checkpoint_reduced_twice": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
 }
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
@@ -131,6 +139,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
         def __init__(self, env: BackendEnv) -> None:
             super().__init__(env)
             self._optimizer: Any = None  # what make_optimizer returned: zero_grad needs it
+            self._recomputed = False  # a module's forward ran inside the current backward
             if mutation == "exec_order":
                 warnings.warn = _warn_without_later_order_warning
 
@@ -148,7 +157,10 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                     raise RuntimeError("the accumulation_overwrite mutant needs make_optimizer before backward")
                 # What earlier backward passes stored is dropped, by the backend's own means.
                 self.zero_grad(model, self._optimizer)
+            self._recomputed = False
             super().backward(model, loss)
+            if mutation == "checkpoint_reduced_twice" and self._recomputed:
+                _double_stored_gradients(self, model)
 
         def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> Any:
             if mutation != "clip_local_norm":
@@ -185,7 +197,15 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                 # nn.Module.eval() calls self.train(False): answer every call with train(True).
                 always_train = type(sharded).train
                 sharded.train = lambda mode=True: always_train(sharded, True)  # type: ignore[method-assign]
+            if mutation == "checkpoint_reduced_twice":
+                for module in sharded.modules():
+                    module.register_forward_pre_hook(self._note_recompute)
             return sharded
+
+        def _note_recompute(self, module: nn.Module, args: Any) -> None:
+            # A forward inside a running backward is activation checkpointing's recomputation.
+            if torch._C._current_graph_task_id() != -1:
+                self._recomputed = True
 
     return mutant_backends.named_class(Mutant, base, mutation)
 
@@ -201,6 +221,16 @@ def _clip_by_local_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
     return norm
+
+
+def _double_stored_gradients(adapter: BackendAdapter, model: nn.Module) -> None:
+    """Double every gradient this rank stores of ``model``'s parameters, by the adapter's own
+    storage hooks (a flat parameter's, a DTensor's local part, DeepSpeed's partition)."""
+    for name, _param in model.named_parameters():
+        fqn = adapter.original_fqn(name)
+        grad = adapter.local_grad_shard(model, fqn)
+        if grad is not None:
+            adapter.set_local_grad_shard(model, fqn, grad * 2)
 
 
 def _compose(outer: Callable[[Any], Any], inner: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,5 +1,5 @@
 """Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1, divergence, mixed
-precision and gradient accumulation.
+precision, gradient accumulation, clipping and activation checkpointing.
 
 For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
 scenario runs with the mutant adapter and must fail with the message that names the defect. The
@@ -235,6 +235,30 @@ def test_clipping_family_catches_a_local_norm(
     assert all("gradient clipping to total norm 0.05 (FULL_SHARD, one unit) differs" in t for t in texts), texts
     assert all(re.search(r"clip_grad_norm at step 0 returned the total norm [\d.]+; the oracle's", t) for t in texts)
     assert _some_parameter_moved(texts), texts
+
+
+@against_mutants("checkpoint_reduced_twice", world_size=2)
+def test_checkpointing_family_catches_gradients_reduced_twice(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_activation_checkpointing[ws2-none-<strategy>] passes with the backend and fails with
+    a backward that recomputes a checkpointed unit doubling the gradients it stores, naming the
+    checkpointed training and the parameters that moved. The same mutant passes a scenario
+    without checkpointing (test_gradient_accumulation's plain case): only recomputation sets it off."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(
+        numerics.test_activation_checkpointing, wrap="none", strategy=strategy, world_size=world_size
+    )
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("checkpoint_reduced_twice", backend_name, scenario, rank, world_size, device)
+    expected = f"activation-checkpointed training ({strategy.name}, one unit) differs from the single-process oracle"
+    assert all(expected in t for t in texts), texts
+    assert _some_parameter_moved(texts), texts
+    without_checkpointing = functools.partial(
+        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+    )
+    assert not _failures("checkpoint_reduced_twice", backend_name, without_checkpointing, rank, world_size, device)
 
 
 DIVERGENCE_INNER_TESTS = """

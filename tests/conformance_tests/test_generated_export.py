@@ -5,7 +5,8 @@ Each exported script runs as a user would run it: ``python -m torch.distributed.
 --nproc-per-node 2 <script>`` in a subprocess (CPU, gloo), from a directory outside the
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
 costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
-(leaves, mixed strategies) and nested; mixed precision with float32 reduction; micro-batches
+(leaves, mixed strategies) and nested; activation-checkpointed blocks (with FSDP1's mixed
+precision and with FSDP2's clipping); mixed precision with float32 reduction; micro-batches
 without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
 written-back write and with gradients (a frozen block among them); full and sharded state dicts
 and torch.distributed.checkpoint; resumed jobs (model and optimizer state dicts into a freshly
@@ -75,7 +76,7 @@ FSDP1_AUTO = Program(
 )
 FSDP1_NESTED_MIXED_PRECISION = Program(
     world_size=2,
-    model=ModelShape(in_width=3, width=7, out_width=2, depth=2),
+    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, checkpointed=True),
     setup=Setup(
         ShardingStrategy.SHARD_GRAD_OP,
         ApiForm.WRAPPER,
@@ -185,22 +186,22 @@ TWO_D = Program(
     seed=13,
 )
 # Clipping over DTensor gradients (torch's clip_grad_norm_ returns a DTensor norm), a frozen block,
-# and both optimizer round trips.
+# activation-checkpointed blocks and both optimizer round trips.
 FSDP2_CLIPPED = Program(
     world_size=2,
-    model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,)),
+    model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,), checkpointed=True),
     setup=Setup(ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam"),
     operations=(Backward(), ClipStep(), OptimRoundTrip("full"), Backward(), Step(), OptimRoundTrip("sharded")),
     seed=8,
 )
 PASSING = [
     pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-order-swap-no_sync-writeback-full-eval"),
-    pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-adam-eval-sharded"),
+    pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-checkpointed-adam-eval-sharded"),
     pytest.param("torch-fsdp1", FSDP1_DIVERGENT_FIRST_ORDER, id="fsdp1-divergent-first-order-refused"),
     pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),
     pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-no_sync-unshard-grads-optim-eval-full"),
     pytest.param("torch-fsdp2", TWO_D, id="fsdp2-2d-tp-sharded-full-eval"),
-    pytest.param("torch-fsdp2", FSDP2_CLIPPED, id="fsdp2-clip-both-optim-round-trips"),
+    pytest.param("torch-fsdp2", FSDP2_CLIPPED, id="fsdp2-clip-checkpointed-both-optim-round-trips"),
 ]
 # Written and linted, not run (each run costs ten seconds or more): FSDP1's form of the 2-D program
 # (the 2-D mesh's dp dimension as device_mesh) and the composable replicate() form.

@@ -47,6 +47,8 @@ CAUGHT_BY = {
     "replicating": ("claims",),
     # A clipped step (ClipStep): the norm clip_grad_norm returns, or the parameters after the step.
     "clip_local_norm": ("clip_grad_norm returned the total norm", "the oracle's"),
+    # A checkpointed model's backward (its seed programs): the gradients or the parameters after the step.
+    "checkpoint_reduced_twice": ("the oracle's",),
 }
 SHIPPED = ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero")
 NOT_YET_GENERATED: dict[str, str] = {}

@@ -253,3 +253,54 @@ def test_shard_grad_op_keeps_units_gathered_so_nothing_is_prefetched(device):
     _, backward = split(log)
     assert not [event for event in backward if event[:2] == ("issue", "all_gather")]
     assert_waited_before_compute(log)
+
+
+class CheckpointedStack(nn.Sequential):
+    """`stack()` with each block called through non-reentrant activation checkpointing: backward
+    runs every block's forward (its pre- and post-forward hooks) again before its backward."""
+
+    def __init__(self) -> None:
+        super().__init__(*stack())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, *blocks, last = self
+        h = first(x)
+        for block in blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return last(h)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], ids=str)
+def test_checkpointed_recompute_gathers_once_and_reduces_once(rank, world_size, device, strategy):
+    torch.manual_seed(0)
+    plain = CheckpointedStack().to(device)
+    torch.manual_seed(0)  # the same initial values
+    model = engine.fully_shard(
+        CheckpointedStack().to(device), auto_wrap_classes={Block}, strategy=strategy, use_orig_params=True
+    )
+    step(model, device)  # the first iteration (order recorded); the recompute must not disturb it
+    model.zero_grad(set_to_none=True)
+    with logged(model) as log:
+        step(model, device, seed=1 + rank)
+    assert_waited_before_compute(log)
+    # Backward starts at the first backward compute (recomputed forwards log forward compute in it).
+    backward = log[next(i for i, event in enumerate(log) if event[:2] == ("backward", "compute")) :]
+    for unit in ("1", "2", "3"):
+        assert ("compute", "forward", unit) in backward, f"unit {unit} was not recomputed: {log}"
+        # Forward gathers each unit once; backward (its prefetch or the recomputed forward) gathers
+        # a unit forward resharded once more, and the unit's backward finds it gathered: no third
+        # gather. SHARD_GRAD_OP keeps units gathered after forward: one gather in all.
+        gathers = log.count(("issue", "all_gather", unit))
+        assert gathers == (2 if strategy is ShardingStrategy.FULL_SHARD else 1), (unit, log)
+        assert log.count(("issue", "reduce", unit)) == 1, f"unit {unit} reduced other than once: {log}"
+    assert not any(unit.is_unsharded or unit.has_pending_gather for unit in engine.units(model))
+    # The gradients are the average over the ranks' batches of the unsharded checkpointed model's.
+    for seed in range(1, world_size + 1):
+        step(plain, device, seed=seed)
+    expected = {name: param.grad / world_size for name, param in plain.named_parameters()}
+    with engine.unshard_params(model, with_grads=True):
+        shown = {name: param.grad.clone() for name, param in model.named_parameters()}
+    assert shown.keys() == expected.keys()
+    for name, grad in shown.items():
+        torch.testing.assert_close(grad, expected[name], msg=name)

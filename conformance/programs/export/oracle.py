@@ -33,9 +33,12 @@ def model_part(uses: Uses) -> str:
         model_init.append("self.swapped = False  # blocks 0 and 1 trade places in the forward")
     for index in shape.frozen:
         model_init.append(f"self.blocks[{index}].linear.requires_grad_(False)  # frozen: block {index} does not train")
+    # Activation checkpointing as Hugging Face models apply it: backward runs each block's forward
+    # again, its module hooks (a backend's gather) included.
+    call = "checkpoint(block, h, use_reentrant=False)" if shape.checkpointed else "block(h)"
     if uses.swaps:
-        forward = ["h = self.inp(x)", "for index in self.route():", "    h = self.blocks[index](h)"]
-        forward.append("return self.out(h)")
+        forward = ["h = self.inp(x)", "for index in self.route():", "    block = self.blocks[index]"]
+        forward += [f"    h = {call}", "return self.out(h)"]
         route = block(
             '''
                 def route(self) -> list[int]:
@@ -47,7 +50,7 @@ def model_part(uses: Uses) -> str:
             '''
         )
     else:
-        forward = ["h = self.inp(x)", "for block in self.blocks:", "    h = block(h)", "return self.out(h)"]
+        forward = ["h = self.inp(x)", "for block in self.blocks:", f"    h = {call}", "return self.out(h)"]
         route = ""
     buffer_init = ""
     if shape.buffers:
@@ -70,7 +73,7 @@ def model_part(uses: Uses) -> str:
 
 
         class Model(nn.Module):
-            """An input linear, DEPTH square blocks, an output linear."""
+            """An input linear, DEPTH square blocks<<checkpoint_words>>, an output linear."""
 
             def __init__(self) -> None:
                 super().__init__()
@@ -97,6 +100,7 @@ def model_part(uses: Uses) -> str:
         route="\n" + textwrap.indent(route, "    ") if route else "",
         forward=indented(forward, 2),
         buffer_init=buffer_init,
+        checkpoint_words=" (each called through torch.utils.checkpoint)" if shape.checkpointed else "",
         buffer_words=" (buffers not all ones, so a lost buffer shows)" if shape.buffers else "",
     )
     return text

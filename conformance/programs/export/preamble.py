@@ -105,6 +105,8 @@ def imports_part(uses: Uses) -> str:
     def need(module: str, *names: str) -> None:
         froms.setdefault(module, set()).update(names)
 
+    if uses.program.model.checkpointed:
+        need("torch.utils.checkpoint", "checkpoint")
     if uses.mesh is not None:
         need("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
     if "sharded" in uses.save_kinds:
