@@ -28,6 +28,9 @@ by parameter name with its size.
   (non-reentrant), so backward runs each unit's forward again, module hooks included; two SGD
   steps against the oracle running the same checkpointed model. Gradients reduced twice by the
   recomputation fail it (checkpoint_reduced_twice).
+* ``test_uneven_batches``: rank r feeds LOCAL_BATCH + r samples; the rank gradients are still
+  averaged (divided by the world size), as the oracle's objective says. Weighting by each
+  rank's share of the samples fails it (sample_weighted).
 
 Unit plans: the whole model as one unit (``none``: no auto-wrap classes, no manual units) or
 every ``fixtures.Unit`` auto-wrapped below the root (``auto``: ``UNITS`` + ``AUTO_WRAP``), over
@@ -242,17 +245,19 @@ def _compare_with_oracle(
     rank: int,
     device: torch.device,
     without_sync: bool = False,
-    checkpointed: bool = False,
+    build_model: ModelBuilder | None = None,
 ) -> list[str]:
     """Train ``plan`` with ``spec`` in every form the backend has; return what differs from
     the oracle's run, ``oracle(stored_low)`` (empty: nothing), where ``stored_low`` names the
     parameters the sharded model stores in the compute dtype (:func:`_stored_in_compute_dtype`).
+    ``build_model(seed, device)`` makes the unsharded model (default: ``_composite``).
     Problems are collected, not raised, so a defect seen on one rank only never leaves the
     others waiting in the next form's collectives."""
+    build_model = build_model or _composite
     shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
     problems: list[str] = []
     for form in backend.forms():
-        model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH, checkpointed=checkpointed)
+        model = build_model(plan.seed, device)
         sharded = backend.shard(model, spec, form)
         expected = oracle(_stored_in_compute_dtype(backend, sharded, spec.param_dtype))
         oracle_losses = torch.tensor([per_rank[rank] for per_rank in expected.rank_losses])
@@ -306,6 +311,15 @@ def _compare_with_oracle(
     return problems
 
 
+ModelBuilder = Callable[[int, torch.device], nn.Module]
+"""Makes a scenario's unsharded model from its seed, on a device."""
+
+
+def _composite(seed: int, device: torch.device, checkpointed: bool = False) -> nn.Module:
+    """The scenarios' model: ``fixtures.CompositeModel`` of width WIDTH."""
+    return fixtures.build(fixtures.CompositeModel, seed, device, dim=WIDTH, checkpointed=checkpointed)
+
+
 OracleFor = Callable[[frozenset[str]], fixtures.OracleRun]
 """The oracle's run of a scenario's program, its starting parameters named in the argument
 rounded to the compute dtype (:func:`_oracle_runs`)."""
@@ -332,17 +346,18 @@ def _oracle_runs(
     world_size: int,
     device: torch.device,
     precision: fixtures.Precision | None = None,
-    checkpointed: bool = False,
+    build_model: ModelBuilder | None = None,
 ) -> OracleFor:
     """``fixtures.train_oracle`` of the scenario's model, as a function of the parameters whose
     starting values are rounded to ``precision.param_dtype`` first (what a backend that stores
     them in low precision starts from: the float32 values are gone once it has cast its model),
-    each run made once."""
+    each run made once. ``build_model`` as for :func:`_compare_with_oracle`."""
+    build_model = build_model or _composite
     runs: dict[frozenset[str], fixtures.OracleRun] = {}
 
     def run(rounded: frozenset[str]) -> fixtures.OracleRun:
         if rounded not in runs:
-            model = fixtures.build(fixtures.CompositeModel, plan.seed, device, dim=WIDTH, checkpointed=checkpointed)
+            model = build_model(plan.seed, device)
             if precision is not None:
                 with torch.no_grad():
                     for name, param in model.named_parameters():
@@ -406,6 +421,7 @@ def _plan(
     zero_grad: bool = True,
     clip_norm: float | None = None,
     make_optimizer: fixtures.OptimizerFactory = SGD,
+    extra_rows_per_rank: int = 0,
 ) -> fixtures.TrainingPlan:
     return fixtures.TrainingPlan(
         seed=current_seed(),
@@ -415,6 +431,7 @@ def _plan(
         micro_batches=micro_batches,
         zero_grad=zero_grad,
         clip_norm=clip_norm,
+        extra_rows_per_rank=extra_rows_per_rank,
     )
 
 
@@ -621,12 +638,96 @@ def test_activation_checkpointing(
     require_all(backend, {Capability.FULL_STATE_DICT})
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
     plan = _plan(CHECKPOINTING_STEPS)
-    oracle = _oracle_runs(plan, world_size=world_size, device=device, checkpointed=True)
+    checkpointed = functools.partial(_composite, checkpointed=True)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device, build_model=checkpointed)
     problems = _compare_with_oracle(
-        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, checkpointed=True
+        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=checkpointed
     )
     assert not problems, (
         f"rank {rank}: activation-checkpointed training ({strategy.name}, "
         f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
+        + "\n".join(problems)
+    )
+
+
+# -- uneven batches ----------------------------------------------------------------------------
+UNEVEN_STEPS = 2
+UNEVEN_EXTRA_ROWS = 1  # rank r feeds LOCAL_BATCH + r samples
+UNEVEN_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+]
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), UNEVEN_CASES)
+def test_uneven_batches(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Ranks feeding different numbers of samples (rank r: LOCAL_BATCH + r, as the last batch of
+    an epoch that does not split evenly, or a packed-sequence loader, gives them): data
+    parallelism averages the rank gradients, dividing by the world size whatever each rank fed,
+    so the objective is the mean of the rank losses, as with even data. Two float32 SGD steps;
+    losses, gradients (``UNSHARD_WITH_GRADS``) and final parameters equal the oracle's, which
+    runs every rank's batch at its own size. A backend that weights each rank's gradient by its
+    share of the samples (the mean over all samples instead) is off by that share
+    (tests/conformance_tests/family_mutants.py, sample_weighted)."""
+    require_all(backend, {Capability.FULL_STATE_DICT})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(UNEVEN_STEPS, extra_rows_per_rank=UNEVEN_EXTRA_ROWS)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device)
+    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
+    sizes = ", ".join(str(size) for size in plan.batch_sizes(world_size))
+    assert not problems, (
+        f"rank {rank}: training on uneven batches (samples per rank {sizes}; {strategy.name}, "
+        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
+        + "\n".join(problems)
+    )
+
+
+# -- tied weights ------------------------------------------------------------------------------
+TIED_STEPS = 3
+TIED_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+]
+
+
+def _tied(seed: int, device: torch.device) -> nn.Module:
+    return fixtures.build(fixtures.TiedTransformer, seed, device)
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), TIED_CASES)
+def test_tied_weights_training(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """A model whose output projection shares the embedding weight (``fixtures.TiedTransformer``,
+    as language models tie them), trained against the oracle on every backend: the shared
+    weight's gradient is the sum of both uses', and one parameter steps with it, so both names
+    hold the same values after every step. Three float32 SGD steps, the whole model one unit or
+    each transformer layer a unit (the tied weight in the root); losses, gradients
+    (``UNSHARD_WITH_GRADS``) and the final full state dict (both names of the tied weight) equal
+    the oracle's. A backend that unties the weight when it shards (each use its own copy) fails
+    it (tests/conformance_tests/family_mutants.py, untied)."""
+    require_all(backend, {Capability.FULL_STATE_DICT})
+    layers = fixtures.TiedTransformer.LAYER_CLASSES if wrap == "auto" else ()
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=layers)
+    plan = _plan(TIED_STEPS)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device, build_model=_tied)
+    problems = _compare_with_oracle(
+        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=_tied
+    )
+    assert not problems, (
+        f"rank {rank}: training with tied weights ({strategy.name}, "
+        f"{'transformer layers as units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
         + "\n".join(problems)
     )

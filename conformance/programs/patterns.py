@@ -101,6 +101,23 @@ def checkpointed_backward(program: Program) -> bool:
     return program.model.checkpointed and any(does.backward for does in _facts(program))
 
 
+def checkpointed_nested_unit_order_checked(program: Program) -> bool:
+    """Activation-checkpointed blocks, a unit nested inside a block's unit (``nested``), the
+    forward-order check on, and two or more training forwards (the check compares the second
+    iteration's order with the first's)."""
+    return (
+        program.model.checkpointed
+        and program.setup.unit_plan == "nested"
+        and program.setup.check_exec_order
+        and sum(does.training_forwards for does in _facts(program)) >= 2
+    )
+
+
+def uneven_data(program: Program) -> bool:
+    """Data ranks feeding different numbers of samples (``Program.uneven_data``), and a backward."""
+    return program.uneven_data and any(does.backward for does in _facts(program))
+
+
 def adam_state_loaded(program: Program) -> bool:
     """Adam's state (moments) loaded into a freshly sharded model's new optimizer."""
     return program.setup.optimizer == "adam" and any(does.optimizer_state_loaded for does in _facts(program))
@@ -163,6 +180,8 @@ PATTERNS: dict[str, Callable[[Program], bool]] = {
     "adam_state_loaded": adam_state_loaded,
     "frozen_parameters": frozen_parameters,
     "checkpointed_backward": checkpointed_backward,
+    "uneven_data": uneven_data,
+    "checkpointed_nested_unit_order_checked": checkpointed_nested_unit_order_checked,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
     "native_checkpoint_before_first_step": native_checkpoint_before_first_step,
     "gradients_kept_across_steps": gradients_kept_across_steps,

@@ -259,20 +259,29 @@ Operation = (
 )
 
 
+LOCAL_BATCH = 2
+"""Samples each data rank feeds per forward (even data)."""
+
+
 @dataclass(frozen=True)
 class Program:
-    """One generated example: run on ``world_size`` ranks with data seeded by ``seed``."""
+    """One generated example: run on ``world_size`` ranks with data seeded by ``seed``.
+    ``uneven_data``: data rank d feeds ``LOCAL_BATCH + d`` samples per forward, not
+    ``LOCAL_BATCH`` (the rank gradients are still averaged over the data ranks: the objective
+    stays the mean of their losses)."""
 
     world_size: int
     model: ModelShape
     setup: Setup
     operations: tuple[Operation, ...] = field(default_factory=tuple)
     seed: int = 0
+    uneven_data: bool = False
 
     def lines(self) -> list[str]:
         """The program as a user reads it (what a failure prints, numbered as findings cite ops)."""
+        data = ", uneven data (data rank d feeds LOCAL_BATCH + d samples)" if self.uneven_data else ""
         lines = [
-            f"world size {self.world_size}, data seed {self.seed}",
+            f"world size {self.world_size}, data seed {self.seed}{data}",
             self.model.describe(),
             f"shard: {self.setup.describe()}",
         ]
@@ -290,6 +299,15 @@ class Program:
     def data_rank(self, rank: int) -> int:
         """Whose batch ``rank`` feeds: its own, or its dp group's under 2-D (mesh ranks row-major)."""
         return rank // TENSOR_PARALLEL_DEGREE if self.setup.tensor_parallel else rank
+
+    @property
+    def extra_rows_per_rank(self) -> int:
+        """How many more samples each data rank feeds than the one before it."""
+        return 1 if self.uneven_data else 0
+
+    def batch_size(self, data_rank: int) -> int:
+        """The samples data rank ``data_rank`` feeds per forward."""
+        return LOCAL_BATCH + data_rank * self.extra_rows_per_rank
 
     @property
     def divergent_order(self) -> bool:

@@ -4,7 +4,7 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, gradient clipping, activation checkpointing, eval mode, the
+no-sync switch and across steps, gradient clipping, activation checkpointing, uneven data, eval mode, the
 forward-order check and its refusal of rank-divergent orders, state dict and optimizer round
 trips, and each strategy's storage claim.
 """
@@ -49,8 +49,8 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
         return []
     programs: list[Program] = []
 
-    def add(setup: Setup, *ops: Operation, shape: ModelShape = SHAPE) -> None:
-        program = Program(world_size, shape, setup, tuple(ops), SEED)
+    def add(setup: Setup, *ops: Operation, shape: ModelShape = SHAPE, uneven_data: bool = False) -> None:
+        program = Program(world_size, shape, setup, tuple(ops), SEED, uneven_data=uneven_data)
         needed = spec_requirements(setup) | program.requirements()
         if declared.admits(needed) and program not in programs:
             programs.append(program)
@@ -109,6 +109,11 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     add(plain, *train, shape=checkpointed)
     if with_units is not None:
         add(with_units, *train, shape=checkpointed)
+    # Uneven data: data rank d feeds LOCAL_BATCH + d samples; the gradients are still averaged over
+    # the ranks (a backend weighting them by samples is off by each rank's share), then an eval
+    # forward at the same sizes.
+    if world_size >= 2:
+        add(plain, *train, SetMode(False), EvalForward(), uneven_data=True)
     # Eval mode: its forwards differ from training ones.
     add(plain, ZeroGrad(), Backward(), Step(), SetMode(False), EvalForward())
     # The forward-order check: a later change of order warns; a first iteration whose order

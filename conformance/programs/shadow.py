@@ -17,10 +17,9 @@ import torch.nn as nn
 
 import fixtures
 from conformance.programs.model import GeneratedModel, build_model
-from conformance.programs.program import Program
+from conformance.programs.program import LOCAL_BATCH, Program
 from conformance.programs.tolerances import dtype_named
 
-LOCAL_BATCH = 2
 # The learning rate the per-dtype bounds were measured with (conformance/test_training_numerics.py):
 # a doubled, dropped or overwritten gradient moves parameters far beyond them.
 SGD_LR = 1e-3
@@ -59,6 +58,7 @@ class Shadow:
             iteration=self.iteration,
             world_size=self.program.data_parallel_size,
             batch_size=LOCAL_BATCH,
+            extra_rows_per_rank=self.program.extra_rows_per_rank,
             device=self.device,
             precision=self.precision,
         )
@@ -81,7 +81,7 @@ class Shadow:
                     seed=self.program.seed,
                     iteration=EVAL_ITERATIONS + self.evals,
                     rank=rank,
-                    batch_size=LOCAL_BATCH,
+                    batch_size=self.program.batch_size(rank),
                     device=self.device,
                 )
                 if self.precision is not None:

@@ -31,7 +31,16 @@ here belong to the other families and are injected the same way, from outside th
   reduces the gradients twice: after such a backward every gradient this rank stores is doubled
   (through ``local_grad_shard`` / ``set_local_grad_shard``, the backend's own layout), as from a
   reduction issued again by the hook the recomputed forward fires; a backward without
-  recomputation (no checkpointing) is untouched.
+  recomputation (no checkpointing) is untouched;
+* ``sample_weighted`` -- each rank's gradient weighted by its share of the samples (the mean
+  over every sample, not the mean of the rank losses that data parallelism optimises): the
+  loss is scaled by this rank's batch size times the world size over the total batch (one
+  all-reduce of the batch sizes per backward) before the backend's ``backward``; with even
+  batches the factor is exactly 1;
+* ``untied`` -- tied parameters untied when the model is sharded: each module that shared a
+  parameter gets a copy of its own (what a backend that flattens or partitions each module's
+  parameters without noticing the sharing does), so each copy trains on one use's gradient;
+  a model without tied parameters is untouched.
 
 ``tests/conformance_tests/test_family_mutants.py`` runs each family's scenarios against the mutants.
 The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
@@ -69,6 +78,8 @@ MUTATIONS: dict[str, str] = {
     "accumulation_overwrite": "each backward overwrites the stored gradients instead of adding to them",
     "clip_local_norm": "gradients clipped by the norm of this rank's own pieces, not the total over ranks",
     "checkpoint_reduced_twice": "gradients reduced twice by a backward that recomputes a checkpointed unit",
+    "sample_weighted": "each rank's gradient weighted by its share of the samples (uneven batches)",
+    "untied": "tied parameters untied by shard(): each module that shared one holds a copy of its own",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -85,6 +96,8 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "clip_local_norm": ("reference", "torch-fsdp1", "torch-fsdp2"),
     # Every backend that runs the activation-checkpointing scenario.
     "checkpoint_reduced_twice": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
+    "sample_weighted": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
+    "untied": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
 }
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
@@ -140,6 +153,7 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             super().__init__(env)
             self._optimizer: Any = None  # what make_optimizer returned: zero_grad needs it
             self._recomputed = False  # a module's forward ran inside the current backward
+            self._samples = 0  # the batch size of the latest forward of the sharded model
             if mutation == "exec_order":
                 warnings.warn = _warn_without_later_order_warning
 
@@ -157,6 +171,8 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                     raise RuntimeError("the accumulation_overwrite mutant needs make_optimizer before backward")
                 # What earlier backward passes stored is dropped, by the backend's own means.
                 self.zero_grad(model, self._optimizer)
+            if mutation == "sample_weighted":
+                loss = loss * _share_of_samples(self._samples, self.env)
             self._recomputed = False
             super().backward(model, loss)
             if mutation == "checkpoint_reduced_twice" and self._recomputed:
@@ -192,15 +208,22 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
         def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
             if mutation == "divergence" and not hasattr(base, "_options"):
                 raise TypeError(f"the divergence mutant needs the reference adapter, not {base.name}")
+            if mutation == "untied":
+                _untie(model)
             sharded = super()._shard(model, spec, form)
             if mutation == "eval_ignored":
                 # nn.Module.eval() calls self.train(False): answer every call with train(True).
                 always_train = type(sharded).train
                 sharded.train = lambda mode=True: always_train(sharded, True)  # type: ignore[method-assign]
+            if mutation == "sample_weighted":
+                sharded.register_forward_pre_hook(self._note_samples)
             if mutation == "checkpoint_reduced_twice":
                 for module in sharded.modules():
                     module.register_forward_pre_hook(self._note_recompute)
             return sharded
+
+        def _note_samples(self, module: nn.Module, args: Any) -> None:
+            self._samples = int(args[0].shape[0])
 
         def _note_recompute(self, module: nn.Module, args: Any) -> None:
             # A forward inside a running backward is activation checkpointing's recomputation.
@@ -221,6 +244,27 @@ def _clip_by_local_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
     return norm
+
+
+def _untie(model: nn.Module) -> None:
+    """Give every module that shares a parameter with an earlier one a copy of its own."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in seen:
+                setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+            else:
+                seen.add(id(param))
+
+
+def _share_of_samples(samples: int, env: BackendEnv) -> float:
+    """``samples`` times the world size over every rank's samples (a collective: every rank
+    calls it once per backward). 1.0 exactly where every rank fed as many."""
+    total = torch.tensor([samples], dtype=torch.int64, device=env.device)
+    torch.distributed.all_reduce(total)
+    return samples * env.world_size / int(total.item())
 
 
 def _double_stored_gradients(adapter: BackendAdapter, model: nn.Module) -> None:

@@ -1,5 +1,5 @@
 """Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1, divergence, mixed
-precision, gradient accumulation, clipping and activation checkpointing.
+precision, gradient accumulation, clipping, activation checkpointing, uneven data and tied weights.
 
 For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
 scenario runs with the mutant adapter and must fail with the message that names the defect. The
@@ -259,6 +259,50 @@ def test_checkpointing_family_catches_gradients_reduced_twice(
         numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
     )
     assert not _failures("checkpoint_reduced_twice", backend_name, without_checkpointing, rank, world_size, device)
+
+
+@against_mutants("sample_weighted", world_size=2)
+def test_uneven_data_family_catches_gradients_weighted_by_samples(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_uneven_batches[ws2-none-<strategy>] passes with the backend and fails with each rank's
+    gradient weighted by its share of the samples, naming the batch sizes and the parameters that
+    moved. The same mutant passes with even data (test_gradient_accumulation's plain case)."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(numerics.test_uneven_batches, wrap="none", strategy=strategy, world_size=world_size)
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("sample_weighted", backend_name, scenario, rank, world_size, device)
+    expected = f"training on uneven batches (samples per rank 2, 3; {strategy.name}, one unit) differs"
+    assert all(expected in t for t in texts), texts
+    assert _some_parameter_moved(texts), texts
+    even = functools.partial(
+        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+    )
+    assert not _failures("sample_weighted", backend_name, even, rank, world_size, device)
+
+
+@against_mutants("untied", world_size=2)
+def test_tied_weights_family_catches_untied_parameters(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_tied_weights_training[ws2-none-<strategy>] passes with the backend and fails with the
+    tied embedding and output weights untied by shard(), naming the parameters that moved. The
+    same mutant passes a model without tied parameters (test_gradient_accumulation's plain case)."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(
+        numerics.test_tied_weights_training, wrap="none", strategy=strategy, world_size=world_size
+    )
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("untied", backend_name, scenario, rank, world_size, device)
+    expected = f"training with tied weights ({strategy.name}, one unit) differs from the single-process oracle"
+    assert all(expected in t for t in texts), texts
+    assert _some_parameter_moved(texts), texts
+    untouched = functools.partial(
+        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+    )
+    assert not _failures("untied", backend_name, untouched, rank, world_size, device)
 
 
 DIVERGENCE_INNER_TESTS = """

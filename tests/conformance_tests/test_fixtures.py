@@ -81,9 +81,11 @@ def test_global_batch_is_the_rank_batches_in_order(model_cls) -> None:
     assert not torch.equal(parts[0][0], again[0]), "iterations must see different data"
 
 
+@pytest.mark.parametrize("extra_rows", [0, 1], ids=["even", "uneven"])
 @pytest.mark.parametrize("model_cls", [fixtures.CompositeModel, fixtures.TiedTransformer], ids=lambda c: c.__name__)
-def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
-    """One SGD(lr=1) oracle step moves each parameter by minus the rank-averaged gradient."""
+def test_oracle_step_is_the_mean_of_rank_gradients(model_cls, extra_rows) -> None:
+    """One SGD(lr=1) oracle step moves each parameter by minus the rank-averaged gradient, also
+    where rank r feeds 2 + r samples (uneven: the average is still over ranks, not samples)."""
     world_size = 2
     model = fixtures.build(model_cls, 0, CPU)
     plan = fixtures.TrainingPlan(
@@ -91,6 +93,7 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
         iterations=1,
         batch_size=2,
         make_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+        extra_rows_per_rank=extra_rows,
     )
     run = fixtures.train_oracle(model, plan, world_size=world_size, device=CPU)
 
@@ -98,7 +101,9 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
     rank_losses = []
     for rank in range(world_size):
         replica = copy.deepcopy(model)
-        inputs = fixtures.local_batch(replica, seed=5, iteration=0, rank=rank, batch_size=2, device=CPU)
+        inputs = fixtures.local_batch(
+            replica, seed=5, iteration=0, rank=rank, batch_size=2 + rank * extra_rows, device=CPU
+        )
         loss = replica.loss(replica(*inputs))
         loss.backward()
         rank_losses.append(loss.item())
@@ -110,6 +115,19 @@ def test_oracle_step_is_the_mean_of_rank_gradients(model_cls) -> None:
         torch.testing.assert_close(run.state_dict[name], param.detach() - grads[name], rtol=1e-4, atol=1e-5, msg=name)
         torch.testing.assert_close(run.grads[0][name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
         assert torch.equal(run.params[0][name], run.state_dict[name]), name
+
+
+def test_uneven_batch_sizes_are_checked() -> None:
+    model = fixtures.CompositeModel(dim=4)
+    parts = [fixtures.local_batch(model, seed=1, iteration=0, rank=r, batch_size=r + 1, device=CPU) for r in range(3)]
+    (whole,) = fixtures.global_batch(model, seed=1, iteration=0, world_size=3, batch_size=[1, 2, 3], device=CPU)
+    assert torch.equal(whole, torch.cat([p[0] for p in parts]))
+    with pytest.raises(ValueError, match="2 batch sizes for 3 ranks; give one per rank"):
+        fixtures.global_batch(model, seed=1, iteration=0, world_size=3, batch_size=[1, 2], device=CPU)
+    with pytest.raises(ValueError, match="give 0 \\(even data\\) or more"):
+        fixtures.TrainingPlan(
+            seed=0, iterations=1, batch_size=2, make_optimizer=torch.optim.SGD, extra_rows_per_rank=-1
+        )
 
 
 def test_differences_name_each_tensor_and_its_size() -> None:

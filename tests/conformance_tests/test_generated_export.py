@@ -5,8 +5,9 @@ Each exported script runs as a user would run it: ``python -m torch.distributed.
 --nproc-per-node 2 <script>`` in a subprocess (CPU, gloo), from a directory outside the
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
 costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
-(leaves, mixed strategies) and nested; activation-checkpointed blocks (with FSDP1's mixed
-precision and with FSDP2's clipping); mixed precision with float32 reduction; micro-batches
+(leaves, mixed strategies) and nested; uneven data (FSDP1, auto-wrapped);
+activation-checkpointed blocks (with FSDP1's mixed precision and with FSDP2's clipping); mixed
+precision with float32 reduction; micro-batches
 without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
 written-back write and with gradients (a frozen block among them); full and sharded state dicts
 and torch.distributed.checkpoint; resumed jobs (model and optimizer state dicts into a freshly
@@ -73,6 +74,7 @@ FSDP1_AUTO = Program(
         EvalForward(),
     ),
     seed=11,
+    uneven_data=True,
 )
 FSDP1_NESTED_MIXED_PRECISION = Program(
     world_size=2,
@@ -195,7 +197,7 @@ FSDP2_CLIPPED = Program(
     seed=8,
 )
 PASSING = [
-    pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-order-swap-no_sync-writeback-full-eval"),
+    pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-uneven-order-swap-no_sync-writeback-full-eval"),
     pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-checkpointed-adam-eval-sharded"),
     pytest.param("torch-fsdp1", FSDP1_DIVERGENT_FIRST_ORDER, id="fsdp1-divergent-first-order-refused"),
     pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),

@@ -108,13 +108,14 @@ def model_part(uses: Uses) -> str:
 
 # -- data --------------------------------------------------------------------------------------
 def data_part(uses: Uses) -> str:
+    rows = "LOCAL_BATCH + rank" if uses.program.uneven_data else "LOCAL_BATCH"
     return block(
         '''
         def local_batch(iteration: int, rank: int) -> torch.Tensor:
             """What <<data_rank>> `rank` feeds at data iteration `iteration` (on CPU): the generator is seeded
             from (SEED, iteration, rank) alone, so the oracle rebuilds every batch in one process."""
             generator = torch.Generator().manual_seed(hash((SEED, iteration, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
-            return torch.randn(LOCAL_BATCH, IN_WIDTH, generator=generator)
+            return torch.randn(<<rows>>, IN_WIDTH, generator=generator)
 
 
         def loss_of(output: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,7 @@ def data_part(uses: Uses) -> str:
             return <<optimizer>>(params, lr=lr)
         ''',
         optimizer=uses.optimizer_class,
+        rows=rows,
         data_rank="data rank" if uses.tensor_parallel else "rank",
     )
 
@@ -176,10 +178,16 @@ def oracle_part(uses: Uses) -> str:
                 """One forward over every rank's batch of data iteration `iteration` and a backward of the
                 mean rank loss (adds the rank-averaged gradients). Returns the rank losses."""
                 x = torch.cat([local_batch(iteration, rank) for rank in range(WORLD_SIZE)])
-                losses = torch.stack([loss_of(chunk) for chunk in self.model(x).chunk(WORLD_SIZE)])
+                chunks = self.model(x)<<split>>
+                losses = torch.stack([loss_of(chunk) for chunk in chunks])
                 losses.mean().backward()
                 return losses.tolist()
-            '''
+            ''',
+            split=(
+                ".split([LOCAL_BATCH + rank for rank in range(WORLD_SIZE)])"
+                if uses.program.uneven_data
+                else ".chunk(WORLD_SIZE)"
+            ),
         )
     methods = [backward]
     if uses.has(EvalForward):

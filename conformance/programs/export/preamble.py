@@ -10,8 +10,8 @@ import torch
 
 from conformance.programs.export.uses import FSDP1, FSDP2, ORDER_WARNING, ZERO, Uses, script_name, tolerance_literal
 from conformance.programs.model import build_model
-from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Backward, ClipStep, EvalForward, Unshard
-from conformance.programs.shadow import ADAM_LR, EVAL_ITERATIONS, FRESH_SEED_OFFSET, LOCAL_BATCH, SGD_LR
+from conformance.programs.program import LOCAL_BATCH, TENSOR_PARALLEL_DEGREE, Backward, ClipStep, EvalForward, Unshard
+from conformance.programs.shadow import ADAM_LR, EVAL_ITERATIONS, FRESH_SEED_OFFSET, SGD_LR
 from conformance.programs.tolerances import bounds_for
 from conformance.protocol import ApiForm
 from fixtures.meshes import hybrid_shard_group_size
@@ -179,7 +179,11 @@ def constants_part(uses: Uses) -> str:
         f"WORLD_SIZE = {program.world_size}",
         f"SEED = {program.seed}  # the program's seed: the initial values and every batch derive from it",
         f"IN_WIDTH, WIDTH, OUT_WIDTH, DEPTH = {shape.in_width}, {shape.width}, {shape.out_width}, {shape.depth}",
-        f"LOCAL_BATCH = {LOCAL_BATCH}  # samples per rank in each forward",
+        (
+            f"LOCAL_BATCH = {LOCAL_BATCH}  # rank r feeds LOCAL_BATCH + r samples in each forward (uneven data)"
+            if program.uneven_data
+            else f"LOCAL_BATCH = {LOCAL_BATCH}  # samples per rank in each forward"
+        ),
         "# The learning rates of the sharded model's optimizer and of the oracle's, apart: the same value.",
         f"SHARDED_LR = {lr!r}",
         f"ORACLE_LR = {lr!r}",

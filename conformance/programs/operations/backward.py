@@ -8,7 +8,6 @@ import warnings
 import fixtures
 from conformance.programs.operations import handler
 from conformance.programs.program import Backward
-from conformance.programs.shadow import LOCAL_BATCH
 from conformance.protocol import Capability, Phase, Stored
 
 MICRO_BATCHES = (1, 2, 3)
@@ -35,7 +34,9 @@ class BackwardHandler(handler.OperationHandler):
         state.backward_since_step = state.grads_exist = True
 
     def facts(self, op: Backward) -> handler.OperationFacts:
-        return handler.OperationFacts(backward=True, reductions=1 if op.no_sync else op.micro_batches)
+        return handler.OperationFacts(
+            backward=True, training_forwards=op.micro_batches, reductions=1 if op.no_sync else op.micro_batches
+        )
 
     def oracle(self, shadow: handler.Shadow, op: Backward) -> list[list[float]]:
         """Every micro-batch's pass of every data rank: the losses, by micro-batch then rank."""
@@ -50,7 +51,7 @@ class BackwardHandler(handler.OperationHandler):
                 seed=run.program.seed,
                 iteration=run.iteration,
                 rank=run.data_rank,
-                batch_size=LOCAL_BATCH,
+                batch_size=run.program.batch_size(run.data_rank),
                 device=run.device,
             )
             run.iteration += 1

@@ -9,7 +9,7 @@ import torch
 import fixtures
 from conformance.programs.operations import handler
 from conformance.programs.program import EvalForward
-from conformance.programs.shadow import EVAL_ITERATIONS, LOCAL_BATCH
+from conformance.programs.shadow import EVAL_ITERATIONS
 
 
 class EvalForwardHandler(handler.OperationHandler):
@@ -37,7 +37,7 @@ class EvalForwardHandler(handler.OperationHandler):
             seed=run.program.seed,
             iteration=EVAL_ITERATIONS + run.evals,
             rank=run.data_rank,
-            batch_size=LOCAL_BATCH,
+            batch_size=run.program.batch_size(run.data_rank),
             device=run.device,
         )
         run.evals += 1

@@ -77,6 +77,8 @@ class OperationFacts:
 
     backward: bool = False
     """Forward and backward passes in training mode."""
+    training_forwards: int = 0
+    """How many forward passes in training mode it runs (each with its backward)."""
     reductions: int = 0
     """How many of its backward passes reduce gradients (outside the no-sync switch)."""
     steps: bool = False
