@@ -135,7 +135,9 @@ def setups(draw: st.DrawFn, declared: Declared, world_size: int) -> Setup:
 
 
 @st.composite
-def model_shapes(draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = False) -> ModelShape:
+def model_shapes(
+    draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = False, tied_allowed: bool = False
+) -> ModelShape:
     if tensor_parallel:
         # Column-wise then row-wise blocks 0 and 1: an even width, no per-feature buffer (a
         # column-wise block's output is this rank's half of the features).
@@ -146,11 +148,16 @@ def model_shapes(draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = 
             depth=draw(st.integers(2, 3)),
         )
     depth = draw(st.integers(1, 3))
+    # Block 1 tied to block 0 (one program in four where the whole model is one unit).
+    tied = tied_allowed and depth >= 2 and draw(st.integers(0, 3)) == 0
     frozen: tuple[int, ...] = ()
     if frozen_allowed and depth >= 2 and draw(st.booleans()):
         # Never every block: a model that trains nothing but its ends is still a model, but a
         # frozen block between trained ones is the case that matters (gradients flow through).
-        frozen = (draw(st.integers(0, depth - 1)),)
+        # A tied pair stays trained (a frozen block beside it is block 2).
+        first = 2 if tied else 0
+        if first < depth:
+            frozen = (draw(st.integers(first, depth - 1)),)
     return ModelShape(
         in_width=draw(st.sampled_from(WIDTHS)),
         width=draw(st.sampled_from(WIDTHS)),
@@ -158,6 +165,7 @@ def model_shapes(draw: st.DrawFn, frozen_allowed: bool, tensor_parallel: bool = 
         depth=depth,
         buffers=draw(st.booleans()),
         frozen=frozen,
+        tied=tied,
         # Recomputation changes no value, so every backend draws it; one in four programs.
         checkpointed=draw(st.integers(0, 3)) == 0,
     )
@@ -192,7 +200,13 @@ def programs(draw: st.DrawFn, declared: Declared, world_sizes: Sequence[int]) ->
     """A whole program for ``declared`` at one of ``world_sizes``."""
     world_size = draw(st.sampled_from(tuple(world_sizes)))
     setup = draw(setups(declared, world_size))
-    shape = draw(model_shapes(frozen_allowed=setup.use_orig_params, tensor_parallel=setup.tensor_parallel))
+    shape = draw(
+        model_shapes(
+            frozen_allowed=setup.use_orig_params,
+            tensor_parallel=setup.tensor_parallel,
+            tied_allowed=setup.unit_plan == "none",
+        )
+    )
     ops = draw(operations(declared, setup, shape, world_size))
     seed = draw(st.integers(0, 2**16))
     # Uneven data (one program in four): float32 and 1-D only, since the low-precision bounds of

@@ -47,6 +47,8 @@ class GeneratedModel(nn.Module):
         self.swapped = False
         for index in shape.frozen:
             self.blocks[index].linear.requires_grad_(False)
+        if shape.tied:
+            self.blocks[1].linear.weight = self.blocks[0].linear.weight
 
     def route(self) -> list[int]:
         order = list(range(len(self.blocks)))

@@ -113,6 +113,11 @@ def checkpointed_nested_unit_order_checked(program: Program) -> bool:
     )
 
 
+def tied_blocks(program: Program) -> bool:
+    """Block 1's weight tied to block 0's (``ModelShape.tied``), and a backward."""
+    return program.model.tied and any(does.backward for does in _facts(program))
+
+
 def uneven_data(program: Program) -> bool:
     """Data ranks feeding different numbers of samples (``Program.uneven_data``), and a backward."""
     return program.uneven_data and any(does.backward for does in _facts(program))
@@ -181,6 +186,7 @@ PATTERNS: dict[str, Callable[[Program], bool]] = {
     "frozen_parameters": frozen_parameters,
     "checkpointed_backward": checkpointed_backward,
     "uneven_data": uneven_data,
+    "tied_blocks": tied_blocks,
     "checkpointed_nested_unit_order_checked": checkpointed_nested_unit_order_checked,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
     "native_checkpoint_before_first_step": native_checkpoint_before_first_step,

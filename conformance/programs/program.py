@@ -38,7 +38,10 @@ class ModelShape:
     1 (depth >= 2) may swap places in the forward (:class:`SwapRoute`). ``checkpointed``: the
     model calls each block through ``torch.utils.checkpoint.checkpoint(block, h,
     use_reentrant=False)`` (activation checkpointing as Hugging Face models apply it), so every
-    backward runs each block's forward again, its module hooks included."""
+    backward runs each block's forward again, its module hooks included. ``tied``: block 1's
+    linear shares block 0's weight (depth >= 2; as a language model ties its embedding and output
+    projection), whose gradient is then the sum of both uses'; the whole model is one unit
+    (the libraries keep a shared parameter inside one unit)."""
 
     in_width: int
     width: int
@@ -47,6 +50,7 @@ class ModelShape:
     buffers: bool = False
     frozen: tuple[int, ...] = ()
     checkpointed: bool = False
+    tied: bool = False
 
     def describe(self) -> str:
         text = f"Model(in={self.in_width}, width={self.width}, out={self.out_width}, blocks={self.depth}"
@@ -54,6 +58,8 @@ class ModelShape:
             text += ", buffers"
         if self.frozen:
             text += f", frozen blocks {list(self.frozen)}"
+        if self.tied:
+            text += ", block 1's weight tied to block 0's"
         if self.checkpointed:
             text += ", blocks activation-checkpointed"
         return text + ")"

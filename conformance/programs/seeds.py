@@ -4,7 +4,7 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, gradient clipping, activation checkpointing, uneven data, eval mode, the
+no-sync switch and across steps, gradient clipping, activation checkpointing, tied weights, uneven data, eval mode, the
 forward-order check and its refusal of rank-divergent orders, state dict and optimizer round
 trips, and each strategy's storage claim.
 """
@@ -109,6 +109,11 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     add(plain, *train, shape=checkpointed)
     if with_units is not None:
         add(with_units, *train, shape=checkpointed)
+    # Tied weights: block 1 shares block 0's weight (the whole model one unit), SGD steps, so a
+    # tie broken by sharding shows in the parameters and the next loss.
+    one_unit = first(lambda s: s.unit_plan == "none")
+    if one_unit is not None:
+        add(one_unit, *train, shape=dataclasses.replace(SHAPE, tied=True))
     # Uneven data: data rank d feeds LOCAL_BATCH + d samples; the gradients are still averaged over
     # the ranks (a backend weighting them by samples is off by each rank's share), then an eval
     # forward at the same sizes.

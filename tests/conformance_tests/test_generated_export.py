@@ -5,7 +5,7 @@ Each exported script runs as a user would run it: ``python -m torch.distributed.
 --nproc-per-node 2 <script>`` in a subprocess (CPU, gloo), from a directory outside the
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
 costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
-(leaves, mixed strategies) and nested; uneven data (FSDP1, auto-wrapped);
+(leaves, mixed strategies) and nested; uneven data (FSDP1, auto-wrapped); tied blocks (DDP);
 activation-checkpointed blocks (with FSDP1's mixed precision and with FSDP2's clipping); mixed
 precision with float32 reduction; micro-batches
 without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
@@ -136,7 +136,7 @@ FSDP2_MIXED_OFFLOAD = Program(
 # torchrun less); the composable replicate() form is linted only (LINTED_ONLY).
 ZERO_DDP_ZERO1 = Program(
     world_size=2,
-    model=ModelShape(in_width=4, width=5, out_width=3, depth=3, buffers=True, frozen=(0,)),
+    model=ModelShape(in_width=4, width=5, out_width=3, depth=3, buffers=True, frozen=(2,), tied=True),
     setup=Setup(ShardingStrategy.SHARD_OPTIM_STATE, ApiForm.WRAPPER, optimizer="adam"),
     operations=(
         Backward(3, no_sync=True),
@@ -201,7 +201,7 @@ PASSING = [
     pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-checkpointed-adam-eval-sharded"),
     pytest.param("torch-fsdp1", FSDP1_DIVERGENT_FIRST_ORDER, id="fsdp1-divergent-first-order-refused"),
     pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),
-    pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-no_sync-unshard-grads-optim-eval-full"),
+    pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-tied-no_sync-unshard-grads-optim-eval-full"),
     pytest.param("torch-fsdp2", TWO_D, id="fsdp2-2d-tp-sharded-full-eval"),
     pytest.param("torch-fsdp2", FSDP2_CLIPPED, id="fsdp2-clip-checkpointed-both-optim-round-trips"),
 ]

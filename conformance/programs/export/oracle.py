@@ -33,6 +33,8 @@ def model_part(uses: Uses) -> str:
         model_init.append("self.swapped = False  # blocks 0 and 1 trade places in the forward")
     for index in shape.frozen:
         model_init.append(f"self.blocks[{index}].linear.requires_grad_(False)  # frozen: block {index} does not train")
+    if shape.tied:
+        model_init.append("self.blocks[1].linear.weight = self.blocks[0].linear.weight  # tied: one weight, two uses")
     # Activation checkpointing as Hugging Face models apply it: backward runs each block's forward
     # again, its module hooks (a backend's gather) included.
     call = "checkpoint(block, h, use_reentrant=False)" if shape.checkpointed else "block(h)"
