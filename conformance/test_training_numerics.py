@@ -41,11 +41,13 @@ The axes are covered pairwise, not as full products (see ``MIXED_PRECISION_CASES
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +59,7 @@ from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    ParameterGroups,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
@@ -422,6 +425,7 @@ def _plan(
     clip_norm: float | None = None,
     make_optimizer: fixtures.OptimizerFactory = SGD,
     extra_rows_per_rank: int = 0,
+    parameter_groups: ParameterGroups | None = None,
 ) -> fixtures.TrainingPlan:
     return fixtures.TrainingPlan(
         seed=current_seed(),
@@ -432,6 +436,7 @@ def _plan(
         zero_grad=zero_grad,
         clip_norm=clip_norm,
         extra_rows_per_rank=extra_rows_per_rank,
+        parameter_groups=parameter_groups,
     )
 
 
@@ -731,3 +736,117 @@ def test_tied_weights_training(
         f"{'transformer layers as units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
         + "\n".join(problems)
     )
+
+
+# -- parameter groups --------------------------------------------------------------------------
+GROUP_STEPS = 2
+
+
+def _no_decay_for_biases(fqn: str) -> str:
+    """The group of a parameter, as training scripts choose it: no weight decay for biases."""
+    return "no_decay" if fqn.endswith("bias") else "decay"
+
+
+# Weights decay and step at the factory's rate; biases step ten times faster without decay: a
+# backend that drops the groups (one group of the factory's defaults) moves every bias by a tenth
+# of its step and every weight without its decay.
+PARAMETER_GROUPS = ParameterGroups(
+    group_of=_no_decay_for_biases,
+    options={"decay": {"weight_decay": 0.5}, "no_decay": {"lr": 1e-2, "weight_decay": 0.0}},
+)
+GROUPED_SGD = functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
+GROUP_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+]
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), GROUP_CASES)
+def test_parameter_groups(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """An optimizer with parameter groups chosen by name through the backend's
+    ``make_optimizer_with_groups`` (``PARAMETER_GROUPS``): weights with weight decay 0.5 at lr
+    1e-3, biases at lr 1e-2 without decay, SGD with momentum 0.9, two steps. Losses, gradients
+    and the final parameters equal the oracle's, whose torch optimizer has the same groups. A
+    backend that drops the groups (every parameter with the factory's defaults) fails it
+    (tests/conformance_tests/family_mutants.py, groups_ignored)."""
+    require_all(backend, {Capability.FULL_STATE_DICT, Capability.PARAMETER_GROUPS})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(GROUP_STEPS, make_optimizer=GROUPED_SGD, parameter_groups=PARAMETER_GROUPS)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device)
+    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
+    assert not problems, (
+        f"rank {rank}: training with parameter groups ({strategy.name}, "
+        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
+        + "\n".join(problems)
+    )
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_parameter_groups_round_trip(
+    backend: BackendAdapter, strategy: ShardingStrategy, world_size: int, rank: int, device: torch.device
+) -> None:
+    """A resumed job keeps its parameter groups: two steps with the groups of
+    test_parameter_groups, the full model and optimizer state dicts loaded into a model sharded
+    afresh (built from other values) and an optimizer built with the same groups, then a third
+    step; its loss and the parameters after it equal the oracle's three uninterrupted steps. A
+    load that mixes up the groups (their options or which parameters they hold) or loses the
+    momentum moves the third step."""
+    require_all(backend, {Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT, Capability.PARAMETER_GROUPS})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy)
+    plan = _plan(GROUP_STEPS + 1, make_optimizer=GROUPED_SGD, parameter_groups=PARAMETER_GROUPS)
+    expected = _oracle_runs(plan, world_size=world_size, device=device)(frozenset())
+    problems: list[str] = []
+    for form in backend.forms():
+        model = _composite(plan.seed, device)
+        trained = backend.shard(model, spec, form)
+        optimizer = backend.make_optimizer_with_groups(trained, GROUPED_SGD, PARAMETER_GROUPS)
+        for step in range(GROUP_STEPS):
+            _one_step(backend, trained, optimizer, model, plan, step, rank, device)
+        model_state = copy.deepcopy(backend.state_dict(trained, StateDictKind.FULL))
+        optim_state = copy.deepcopy(backend.optim_state_dict(trained, optimizer, StateDictKind.FULL))
+        restored = backend.shard(_composite(plan.seed + 1, device), spec, form)
+        restored_optimizer = backend.make_optimizer_with_groups(restored, GROUPED_SGD, PARAMETER_GROUPS)
+        backend.load_state_dict(restored, model_state, StateDictKind.FULL)
+        backend.load_optim_state_dict(restored, restored_optimizer, optim_state, StateDictKind.FULL)
+        loss = _one_step(backend, restored, restored_optimizer, model, plan, GROUP_STEPS, rank, device)
+        wanted = expected.rank_losses[GROUP_STEPS][rank]
+        if not abs(loss - wanted) <= FULL_PRECISION_BOUNDS.loss_atol + FULL_PRECISION_BOUNDS.loss_rtol * abs(wanted):
+            problems.append(f"{form.value} form: the loss of the step after the load is {loss}; the oracle's {wanted}")
+        state = backend.state_dict(restored, StateDictKind.FULL)
+        problems += _state_differences(
+            backend, state, expected.state_dict, None, FULL_PRECISION_BOUNDS.params, form, plan
+        )
+    assert not problems, (
+        f"rank {rank}: a job resumed from full model and optimizer state dicts with parameter groups "
+        f"({strategy.name}) differs from the oracle's uninterrupted run:\n" + "\n".join(problems)
+    )
+
+
+def _one_step(
+    backend: BackendAdapter,
+    sharded: nn.Module,
+    optimizer: Any,
+    loss_model: nn.Module,
+    plan: fixtures.TrainingPlan,
+    step: int,
+    rank: int,
+    device: torch.device,
+) -> float:
+    """zero_grad, forward and backward of data iteration ``step``, step: the loop of
+    ``fixtures.train_sharded`` for one step with a given optimizer. Returns the local loss."""
+    backend.zero_grad(sharded, optimizer)
+    inputs = fixtures.local_batch(
+        loss_model, seed=plan.seed, iteration=step, rank=rank, batch_size=plan.batch_size_of(rank), device=device
+    )
+    loss = loss_model.loss(sharded(*inputs))
+    backend.backward(sharded, loss)
+    backend.step(sharded, optimizer)
+    return loss.item()

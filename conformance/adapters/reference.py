@@ -36,6 +36,7 @@ from conformance.protocol import (
     Capability,
     Misuse,
     OptimizerFactory,
+    ParameterGroups,
     Refusal,
     ShardEvent,
     ShardingSpec,
@@ -65,7 +66,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     # The engine's ZeRO partitions flat local pieces of whole parameters; a tensor-parallel
@@ -118,6 +119,14 @@ class ReferenceAdapter(BackendAdapter):
         if engine.partitions_optimizer_state(model):
             return engine.ShardedOptimizer(model, factory)
         return factory(model.parameters())
+
+    def make_optimizer_with_groups(self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups) -> Any:
+        # The groups over the exposed parameters; ShardedOptimizer puts each one's partition
+        # into its group (ZeRO-1/2), as a torch optimizer would hold the parameter itself.
+        named = [(self.original_fqn(name), param) for name, param in model.named_parameters()]
+        if engine.partitions_optimizer_state(model):
+            return engine.ShardedOptimizer(model, factory, params=groups.split(named))
+        return factory(groups.split(named))
 
     def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
         return engine.clip_grad_norm_(model, max_norm)

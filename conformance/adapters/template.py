@@ -43,6 +43,7 @@ from conformance.protocol import (
     Capability,
     MixedPrecisionUnshard,
     OptimizerFactory,
+    ParameterGroups,
     Requirement,
     ShardEvent,
     ShardingSpec,
@@ -58,7 +59,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 7
+    PROTOCOL_VERSION = 8
     # Test ids, reports and expectations use it. The expectations file is <name>.toml in
     # --expectations-dir when given, else the file EXPECTATIONS names (next to your module), else
     # conformance/expectations/<name>.toml (docs/writing-an-adapter.md, section 8).
@@ -78,6 +79,9 @@ class TemplateAdapter(BackendAdapter):
             Capability.FULL_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
             Capability.NO_SYNC,  # DDP's no_sync(): see no_gradient_sync below
+            # Optimizer parameter groups by name: the default make_optimizer_with_groups hands
+            # factory the groups of the module's parameters, right for DDP (it steps them).
+            Capability.PARAMETER_GROUPS,
         }
     )
     # The reason each missing capability is missing: a claim about the backend, so a true one,
@@ -163,6 +167,16 @@ class TemplateAdapter(BackendAdapter):
         # here (e.g. passes factory(params) to its engine) and returns what step/zero_grad and
         # the optimizer state dict methods below accept.
         return factory(model.parameters())
+
+    def make_optimizer_with_groups(
+        self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups
+    ) -> torch.optim.Optimizer:
+        # Only if you declare PARAMETER_GROUPS: the optimizer over groups chosen by name.
+        # groups.split turns (original FQN, parameter) pairs into torch's group dicts; DDP steps
+        # the parameters the module exposes, so they are what the groups hold. A backend that
+        # builds its optimizer over partitions or an engine's copies hands those the groups.
+        named = [(self.original_fqn(name), param) for name, param in model.named_parameters()]
+        return factory(groups.split(named))
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         loss.backward()  # DDP all-reduces (averages) gradients in its backward hooks

@@ -102,7 +102,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance_tests/test_declared_absences.py).
@@ -129,6 +129,11 @@ class TorchFSDP1Adapter(TorchAdapter):
             "handle compares the DTensor parameters' local shapes with their global ones and raises "
             "'Cannot writeback when the parameter shape changes' (FlatParamHandle._writeback_tensor in "
             "pre_unshard); FULL_SHARD and SHARD_GRAD_OP over the dp mesh work"
+        ),
+        frozenset({Capability.PARAMETER_GROUPS, Capability.FLAT_PARAMETERS}): (
+            "with use_orig_params=False a unit's parameters are one FlatParameter, which the optimizer "
+            "steps whole: its weights and biases cannot sit in different parameter groups (FSDP1 keeps "
+            "per-parameter options only with use_orig_params=True)"
         ),
         frozenset({Capability.UNSHARD_WITH_GRADS, Capability.FLAT_PARAMETERS}): (
             "summon_full_params refuses with_grads for a model wrapped with use_orig_params=False "

@@ -76,7 +76,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {

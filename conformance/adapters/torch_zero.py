@@ -54,6 +54,7 @@ from conformance.protocol import (
     BackendEnv,
     Capability,
     OptimizerFactory,
+    ParameterGroups,
     ShardingSpec,
     ShardingStrategy,
     StateDictKind,
@@ -80,7 +81,7 @@ _NO_PUBLIC_MIXED_PRECISION = (
 
 
 class TorchZeroAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
     name = "torch-zero"
     WRAPPER_COMPONENTS = frozenset({"module"})  # DistributedDataParallel holds the model as .module
     CAPABILITIES = frozenset(
@@ -90,6 +91,7 @@ class TorchZeroAdapter(BackendAdapter):
             # DDP all-reduces every gradient whole to every rank (ZeroRedundancyOptimizer shards
             # only the optimizer state): the hook's default, torch's clip over them, is right.
             Capability.GRADIENT_CLIPPING,
+            Capability.PARAMETER_GROUPS,
             Capability.NO_SHARD,
             Capability.SHARD_OPTIM_STATE,
             Capability.NO_SYNC,
@@ -190,13 +192,26 @@ class TorchZeroAdapter(BackendAdapter):
 
     # -- training loop ----------------------------------------------------------------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        return self._build_optimizer(model, factory, list(model.parameters()))
+
+    def make_optimizer_with_groups(
+        self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups
+    ) -> torch.optim.Optimizer:
+        # ZeroRedundancyOptimizer takes parameter-group dicts as a torch optimizer does, and
+        # shards each group's parameters over the ranks, keeping its options.
+        named = [(self.original_fqn(name), param) for name, param in model.named_parameters()]
+        return self._build_optimizer(model, factory, groups.split(named))
+
+    def _build_optimizer(self, model: nn.Module, factory: OptimizerFactory, params: list[Any]) -> torch.optim.Optimizer:
+        """``factory`` over ``params`` (parameters or group dicts): plain under NO_SHARD, else
+        through a ZeroRedundancyOptimizer of the factory's class and keyword arguments."""
         sharding = self._sharding(model)
         if sharding.strategy is ShardingStrategy.NO_SHARD:
-            return factory(model.parameters())
+            return factory(params)
         optimizer_class, defaults = optimizer_class_and_defaults(factory, self.env.device)
         try:
             return ZeroRedundancyOptimizer(
-                model.parameters(), optimizer_class=optimizer_class, process_group=sharding.group, **defaults
+                params, optimizer_class=optimizer_class, process_group=sharding.group, **defaults
             )
         except TypeError as error:
             raise TypeError(

@@ -131,6 +131,9 @@ def setups(draw: st.DrawFn, declared: Declared, world_size: int) -> Setup:
     if draw(st.booleans()):
         candidate = Setup(**{**setup.__dict__, "use_orig_params": False})
         setup = candidate if _admitted(declared, candidate) else setup
+    if draw(st.integers(0, 3)) == 0:  # parameter groups, one program in four where admitted
+        candidate = Setup(**{**setup.__dict__, "param_groups": True})
+        setup = candidate if _admitted(declared, candidate) else setup
     return setup
 
 

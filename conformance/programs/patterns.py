@@ -113,6 +113,11 @@ def checkpointed_nested_unit_order_checked(program: Program) -> bool:
     )
 
 
+def parameter_groups(program: Program) -> bool:
+    """An optimizer in parameter groups by name (``Setup.param_groups``) and a step."""
+    return program.setup.param_groups and any(does.steps for does in _facts(program))
+
+
 def tied_blocks(program: Program) -> bool:
     """Block 1's weight tied to block 0's (``ModelShape.tied``), and a backward."""
     return program.model.tied and any(does.backward for does in _facts(program))
@@ -187,6 +192,7 @@ PATTERNS: dict[str, Callable[[Program], bool]] = {
     "checkpointed_backward": checkpointed_backward,
     "uneven_data": uneven_data,
     "tied_blocks": tied_blocks,
+    "parameter_groups": parameter_groups,
     "checkpointed_nested_unit_order_checked": checkpointed_nested_unit_order_checked,
     "hybrid_shard_groups_of_one": hybrid_shard_groups_of_one,
     "native_checkpoint_before_first_step": native_checkpoint_before_first_step,

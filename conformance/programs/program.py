@@ -80,6 +80,9 @@ class Setup:
     use_orig_params: bool = True
     check_exec_order: bool = False
     optimizer: str = "sgd"  # "sgd" or "adam"
+    param_groups: bool = False
+    """The optimizer in two parameter groups by name (``PARAMETER_GROUPS``): weights with weight
+    decay, biases without (``conformance.programs.shadow.PARAMETER_GROUPS``)."""
     tensor_parallel: bool = False
     """2-D: blocks 0 and 1 tensor-parallel (column-wise, then row-wise) over the "tp" dimension of
     a (world size / 2, 2) mesh, the model then sharded over its "dp" dimension; ranks of one dp
@@ -100,6 +103,8 @@ class Setup:
         if self.tensor_parallel:
             parts.append("tensor parallel blocks 0-1 over a (dp, tp=2) mesh")
         parts.append(self.optimizer.upper() if self.optimizer == "sgd" else "Adam")
+        if self.param_groups:
+            parts.append("parameter groups (weight decay, none for biases)")
         return ", ".join(parts)
 
 
@@ -368,5 +373,7 @@ def spec_requirements(setup: Setup) -> set[Requirement]:
         needed.add(Capability.EXEC_ORDER_CHECK)
     if setup.tensor_parallel:
         needed.add(Capability.TENSOR_PARALLEL)
+    if setup.param_groups:
+        needed.add(Capability.PARAMETER_GROUPS)
     needed.add(SpecCondition.SHARDED_ROOT)
     return needed

@@ -49,7 +49,7 @@ import harness
 from conformance.programs.model import Block, GeneratedModel, build_model
 from conformance.programs.operations import handler_for
 from conformance.programs.program import TENSOR_PARALLEL_DEGREE, Program
-from conformance.programs.shadow import FRESH_SEED_OFFSET, Shadow, make_optimizer
+from conformance.programs.shadow import FRESH_SEED_OFFSET, PARAMETER_GROUPS, Shadow, make_optimizer
 from conformance.programs.storage_probe import StorageProbe
 from conformance.programs.tolerances import bounds_for, dtype_named
 from conformance.protocol import (
@@ -233,7 +233,13 @@ class ProgramRun:
 
     def _make_optimizer(self) -> Any:
         kind = self.setup.optimizer
-        return self.adapter.make_optimizer(self.sharded, lambda params: make_optimizer(kind, params))
+
+        def factory(params: Any) -> torch.optim.Optimizer:
+            return make_optimizer(kind, params)
+
+        if self.setup.param_groups:
+            return self.adapter.make_optimizer_with_groups(self.sharded, factory, PARAMETER_GROUPS)
+        return self.adapter.make_optimizer(self.sharded, factory)
 
     # -- the program ------------------------------------------------------------------------
     def run(self) -> None:

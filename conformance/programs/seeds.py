@@ -4,9 +4,9 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, gradient clipping, activation checkpointing, tied weights, uneven data, eval mode, the
-forward-order check and its refusal of rank-divergent orders, state dict and optimizer round
-trips, and each strategy's storage claim.
+no-sync switch and across steps, gradient clipping, activation checkpointing, parameter groups,
+tied weights, uneven data, eval mode, the forward-order check and its refusal of rank-divergent
+orders, state dict and optimizer round trips, and each strategy's storage claim.
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     add(plain, *train, shape=checkpointed)
     if with_units is not None:
         add(with_units, *train, shape=checkpointed)
+    # Parameter groups (PARAMETER_GROUPS): weight decay for weights, none for biases, SGD steps so
+    # dropped groups show in the parameters; then a full optimizer round trip, which must keep them.
+    grouped = first(param_groups=True)
+    if grouped is not None:
+        add(grouped, *train)
+        add(Setup(**{**grouped.__dict__, "optimizer": "adam"}), *train[:3], OptimRoundTrip("full"), *train[3:])
     # Tied weights: block 1 shares block 0's weight (the whole model one unit), SGD steps, so a
     # tie broken by sharding shows in the parameters and the next loss.
     one_unit = first(lambda s: s.unit_plan == "none")

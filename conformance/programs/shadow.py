@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.nn as nn
 
 import fixtures
 from conformance.programs.model import GeneratedModel, build_model
 from conformance.programs.program import LOCAL_BATCH, Program
 from conformance.programs.tolerances import dtype_named
+from conformance.protocol import ParameterGroups
 
 # The learning rate the per-dtype bounds were measured with (conformance/test_training_numerics.py):
 # a doubled, dropped or overwritten gradient moves parameters far beyond them.
@@ -30,7 +31,23 @@ FRESH_SEED_OFFSET = 7919
 """A model built to load a checkpoint into starts from other values (seed + this)."""
 
 
-def make_optimizer(kind: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+WEIGHT_DECAY = 0.1
+"""A parameter-group program's weight decay for weights (biases: none)."""
+
+
+def no_decay_for_biases(fqn: str) -> str:
+    return "no_decay" if fqn.endswith("bias") else "decay"
+
+
+PARAMETER_GROUPS = ParameterGroups(
+    group_of=no_decay_for_biases,
+    options={"decay": {"weight_decay": WEIGHT_DECAY}, "no_decay": {"weight_decay": 0.0}},
+)
+"""The groups of a program with ``Setup.param_groups``: a backend that drops them steps every
+weight without its decay."""
+
+
+def make_optimizer(kind: str, params: Iterable[Any]) -> torch.optim.Optimizer:
     """The program's optimizer: picklable by name, so the ranks and the oracle build the same."""
     if kind == "adam":
         return torch.optim.Adam(params, lr=ADAM_LR)
@@ -42,13 +59,19 @@ class Shadow:
         self.program = program
         self.device = torch.device("cpu")
         self.model: GeneratedModel = build_model(program.model, program.seed, self.device)
-        self.optimizer = make_optimizer(program.setup.optimizer, self.model.parameters())
+        self.optimizer = self._make_optimizer()
         dtype = dtype_named(program.setup.param_dtype)
         self.precision = (
             None if dtype is None else fixtures.Precision(dtype, torch.float32 if program.setup.reduce_fp32 else None)
         )
         self.iteration = 0
         self.evals = 0
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params: Iterable[Any] = self.model.parameters()
+        if self.program.setup.param_groups:
+            params = PARAMETER_GROUPS.split(self.model.named_parameters())
+        return make_optimizer(self.program.setup.optimizer, params)
 
     def backward(self) -> list[float]:
         """One forward + backward pass of every data rank; returns their losses."""
@@ -123,7 +146,7 @@ class Shadow:
         for param in self.model.parameters():
             param.grad = None
         if not keep_optimizer:
-            self.optimizer = make_optimizer(self.program.setup.optimizer, self.model.parameters())
+            self.optimizer = self._make_optimizer()
 
     def round_to(self, names: set[str], dtype: torch.dtype | None) -> None:
         """Round the named parameters to ``dtype`` (what a state dict in that dtype restores)."""

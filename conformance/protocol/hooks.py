@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from conformance.protocol.vocabulary import OptimizerFactory
+from conformance.protocol.vocabulary import OptimizerFactory, ParameterGroups
 
 
 class BackendHooks:
@@ -53,6 +53,21 @@ class BackendHooks:
         and the optimizer state dict methods, and call nothing on it themselves.
         """
         return factory(model.parameters())
+
+    def make_optimizer_with_groups(
+        self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups
+    ) -> torch.optim.Optimizer:
+        """:meth:`make_optimizer` with parameter groups chosen by name (optional capability
+        ``PARAMETER_GROUPS``; protocol 8): the optimizer steps each trained parameter with its
+        group's options (``groups.options``) over the factory's defaults, and its state dict
+        keeps them. Called instead of :meth:`make_optimizer`, once, after :meth:`shard`.
+        Default: ``factory(groups.split(...))`` over ``model.named_parameters()`` by their
+        original FQNs (:meth:`original_fqn`), right where the optimizer steps the parameters
+        the module exposes (torch FSDP2's DTensors, FSDP1's original parameters). A backend
+        that builds its optimizer itself in :meth:`make_optimizer` (a ZeRO optimizer over
+        partitions, an engine that owns it) overrides this too, handing it the group dicts."""
+        named = [(self.original_fqn(name), param) for name, param in model.named_parameters()]
+        return factory(groups.split(named))
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (a scalar computed from ``model``'s output) and leave the

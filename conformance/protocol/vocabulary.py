@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -99,6 +100,10 @@ class Capability(enum.Enum):
     # (BackendAdapter.clip_grad_norm, protocol 7): FSDP1's FullyShardedDataParallel.clip_grad_norm_,
     # torch.nn.utils.clip_grad_norm_ over FSDP2's DTensors, DeepSpeed's gradient_clipping.
     GRADIENT_CLIPPING = "gradient clipping by the total norm over ranks (clip_grad_norm)"
+    # Optimizer parameter groups chosen by parameter name (per-group lr and weight decay, no
+    # decay for biases), kept through the optimizer state dict: BackendAdapter.make_optimizer_with_groups
+    # (protocol 8).
+    PARAMETER_GROUPS = "optimizer parameter groups by parameter name (make_optimizer_with_groups)"
 
     @classmethod
     def for_strategy(cls, strategy: ShardingStrategy) -> Capability:
@@ -301,3 +306,34 @@ class ShardEvent:
 
 # Builds the optimizer for an iterable of parameters, e.g. functools.partial(torch.optim.Adam, lr=1e-2).
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ParameterGroups:
+    """Optimizer parameter groups chosen by parameter name, as training scripts build them (no
+    weight decay for biases and norms, another learning rate for some layers): ``group_of(fqn)``
+    names the group of each trained parameter by its original FQN; ``options[group]`` holds the
+    group's hyperparameters over the factory's defaults. Groups come in the order of
+    ``options``, each parameter in model order, so every rank and the oracle build the same
+    groups; a group no parameter falls in is left out."""
+
+    group_of: Callable[[str], str]
+    options: Mapping[str, Mapping[str, Any]]
+
+    def split(self, named: Iterable[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+        """Parameter-group dicts for a torch optimizer from (original FQN, parameter) pairs
+        (parameters that do not train left out; a parameter listed twice, once)."""
+        members: dict[str, list[nn.Parameter]] = {group: [] for group in self.options}
+        seen: set[int] = set()
+        for fqn, param in named:
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            group = self.group_of(fqn)
+            if group not in members:
+                raise KeyError(
+                    f"ParameterGroups: group_of({fqn!r}) is {group!r}, which options does not define "
+                    f"({sorted(members)}); give options an entry for every group group_of returns"
+                )
+            members[group].append(param)
+        return [{"params": params, **self.options[group]} for group, params in members.items() if params]

@@ -40,7 +40,10 @@ here belong to the other families and are injected the same way, from outside th
 * ``untied`` -- tied parameters untied when the model is sharded: each module that shared a
   parameter gets a copy of its own (what a backend that flattens or partitions each module's
   parameters without noticing the sharing does), so each copy trains on one use's gradient;
-  a model without tied parameters is untouched.
+  a model without tied parameters is untouched;
+* ``groups_ignored`` -- ``make_optimizer_with_groups`` drops the parameter groups: the optimizer
+  is the factory's over every parameter with its defaults (what a backend that builds its own
+  optimizer from ``model.parameters()`` does).
 
 ``tests/conformance_tests/test_family_mutants.py`` runs each family's scenarios against the mutants.
 The classes are also module attributes ``<backend>__<mutation>`` (``reference__divergence``), so
@@ -80,6 +83,7 @@ MUTATIONS: dict[str, str] = {
     "checkpoint_reduced_twice": "gradients reduced twice by a backward that recomputes a checkpointed unit",
     "sample_weighted": "each rank's gradient weighted by its share of the samples (uneven batches)",
     "untied": "tied parameters untied by shard(): each module that shared one holds a copy of its own",
+    "groups_ignored": "optimizer parameter groups dropped: every parameter with the factory's defaults",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -98,6 +102,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "checkpoint_reduced_twice": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
     "sample_weighted": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
     "untied": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
+    "groups_ignored": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),  # PARAMETER_GROUPS
 }
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
@@ -161,6 +166,12 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
             if mutation == "zero1" and self.env.rank == DOUBLE_STEP_RANK:
                 factory = _compose(_step_twice, factory)
             self._optimizer = super().make_optimizer(model, factory)
+            return self._optimizer
+
+        def make_optimizer_with_groups(self, model: nn.Module, factory: Callable[..., Any], groups: Any) -> Any:
+            if mutation == "groups_ignored":
+                return self.make_optimizer(model, factory)
+            self._optimizer = super().make_optimizer_with_groups(model, factory, groups)
             return self._optimizer
 
         def backward(self, model: nn.Module, loss: torch.Tensor) -> None:

@@ -388,6 +388,22 @@ COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.UNSHARD_WITH_GRADS, Capa
 )
 
 
+def _fsdp1_flat_parameter_fuses_every_group(rank: int, world_size: int, device: torch.device) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_two_linears(device), device_id=device, use_orig_params=False)
+    exposed = list(model.named_parameters())
+    # One parameter for the unit's weights and biases alike: an optimizer sees it whole, so no
+    # parameter group can give a bias another option than its weight.
+    assert len(exposed) == 1 and exposed[0][0].endswith("_flat_param"), [name for name, _ in exposed]
+    assert sorted(exposed[0][1]._fqns) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+COMBINATION_PROOFS["torch-fsdp1", frozenset({Capability.PARAMETER_GROUPS, Capability.FLAT_PARAMETERS})] = (
+    _fsdp1_flat_parameter_fuses_every_group
+)
+
+
 # -- torch FSDP1 ---------------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """Each scenario family catches a defect of its kind: exec order, 2-D, ZeRO-1, divergence, mixed
-precision, gradient accumulation, clipping, activation checkpointing, uneven data and tied weights.
+precision, gradient accumulation, clipping, activation checkpointing, uneven data, tied weights and
+parameter groups.
 
 For every mutation of ``family_mutants`` and every built-in backend it applies to, the family's
 scenario runs with the mutant adapter and must fail with the message that names the defect. The
@@ -303,6 +304,23 @@ def test_tied_weights_family_catches_untied_parameters(
         numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
     )
     assert not _failures("untied", backend_name, untouched, rank, world_size, device)
+
+
+@against_mutants("groups_ignored", world_size=2)
+def test_parameter_groups_family_catches_dropped_groups(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_parameter_groups[ws2-none-<strategy>] passes with the backend and fails with its
+    parameter groups dropped (every parameter with the factory's defaults), naming the
+    parameters that moved."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(numerics.test_parameter_groups, wrap="none", strategy=strategy, world_size=world_size)
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere("groups_ignored", backend_name, scenario, rank, world_size, device)
+    expected = f"training with parameter groups ({strategy.name}, one unit) differs from the single-process oracle"
+    assert all(expected in t for t in texts), texts
+    assert _some_parameter_moved(texts), texts
 
 
 DIVERGENCE_INNER_TESTS = """

@@ -6,6 +6,7 @@ Each exported script runs as a user would run it: ``python -m torch.distributed.
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
 costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
 (leaves, mixed strategies) and nested; uneven data (FSDP1, auto-wrapped); tied blocks (DDP);
+parameter groups (FSDP2, ZeroRedundancyOptimizer);
 activation-checkpointed blocks (with FSDP1's mixed precision and with FSDP2's clipping); mixed
 precision with float32 reduction; micro-batches
 without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
@@ -137,7 +138,7 @@ FSDP2_MIXED_OFFLOAD = Program(
 ZERO_DDP_ZERO1 = Program(
     world_size=2,
     model=ModelShape(in_width=4, width=5, out_width=3, depth=3, buffers=True, frozen=(2,), tied=True),
-    setup=Setup(ShardingStrategy.SHARD_OPTIM_STATE, ApiForm.WRAPPER, optimizer="adam"),
+    setup=Setup(ShardingStrategy.SHARD_OPTIM_STATE, ApiForm.WRAPPER, optimizer="adam", param_groups=True),
     operations=(
         Backward(3, no_sync=True),
         Step(),
@@ -192,7 +193,9 @@ TWO_D = Program(
 FSDP2_CLIPPED = Program(
     world_size=2,
     model=ModelShape(in_width=3, width=5, out_width=2, depth=2, frozen=(0,), checkpointed=True),
-    setup=Setup(ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam"),
+    setup=Setup(
+        ShardingStrategy.SHARD_GRAD_OP, ApiForm.COMPOSABLE, unit_plan="auto", optimizer="adam", param_groups=True
+    ),
     operations=(Backward(), ClipStep(), OptimRoundTrip("full"), Backward(), Step(), OptimRoundTrip("sharded")),
     seed=8,
 )

@@ -53,6 +53,8 @@ CAUGHT_BY = {
     "sample_weighted": ("the oracle's",),
     # A tied seed program's step: the parameters (both names of the tied weight) or the next loss.
     "untied": ("the oracle's",),
+    # A parameter-group seed program's step: the parameters (weights stepped without their decay).
+    "groups_ignored": ("the oracle's",),
 }
 SHIPPED = ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero")
 NOT_YET_GENERATED: dict[str, str] = {}

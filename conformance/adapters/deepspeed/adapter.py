@@ -35,6 +35,7 @@ from conformance.protocol import (
     Capability,
     MixedPrecisionUnshard,
     OptimizerFactory,
+    ParameterGroups,
     ShardingSpec,
     ShardingStrategy,
     ShardLayout,
@@ -63,7 +64,7 @@ _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 7  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({WRAPPED})
     # DeepSpeed's own code (its owner-rank broadcasts, its partition-dependent reductions) is never
@@ -91,6 +92,7 @@ class DeepSpeedAdapter(BackendAdapter):
             Capability.INTROSPECT_STORAGE,
             Capability.NATIVE_CHECKPOINT,
             Capability.GRADIENT_CLIPPING,
+            Capability.PARAMETER_GROUPS,
         }
     )
     # Backend facts (proven in tests/conformance_tests/test_declared_facts.py where DeepSpeed is
@@ -364,14 +366,20 @@ class DeepSpeedAdapter(BackendAdapter):
             units = list(spec.manual_units)
         return [*innermost_first(tuple(units)), ""]
 
-    def _build_engine(self, root: DeepSpeedModel, factory: OptimizerFactory | None) -> Any:
-        """deepspeed.initialize with the scenario's optimizer, or, when the scenario asked for
-        none before its first forward, a torch SGD with lr 0 that nobody steps: DeepSpeed
-        reduces gradients in its ZeRO optimizer and refuses backward without one."""
+    def _build_engine(
+        self, root: DeepSpeedModel, factory: OptimizerFactory | None, groups: ParameterGroups | None = None
+    ) -> Any:
+        """deepspeed.initialize with the scenario's optimizer (over ``groups`` of the user's
+        parameters by name, where given: DeepSpeed's ZeRO optimizers keep a torch optimizer's
+        parameter groups and their options), or, when the scenario asked for none before its
+        first forward, a torch SGD with lr 0 that nobody steps: DeepSpeed reduces gradients in
+        its ZeRO optimizer and refuses backward without one."""
         inner = root.module
         names = {id(p): fqn for fqn, p in inner.named_parameters()}
         if factory is None:
             optimizer = torch.optim.SGD(inner.parameters(), lr=0.0)
+        elif groups is not None:
+            optimizer = factory(groups.split(inner.named_parameters()))
         else:
             optimizer = factory(inner.parameters())
         root.param_group_fqns = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
@@ -382,6 +390,12 @@ class DeepSpeedAdapter(BackendAdapter):
 
     # -- training loop ----------------------------------------------------------------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> Any:
+        return self._make_optimizer(model, factory, None)
+
+    def make_optimizer_with_groups(self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups) -> Any:
+        return self._make_optimizer(model, factory, groups)
+
+    def _make_optimizer(self, model: nn.Module, factory: OptimizerFactory, groups: ParameterGroups | None) -> Any:
         root = root_of(model)
         if root.engine is not None:
             raise RuntimeError(
@@ -389,7 +403,7 @@ class DeepSpeedAdapter(BackendAdapter):
                 "was called before); DeepSpeed takes the optimizer when the engine is built, so "
                 "call make_optimizer once, right after shard()"
             )
-        return self._build_engine(root, factory).optimizer
+        return self._build_engine(root, factory, groups).optimizer
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         engine_of(model).backward(loss)

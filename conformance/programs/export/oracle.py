@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import textwrap
 
-from conformance.programs.export.uses import FSDP1, FSDP2, ZERO, Uses, block, indented, uses_ddp_wrapper
+from conformance.programs.export.uses import (
+    FSDP1,
+    FSDP2,
+    ZERO,
+    Uses,
+    block,
+    indented,
+    optimizer_params,
+    uses_ddp_wrapper,
+)
 from conformance.programs.program import ClipStep, EvalForward, Unshard
 
 
@@ -127,10 +136,30 @@ def data_part(uses: Uses) -> str:
 
         def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
             return <<optimizer>>(params, lr=lr)
-        ''',
+        <<groups>>''',
+        groups=_groups_function(uses),
         optimizer=uses.optimizer_class,
         rows=rows,
         data_rank="data rank" if uses.tensor_parallel else "rank",
+    )
+
+
+def _groups_function(uses: Uses) -> str:
+    """The script's parameter groups, where the program has them (the suite's PARAMETER_GROUPS)."""
+    if not uses.setup.param_groups:
+        return ""
+    return "\n\n" + block(
+        '''
+        def parameter_groups(module: nn.Module) -> list[dict]:
+            """Two parameter groups by name, as training scripts build them: weights with weight decay
+            WEIGHT_DECAY, biases without (frozen parameters left out)."""
+            named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+            groups = [
+                {"params": [p for name, p in named if not name.endswith("bias")], "weight_decay": WEIGHT_DECAY},
+                {"params": [p for name, p in named if name.endswith("bias")], "weight_decay": 0.0},
+            ]
+            return [group for group in groups if group["params"]]
+        '''
     )
 
 
@@ -271,8 +300,9 @@ def oracle_part(uses: Uses) -> str:
                     for param in self.model.parameters():
                         param.grad = None
                     if not keep_optimizer:
-                        self.optimizer = make_optimizer(self.model.parameters(), ORACLE_LR)
-                '''
+                        self.optimizer = make_optimizer(<<params>>, ORACLE_LR)
+                ''',
+                params=optimizer_params(uses, "self.model"),
             )
         )
     head = block(
@@ -284,8 +314,9 @@ def oracle_part(uses: Uses) -> str:
 
             def __init__(self) -> None:
                 self.model = build_model(SEED, torch.device("cpu"))
-                self.optimizer = make_optimizer(self.model.parameters(), ORACLE_LR)
-        '''
+                self.optimizer = make_optimizer(<<params>>, ORACLE_LR)
+        ''',
+        params=optimizer_params(uses, "self.model"),
     )
     text = head.rstrip("\n") + "\n\n" + "\n".join(textwrap.indent(m.strip("\n") + "\n", "    ") for m in methods)
     # 2-D: the ranks of one dp group feed one batch, so a pass sees DP_SIZE batches, not WORLD_SIZE.

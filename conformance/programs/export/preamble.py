@@ -11,7 +11,7 @@ import torch
 from conformance.programs.export.uses import FSDP1, FSDP2, ORDER_WARNING, ZERO, Uses, script_name, tolerance_literal
 from conformance.programs.model import build_model
 from conformance.programs.program import LOCAL_BATCH, TENSOR_PARALLEL_DEGREE, Backward, ClipStep, EvalForward, Unshard
-from conformance.programs.shadow import ADAM_LR, EVAL_ITERATIONS, FRESH_SEED_OFFSET, SGD_LR
+from conformance.programs.shadow import ADAM_LR, EVAL_ITERATIONS, FRESH_SEED_OFFSET, SGD_LR, WEIGHT_DECAY
 from conformance.programs.tolerances import bounds_for
 from conformance.protocol import ApiForm
 from fixtures.meshes import hybrid_shard_group_size
@@ -188,6 +188,8 @@ def constants_part(uses: Uses) -> str:
         f"SHARDED_LR = {lr!r}",
         f"ORACLE_LR = {lr!r}",
     ]
+    if uses.setup.param_groups:
+        lines.append(f"WEIGHT_DECAY = {WEIGHT_DECAY}  # the weights' group (biases: none)")
     if uses.has(EvalForward):
         lines.append(f"EVAL_ITERATIONS = {EVAL_ITERATIONS:_}  # eval forwards read data from here on, apart")
     if uses.rebuilds:

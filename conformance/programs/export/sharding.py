@@ -4,7 +4,16 @@ FSDP2, DDP with ZeroRedundancyOptimizer).
 
 from __future__ import annotations
 
-from conformance.programs.export.uses import FSDP1, FSDP2, TWO_D_MESH_WORDS, Uses, attribute_of, block, indented
+from conformance.programs.export.uses import (
+    FSDP1,
+    FSDP2,
+    TWO_D_MESH_WORDS,
+    Uses,
+    attribute_of,
+    block,
+    indented,
+    optimizer_params,
+)
 from conformance.protocol import ApiForm, ShardingStrategy
 
 
@@ -75,8 +84,9 @@ def _fsdp1_sharding(uses: Uses) -> str:
 
 
         def make_sharded_optimizer(sharded: nn.Module) -> torch.optim.Optimizer:
-            return make_optimizer(sharded.parameters(), SHARDED_LR)
+            return make_optimizer(<<params>>, SHARDED_LR)
         ''',
+        params=optimizer_params(uses, "sharded"),
         parameter=parameter,
         plan=_plan_words(uses),
         mesh_words=TWO_D_MESH_WORDS if uses.tensor_parallel else "",
@@ -139,8 +149,9 @@ def _fsdp2_sharding(uses: Uses) -> str:
 
 
         def make_sharded_optimizer(sharded: nn.Module) -> torch.optim.Optimizer:
-            return make_optimizer(sharded.parameters(), SHARDED_LR)
+            return make_optimizer(<<params>>, SHARDED_LR)
         ''',
+        params=optimizer_params(uses, "sharded"),
         parameter=parameter,
         plan=_plan_words(uses).replace("the whole model one unit", "the root alone"),
         mesh_words=mesh_words,
@@ -170,15 +181,17 @@ def _zero_sharding(uses: Uses) -> str:
             '''
             def make_sharded_optimizer(sharded: nn.Module) -> torch.optim.Optimizer:
                 """ZeRO-1: each rank keeps and steps the optimizer state of the parameters assigned to it."""
-                return ZeroRedundancyOptimizer(sharded.parameters(), optimizer_class=<<optimizer>>, lr=SHARDED_LR)
+                return ZeroRedundancyOptimizer(<<params>>, optimizer_class=<<optimizer>>, lr=SHARDED_LR)
             ''',
             optimizer=uses.optimizer_class,
+            params=optimizer_params(uses, "sharded"),
         )
     else:
         optimizer = block(
             """
             def make_sharded_optimizer(sharded: nn.Module) -> torch.optim.Optimizer:
-                return make_optimizer(sharded.parameters(), SHARDED_LR)
-            """
+                return make_optimizer(<<params>>, SHARDED_LR)
+            """,
+            params=optimizer_params(uses, "sharded"),
         )
     return shard.strip("\n") + "\n\n\n" + optimizer.strip("\n")

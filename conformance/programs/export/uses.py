@@ -188,6 +188,11 @@ class Uses:
         return "torch.optim.Adam" if self.setup.optimizer == "adam" else "torch.optim.SGD"
 
 
+def optimizer_params(uses: Uses, module: str) -> str:
+    """What the script hands its optimizer for ``module``: its parameter groups, or its parameters."""
+    return f"parameter_groups({module})" if uses.setup.param_groups else f"{module}.parameters()"
+
+
 def block(text: str, **values: object) -> str:
     """A dedented template with ``<<name>>`` replaced (no braces to escape in the code)."""
     text = textwrap.dedent(text)

@@ -145,6 +145,22 @@ def _every_parameter_is_managed(rank: int, world_size: int, device: torch.device
     assert {slot.fqn for slot in engine.slots} == {name for name, _ in model.named_parameters()}
 
 
+@proves(BACKEND, Capability.PARAMETER_GROUPS)
+def _optimizer_state_dict_has_no_group_membership(rank: int, world_size: int, device: torch.device) -> None:
+    model = lib.wrap(_model(device))
+    engine = lib.engine_of(model)
+
+    def two_groups(pieces: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": pieces[:1]}, {"params": pieces[1:], "lr": 0.5}], lr=0.1)
+
+    optimizer = engine.build_optimizer(two_groups)
+    groups = engine.full_optimizer_state_dict(optimizer)["param_groups"]
+    names = [name for name, _ in model.named_parameters()]
+    # Two groups with their own options, and each names every parameter: membership is lost.
+    assert [group["lr"] for group in groups] == [0.1, 0.5]
+    assert all(sorted(group["params"]) == sorted(names) for group in groups)
+
+
 @proves(BACKEND, Capability.FLAT_PARAMETERS)
 def _original_parameters_are_kept(rank: int, world_size: int, device: torch.device) -> None:
     model = _model(device)

@@ -37,7 +37,7 @@ _NO_UNITS = "zero2_lib partitions the whole model as one flat space; it has no u
 
 
 class Zero2Adapter(BackendAdapter):
-    PROTOCOL_VERSION = 7
+    PROTOCOL_VERSION = 8
     name = "zero2-from-docs"
     EXPECTATIONS = "expectations.toml"
     CAPABILITIES = frozenset(
@@ -79,6 +79,10 @@ class Zero2Adapter(BackendAdapter):
         Capability.INTROSPECT_EVENTS: "zero2_lib never unshards or reshards parameters",
         Capability.INTROSPECT_STORAGE: "zero2_lib never shards parameters, so has no unsharded storage",
         Capability.NATIVE_CHECKPOINT: "zero2_lib has no checkpoint format of its own",
+        Capability.PARAMETER_GROUPS: (
+            "zero2_lib's full optimizer state dict lists every parameter under every group, so it cannot "
+            "say which group a parameter is in: a job resumed from it loses its groups"
+        ),
         Capability.GRADIENT_CLIPPING: (
             "zero2_lib has no clipping of its own, and torch's clip over its gradient slices would see "
             "this rank's norm only"
