@@ -104,6 +104,15 @@ def run_context(item: pytest.Item) -> RunContext:
     return plugin.run_context(item)
 
 
+def ranks_stderr(item: pytest.Item) -> dict[int, str]:
+    """What each rank wrote to stderr while it ran `item` (the tail the harness captured), by rank;
+    readable in a plugin's `pytest_runtest_makereport` of the call phase (empty for a test without
+    ranks). A rank that died in C++ (a gloo abort) says why there, not in a Python exception."""
+    from harness import plugin
+
+    return plugin.ranks_stderr(item)
+
+
 def world_device(config: pytest.Config, world_size: int | None = None) -> str | None:
     """The device kind ("cpu", "cuda") a world of `world_size` ranks gets in this session, None
     when it cannot be had; by default the session's smallest world (one rank; under torchrun the
@@ -227,6 +236,7 @@ __all__ = [
     "name_tensor",
     "rank_fixture",
     "rank_seed",
+    "ranks_stderr",
     "register_label_provider",
     "replica_snapshot",
     "replicated",

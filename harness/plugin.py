@@ -258,6 +258,13 @@ def run_context(item: pytest.Item) -> RunContext:
     return RunContext(size, None if size is None else _plan(item, size).kind)
 
 
+def ranks_stderr(item: pytest.Item) -> dict[int, str]:
+    """What each rank of `item` wrote to stderr (see `harness.session.flow.ranks_stderr`)."""
+    from harness.session import flow
+
+    return flow.ranks_stderr(item)
+
+
 def world_device(config: pytest.Config, world_size: int | None = None) -> str | None:
     """The device kind a world of `world_size` ranks gets in this session, None when it cannot be
     had (`--device cuda` with too few GPUs); by default the session's smallest world: one rank,

@@ -547,7 +547,9 @@ class ConformanceRun:
                 judgement = expectations.ambiguous(matching)
             else:
                 entry = matching[0] if matching else None
-                judgement = expectations.judge(entry, report.outcome, report.longreprtext)
+                judgement = expectations.judge(
+                    entry, report.outcome, report.longreprtext, harness.ranks_stderr(item) if entry else None
+                )
             if judgement is not None:
                 report.outcome = judgement.outcome  # type: ignore[assignment]
                 if judgement.xfail_reason is not None:

@@ -7,7 +7,7 @@ a third-party package ships its own; else ``conformance/expectations/<name>.toml
 
     [[expected_failure]]
     scenario = "conformance/test_runtime.py::test_training[ws2-manual-HYBRID_SHARD-adam]"
-    failure = "diverge from the single-process oracle"   # must appear in the failure text
+    failure = "diverge from the single-process oracle"   # in the failure text, or a rank's stderr
     reason = "HYBRID_SHARD with 1-rank shard groups stops syncing gradients"
     link = "https://github.com/pytorch/pytorch/issues/..."   # optional
     when = { device = "cuda", torch = ">=2.11,<2.14", world_size = 2 }   # optional
@@ -43,7 +43,7 @@ import inspect
 import operator
 import re
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,8 +384,15 @@ def scenario_id(nodeid: str, backend_id: str) -> str:
     return f"{base}[{remaining}]"
 
 
-def judge(entry: ExpectedFailure | None, outcome: str, failure_text: str) -> Judgement | None:
-    """The new outcome of a call-phase report, or None to leave it as it is."""
+def judge(
+    entry: ExpectedFailure | None,
+    outcome: str,
+    failure_text: str,
+    ranks_stderr: Mapping[int, str] | None = None,
+) -> Judgement | None:
+    """The new outcome of a call-phase report, or None to leave it as it is. The entry's text
+    may be in the failure or in what a rank wrote to stderr (``ranks_stderr``, by rank): a rank
+    that died in C++ (gloo's abort on a size mismatch) says why there, not in an exception."""
     if entry is None or outcome == "skipped":
         return None
     if outcome == "passed":
@@ -396,13 +403,15 @@ def judge(entry: ExpectedFailure | None, outcome: str, failure_text: str) -> Jud
                 f"({entry.reason}); remove the entry from the backend's expectations file"
             ),
         )
-    if entry.failure in failure_text:
+    stderr = ranks_stderr or {}
+    if entry.failure in failure_text or any(entry.failure in text for text in stderr.values()):
         return Judgement("skipped", xfail_reason=f"expected-fail: {entry.reason}")
+    searched = "the failure" + (f" nor in the stderr of ranks {sorted(stderr)}" if stderr else "")
     return Judgement(
         "failed",
         message=(
             f"{entry.describe()} is an expected failure ({entry.reason}) but failed "
-            f"differently: the recorded text {entry.failure!r} is not in the failure"
+            f"differently: the recorded text {entry.failure!r} is not in {searched}"
         ),
     )
 

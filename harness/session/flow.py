@@ -381,3 +381,13 @@ def _suite_properties(item: pytest.Item) -> tuple[tuple[str, str], ...]:
     for properties in reversed(item.config.hook.pytest_harness_suite_properties(item=item)):
         merged.update({str(name): str(value) for name, value in properties.items()})
     return tuple(merged.items())
+
+
+def ranks_stderr(item: pytest.Item) -> dict[int, str]:
+    """What each rank wrote to stderr while it ran ``item`` (its tail), by rank: from the moment
+    the ranks have answered until the test is published, so a plugin's report hook of the call
+    phase can read it; empty for a test no rank ran (or whose ranks wrote nothing there)."""
+    proposal = item.stash.get(_PROPOSAL, None)
+    if proposal is None or proposal.execution is None:
+        return {}
+    return {rank: err for rank, (_, err) in sorted(proposal.execution.captured.items()) if err}

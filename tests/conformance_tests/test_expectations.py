@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from adapter_testing import run_inner_session  # tests/conformance_tests/adapter_testing.py
 
 from conformance.suite import expectations
 from conformance.suite.expectations import (
@@ -249,3 +250,54 @@ def test_an_entry_whose_test_was_skipped_is_stale_when_its_condition_held() -> N
         record = _record(ENTRY.scenario, skipped=(ENTRY.scenario, context))
         stale = expectations.stale_entries(expected, record, lambda file: True)
         assert [s.why for s in stale] == (["its test was skipped (unsupported: x: y)"] if is_stale else [])
+
+
+# -- the rank's stderr: what a rank that dies in C++ says -------------------------------------
+STDERR_TESTS = """
+import os
+import sys
+
+import pytest
+
+
+@pytest.mark.world_size(2)
+def test_raises_after_saying_why(backend, rank):
+    sys.stderr.write(f"rank {rank}: the library says: Received data size doesn't match expected size\\n")
+    sys.stderr.flush()
+    raise AssertionError("the step failed")
+
+
+@pytest.mark.world_size(2)
+def test_dies_after_saying_why(backend, rank):
+    # What gloo does on a size mismatch: a message from C++ on stderr, then abort().
+    os.write(2, b"terminate called: [enforce fail] Received data size doesn't match expected size\\n")
+    os.abort()
+"""
+
+
+def _stderr_entries(failure: str) -> str:
+    return "".join(
+        f'[[expected_failure]]\nscenario = "test_inner.py::{name}"\nfailure = "{failure}"\n'
+        f'reason = "the library says so on stderr"\n\n'
+        for name in ("test_raises_after_saying_why", "test_dies_after_saying_why")
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "outcome"),
+    [("Received data size doesn't match", "2 xfailed"), ("a text no rank wrote", "2 failed")],
+    ids=["in-stderr", "nowhere"],
+)
+def test_an_expected_failure_text_is_matched_against_the_ranks_stderr(
+    tmp_path: Path, failure: str, outcome: str
+) -> None:
+    """A rank that says why only on stderr (a Python rank printing a library's message, a rank
+    gloo aborts) still meets its expected-failure entry; a text found nowhere stays a failure
+    that says where it was looked for."""
+    (tmp_path / "expectations").mkdir()
+    (tmp_path / "expectations" / "torch-zero.toml").write_text(_stderr_entries(failure))
+    done = run_inner_session(tmp_path, STDERR_TESTS, ["torch-zero"], "--straggler-grace=2")
+    output = done.stdout + done.stderr
+    assert outcome in output, output
+    if outcome == "2 failed":
+        assert "is not in the failure nor in the stderr of ranks [0, 1]" in output, output
