@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fixtures
-from conformance.protocol import BackendAdapter, Misuse, ShardingSpec, ShardingStrategy, refused
+from conformance.protocol import BackendAdapter, Misuse, ShardingSpec, ShardingStrategy, permits, refused
 from conformance.scenario_unshard import (
     EXACT,
     CallsBackInForward,
@@ -62,7 +62,16 @@ def test_unshard_from_forward_raises(backend: BackendAdapter, device: torch.devi
 
         target.during_forward = unshard_now
         with refused(backend, Misuse.UNSHARD_DURING_FORWARD, form.value):
-            sharded(torch.ones(5, device=device))
+            output = sharded(torch.ones(5, device=device))
+        if permits(backend, Misuse.UNSHARD_DURING_FORWARD):
+            # Allowed by the backend: the forward must still compute what the unsharded model does.
+            local = fixtures.build(CallsBackInForward, current_seed(), device)
+            torch.testing.assert_close(
+                output.detach(),
+                local(torch.ones(5, device=device)).detach(),
+                **EXACT,
+                msg=lambda m, form=form: f"{form.value}: a forward that unsharded inside it computed otherwise\n{m}",
+            )
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -80,6 +89,8 @@ def test_unshard_from_backward_raises(backend: BackendAdapter, device: torch.dev
         output.register_hook(unshard_now)
         with refused(backend, Misuse.UNSHARD_DURING_BACKWARD, form.value):
             backend.backward(sharded, output.sum())
+        if permits(backend, Misuse.UNSHARD_DURING_BACKWARD):
+            _parameters_unchanged(backend, sharded, TinyLinear, device, f"{form.value}: after unshard during backward")
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -96,6 +107,9 @@ def test_unshard_rank0_only_with_writeback_raises(backend: BackendAdapter, devic
             backend.unshard(sharded, rank0_only=True, writeback=True),
         ):
             pass
+        if permits(backend, Misuse.UNSHARD_RANK0_ONLY_WITH_WRITEBACK):
+            where = f"{form.value}: after unshard(rank0_only=True, writeback=True)"
+            _parameters_unchanged(backend, sharded, fixtures.NestedModel, device, where)
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -118,3 +132,19 @@ def test_unshard_offload_to_cpu_no_shard_raises(backend: BackendAdapter, call: s
     for form, sharded in sharded_models(backend, fixtures.NestedModel, spec, device):
         with refused(backend, misuse, form.value), backend.unshard(sharded, **options):
             pass
+        if permits(backend, misuse):
+            _parameters_unchanged(backend, sharded, fixtures.NestedModel, device, f"{form.value}: after {misuse.value}")
+
+
+def _parameters_unchanged(
+    backend: BackendAdapter, sharded: nn.Module, model_cls: type[nn.Module], device: torch.device, where: str
+) -> None:
+    """After a misuse the backend permits, the full parameters still equal an unsharded copy's."""
+    local = dict(fixtures.build(model_cls, current_seed(), device).named_parameters())
+    with backend.unshard(sharded, writeback=False):
+        seen = {name: p.detach().clone() for name, p in named_params(backend, sharded).items()}
+    assert seen.keys() == local.keys(), f"{where}: parameters {sorted(seen)}, expected {sorted(local)}"
+    for name, value in seen.items():
+        torch.testing.assert_close(
+            value, local[name].detach(), **EXACT, msg=lambda m, name=name: f"{where}: {name} changed\n{m}"
+        )

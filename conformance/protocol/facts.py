@@ -50,6 +50,23 @@ class Refusal:
         return f"{' or '.join(t.__name__ for t in self.types)} matching {self.pattern!r}"
 
 
+@dataclass(frozen=True)
+class Permitted:
+    """A misuse the backend allows: the call goes on, and the scenario checks that it gives the
+    right values (the forward's output, the parameters afterwards) instead of a refusal. A claim
+    like any declared fact: back it with a proof on the library that the call returns the right
+    values (``FactProofs``, fact ``REFUSALS.<MISUSE>``). ``reason``: why it is safe there."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason.strip():
+            raise ValueError("Permitted needs its reason: why the backend can allow the misuse")
+
+    def __str__(self) -> str:
+        return f"permitted ({self.reason})"
+
+
 _UNSHARD_IN_COMPUTE = Refusal((AssertionError,), "Cannot manually unshard parameters during forward/backward")
 _NOT_SUPPORTED = Refusal((NotImplementedError,), "is not supported")
 
@@ -177,7 +194,8 @@ class BackendFacts:
     # The name of a unit's flat parameter (with FLAT_PARAMETERS): "<unit FQN>.<name>".
     FLAT_PARAMETER_NAME: ClassVar[str] = "_flat_param"
     # How each misuse is refused; a misuse left out is held to the seeds' refusal.
-    REFUSALS: ClassVar[Mapping[Misuse, Refusal]] = SEED_REFUSALS
+    # A misuse the backend allows is declared Permitted(reason) (the scenario then checks values).
+    REFUSALS: ClassVar[Mapping[Misuse, Refusal | Permitted]] = SEED_REFUSALS
     MIXED_PRECISION_UNSHARD: ClassVar[MixedPrecisionUnshard] = MixedPrecisionUnshard()
     # How original parameters are split over the ranks (protocol 4): local_shard sizes and, with
     # INTROSPECT_STORAGE, unsharded storage sizes are checked exactly against it. A flat
@@ -233,9 +251,9 @@ def flat_param_fqn(backend: BackendFacts, unit: str) -> str:
     return f"{unit}.{name}" if unit else name
 
 
-def declared_refusal(backend: BackendFacts | type[BackendFacts], misuse: Misuse) -> Refusal:
+def declared_refusal(backend: BackendFacts | type[BackendFacts], misuse: Misuse) -> Refusal | Permitted:
     """How ``backend`` (an adapter or its class) declares it refuses ``misuse`` (the seeds'
-    refusal where it declares none)."""
+    refusal where it declares none), or that it permits it."""
     adapter_cls = backend if isinstance(backend, type) else type(backend)
     return adapter_cls.REFUSALS.get(misuse, SEED_REFUSALS[misuse])
 
@@ -243,9 +261,20 @@ def declared_refusal(backend: BackendFacts | type[BackendFacts], misuse: Misuse)
 @contextlib.contextmanager
 def refused(backend: BackendFacts, misuse: Misuse, where: str = "") -> Iterator[None]:
     """Expect the body to raise the refusal ``backend`` declares for ``misuse``; fail with what
-    was raised (or ``DID NOT RAISE``) and what was declared otherwise."""
+    was raised (or ``DID NOT RAISE``) and what was declared otherwise. Where the backend declares
+    the misuse :class:`Permitted`, the body must run through instead (the scenario then checks
+    its values: :func:`permits`)."""
     declared = declared_refusal(backend, misuse)
     prefix = f"{where}: " if where else ""
+    if isinstance(declared, Permitted):
+        try:
+            yield
+        except Exception as error:
+            raise AssertionError(
+                f"{prefix}{misuse.value}: {backend.name} declares it {declared}, but it raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        return
     try:
         yield
     except Exception as error:
@@ -254,3 +283,8 @@ def refused(backend: BackendFacts, misuse: Misuse, where: str = "") -> Iterator[
             raise AssertionError(f"{prefix}{misuse.value}: {backend.name} {problem}") from error
         return
     raise AssertionError(f"{prefix}{misuse.value}: DID NOT RAISE; {backend.name} declares {declared}")
+
+
+def permits(backend: BackendFacts, misuse: Misuse) -> bool:
+    """Whether ``backend`` declares ``misuse`` :class:`Permitted` (its values are then checked)."""
+    return isinstance(declared_refusal(backend, misuse), Permitted)

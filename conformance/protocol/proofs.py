@@ -28,7 +28,7 @@ import torch
 
 from conformance.protocol.adapter import BackendAdapter
 from conformance.protocol.capabilities import Capability
-from conformance.protocol.facts import BackendFacts, declared_refusal
+from conformance.protocol.facts import BackendFacts, Refusal, declared_refusal
 from conformance.protocol.vocabulary import BackendEnv, Misuse
 
 # One proof: it runs on every rank of a world (``rank``, ``world_size``, the rank's ``device``)
@@ -126,6 +126,11 @@ def raises_declared(backend: BackendFacts | type[BackendFacts], misuse: Misuse) 
     ``misuse``: one of the declared exception types, its message matching the declared pattern
     (the seeds' refusal where it declares none)."""
     refusal = declared_refusal(backend, misuse)
+    if not isinstance(refusal, Refusal):
+        raise TypeError(
+            f"{misuse.value}: the backend declares it {refusal}, not a refusal: prove it by running the "
+            "call on the library and checking the values it gives"
+        )
     return pytest.raises(refusal.types, match=refusal.pattern)
 
 

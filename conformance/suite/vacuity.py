@@ -354,7 +354,8 @@ class ShardWatch:
                 if grads:
                     stored = sum(grads.values())
                     stores = f"{stored} gradient elements of a model with {total} parameter elements"
-                    measured[kind] = (Holding.SHARDED if stored < total else Holding.WHOLE, stores)
+                    sharded = stored < total or self._holds_whole_share(model, Stored.GRADIENTS)
+                    measured[kind] = (Holding.SHARDED if sharded else Holding.WHOLE, stores)
             else:
                 for optimizer in model.optimizers:
                     by_name: dict[str, int] = {}
@@ -374,10 +375,11 @@ class ShardWatch:
                         measured[kind] = (Holding.SHARDED, "")
         return measured
 
-    def _holds_whole_share(self, model: ShardedModel) -> bool:
+    def _holds_whole_share(self, model: ShardedModel, kind: Stored = Stored.PARAMETERS) -> bool:
         """This rank's share of every parameter under the declared ``SHARD_LAYOUT`` is all of
-        it, the storage hooks show exactly that, and another rank of its shard group has less
-        of some parameter: sharding is right on this rank and shows on the others. Original
+        it, the storage hooks show exactly that of ``kind`` (the parameters, or their gradients),
+        and another rank of its shard group has less of some parameter: sharding is right on
+        this rank and shows on the others. Original
         parameters of a unit-less model only (the root is the one unit a FLAT_UNIT layout
         splits); a flat parameter pads every rank to the same size, which shows nothing."""
         if not model.spec.use_orig_params or not model.shapes or len(model.spec.strategies()) != 1:
@@ -388,7 +390,7 @@ class ShardWatch:
         hybrid = ShardingStrategy.HYBRID_SHARD in model.spec.strategies() and mesh is not None
         index = mesh.get_local_rank(1) if hybrid else self.adapter.env.rank  # this rank's place in its group
         shapes = list(model.shapes.values())
-        stored = self._stored(model, Stored.PARAMETERS)
+        stored = self._stored(model, kind)
         for position, (fqn, shape) in enumerate(model.shapes.items()):
             share = expected_local_numel(layout, shapes, position, index, group)
             if share != shape.numel() or stored.get(fqn) != share:

@@ -57,6 +57,30 @@ def test_a_unit_less_backend_gathering_into_temporaries_passes_and_its_replicati
     assert "rank 1 stores {'0.weight': 1} elements of the 1-element weight" in output, output
 
 
+PERMITTED_SCENARIOS = """
+from conformance.test_unshard_refusals import test_unshard_from_backward_raises  # noqa: F401
+from conformance.test_unshard_refusals import test_unshard_from_forward_raises  # noqa: F401
+"""
+
+
+def test_a_misuse_declared_permitted_runs_and_is_checked_not_refused(tmp_path) -> None:
+    """The backend declares unsharding inside forward and backward Permitted: the refusal
+    scenarios run the call through and check its values (the forward's output, the parameters
+    afterwards), and pass; a backend declaring the same that refuses fails them, saying so."""
+    result = run_inner_session(
+        tmp_path,
+        PERMITTED_SCENARIOS,
+        [ADAPTERS + "PerParameterDTensorAdapter", ADAPTERS + "PermitsButRefuses"],
+    )
+    output = result.stdout + result.stderr
+    for test in ("test_unshard_from_forward_raises", "test_unshard_from_backward_raises"):
+        assert f"PASSED test_inner.py::{test}[per-parameter-dtensor-ws2]" in output, output
+        assert f"FAILED test_inner.py::{test}[per-parameter-dtensor-permits-but-refuses-ws2]" in output, output
+    assert (
+        "declares it permitted (gathered() holds no state a forward depends on), but it raised RuntimeError" in output
+    )
+
+
 def _sharded_linear(world_size: int, device: torch.device) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(storage.DIM, storage.DIM)).to(device)

@@ -281,10 +281,13 @@ class RowsKeptWhole(RowsOnRankZero):
     keep_all = True
 
 
-def _singleton_watch(adapter_cls: type[ShardsNothingAdapter], rank: int) -> ShardWatch:
+def _singleton_watch(adapter_cls: type[ShardsNothingAdapter], rank: int, with_grads: bool = False) -> ShardWatch:
     adapter = adapter_cls(BackendEnv(rank=rank, world_size=2, device=torch.device("cpu"), local_rank=rank))
     watch = ShardWatch(adapter, collectives=lambda: 0)
-    adapter.shard(nn.Linear(1, 1, bias=False), ShardingSpec(), ApiForm.WRAPPER)
+    sharded = adapter.shard(nn.Linear(1, 1, bias=False), ShardingSpec(), ApiForm.WRAPPER)
+    if with_grads:  # a backward left each rank's gradient of what it stores
+        for param in sharded.parameters():
+            param.grad = torch.ones_like(param)
     return watch
 
 
@@ -300,6 +303,16 @@ def test_a_rank_whose_share_is_the_whole_parameter_passes_without_units_and_repl
     assert "FULL_SHARD (wrapper form) claims parameters sharded; this rank stores all 1 parameter elements" in str(
         finding
     )
+
+
+def test_a_rank_whose_share_is_the_whole_gradient_passes_and_replication_still_fails() -> None:
+    """The same with the gradients stored after a backward: rank 0 holds the whole gradient of
+    the 1-element weight, its share, which is sharding (it failed "claims gradients sharded"
+    before); the replicating backend still fails on rank 1."""
+    assert _singleton_watch(RowsOnRankZero, rank=0, with_grads=True).finding(body_passed=True) is None
+    assert _singleton_watch(RowsOnRankZero, rank=1, with_grads=True).finding(body_passed=True) is None
+    finding = _singleton_watch(RowsKeptWhole, rank=1, with_grads=True).finding(body_passed=True)
+    assert isinstance(finding, StorageClaimNotMet), finding
 
 
 def test_a_layout_that_gives_every_rank_the_whole_parameter_is_no_evidence() -> None:

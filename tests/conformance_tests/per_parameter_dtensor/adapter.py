@@ -23,6 +23,9 @@ from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    Misuse,
+    Permitted,
+    Refusal,
     ShardingSpec,
     ShardingStrategy,
     ShardLayout,
@@ -54,6 +57,12 @@ class PerParameterDTensorAdapter(BackendAdapter):
     }
     # Shard(0) splits each parameter with torch.chunk along dim 0, as FSDP2 does.
     SHARD_LAYOUT = ShardLayout.ROWS
+    # gathered() all-gathers each DTensor parameter on its own and tracks no forward or backward
+    # it could disturb: unsharding from inside them is allowed and computes the right values.
+    REFUSALS: ClassVar[Mapping[Misuse, Refusal | Permitted]] = {
+        Misuse.UNSHARD_DURING_FORWARD: Permitted("gathered() holds no state a forward depends on"),
+        Misuse.UNSHARD_DURING_BACKWARD: Permitted("gathered() holds no state a backward depends on"),
+    }
     REPLICATE_EVERYTHING: ClassVar[bool] = False
 
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
@@ -93,3 +102,14 @@ class ReplicatingTwin(PerParameterDTensorAdapter):
 
     name = "per-parameter-dtensor-replicating"
     REPLICATE_EVERYTHING = True
+
+
+class PermitsButRefuses(PerParameterDTensorAdapter):
+    """Declares unsharding inside forward and backward permitted, yet refuses every unshard."""
+
+    name = "per-parameter-dtensor-permits-but-refuses"
+
+    @contextlib.contextmanager
+    def _unshard(self, model: nn.Module, request: UnshardRequest) -> Iterator[None]:
+        raise RuntimeError("gathered() is not allowed here")
+        yield
