@@ -144,8 +144,12 @@ class RootState:
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._recover_from_failed_backward()
-        if self.phase is Phase.BACKWARD:
-            return self._recompute_forward(unit, args, kwargs)
+        # A forward inside backward is activation checkpointing recomputing `unit` (its saved
+        # tensors are unpacked): it computes with the gathered parameters as in forward, but it
+        # is no new forward, so nothing is recorded for the order check or the prefetch, and
+        # `post_forward` keeps the unit gathered for the recomputed graph's backward (its
+        # gradient reduction reshards it, as always).
+        recomputing = self.phase is Phase.BACKWARD
         if self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
             self.forward_root = unit
@@ -155,7 +159,9 @@ class RootState:
                 self.exec_order.begin_forward(training)
             self._grad_order = []
         try:
-            if unit.has_params:
+            if unit.has_params and recomputing:
+                unit.unshard(async_op=True)
+            elif unit.has_params:
                 index = self._unit_index[id(unit)]
                 position = self.order.record(index)
                 if self.exec_order is not None:
@@ -163,6 +169,7 @@ class RootState:
                 unit.unshard(async_op=True)
                 if self.forward_prefetch:
                     self._prefetch(Direction.FORWARD, unit, self._forward_candidate(position))
+            if unit.has_params:
                 unit.wait_for_unshard()
         except BaseException:
             self._abort()
@@ -172,27 +179,9 @@ class RootState:
             args, kwargs = cast_floating((args, kwargs), unit.compute_dtype)
         return args, kwargs
 
-    def _recompute_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A forward that runs inside backward: activation checkpointing recomputing `unit`
-        (its saved tensors are unpacked). The unit computes with its gathered parameters, as in
-        forward, but this is no new forward: nothing is recorded for the order check or the
-        prefetch, and `post_forward` keeps the unit gathered, since the recomputed graph's
-        backward reads those parameters next (its gradient reduction reshards it, as always)."""
-        if unit.has_params:
-            try:
-                unit.unshard(async_op=True)
-                unit.wait_for_unshard()
-            except BaseException:
-                self._abort()
-                raise
-        unit.install_compute_views()
-        if unit.compute_dtype != unit.master_dtype:
-            args, kwargs = cast_floating((args, kwargs), unit.compute_dtype)
-        return args, kwargs
-
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if self.phase is Phase.BACKWARD:
-            return  # a recomputed forward (see `_recompute_forward`): no reshard, no new hooks
+            return  # a recomputed forward (see `pre_forward`): no reshard, no new hooks
         if unit is not self.forward_root and unit.reshard_after_forward:
             unit.reshard()
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
