@@ -440,6 +440,29 @@ def _plan(
     )
 
 
+def _assert_trains_like_oracle(
+    backend: BackendAdapter,
+    spec: ShardingSpec,
+    plan: fixtures.TrainingPlan,
+    oracle: OracleFor,
+    what: str,
+    *,
+    rank: int,
+    device: torch.device,
+    build_model: ModelBuilder | None = None,
+) -> None:
+    """:func:`_compare_with_oracle` within the float32 bounds; fail naming ``what`` (the program,
+    its strategy and its units) and every difference."""
+    problems = _compare_with_oracle(
+        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=build_model
+    )
+    assert not problems, f"rank {rank}: {what} differs from the single-process oracle:\n" + "\n".join(problems)
+
+
+def _unit_words(wrap: str) -> str:
+    return "auto-wrapped units" if wrap == "auto" else "one unit"
+
+
 def _units(wrap: str) -> tuple[type[nn.Module], ...]:
     return (fixtures.Unit,) if wrap == "auto" else ()
 
@@ -571,14 +594,17 @@ CLIPPING_STEPS = 3
 
 # Units auto-wrapped for the strategies whose units every backend with units has; every
 # strategy runs unit-less.
-CLIPPING_WITH_UNITS = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD)
-CLIPPING_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
-    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
+# The unit plans of the training-loop scenarios (clipping, checkpointing, uneven data, tied weights,
+# parameter groups): the whole model one unit for every strategy; every Unit a unit for the
+# strategies that gather per unit.
+WITH_UNITS = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD)
+UNIT_PLAN_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
+    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in WITH_UNITS
 ]
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy"), CLIPPING_CASES)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
 def test_gradient_clipping(
     backend: BackendAdapter,
     wrap: str,
@@ -606,23 +632,16 @@ def test_gradient_clipping(
         f"the scenario's clip would not act: the oracle's gradient norms {oracle(frozenset()).grad_norms} "
         f"include some below {CLIP_ACTIVE} x CLIP_NORM ({CLIP_NORM}); lower CLIP_NORM"
     )
-    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
-    assert not problems, (
-        f"rank {rank}: gradient clipping to total norm {CLIP_NORM} ({strategy.name}, "
-        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
-        + "\n".join(problems)
-    )
+    what = f"gradient clipping to total norm {CLIP_NORM} ({strategy.name}, {_unit_words(wrap)})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device)
 
 
 # -- activation checkpointing ------------------------------------------------------------------
 CHECKPOINTING_STEPS = 2
-CHECKPOINTING_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
-    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
-]
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy"), CHECKPOINTING_CASES)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
 def test_activation_checkpointing(
     backend: BackendAdapter,
     wrap: str,
@@ -645,26 +664,17 @@ def test_activation_checkpointing(
     plan = _plan(CHECKPOINTING_STEPS)
     checkpointed = functools.partial(_composite, checkpointed=True)
     oracle = _oracle_runs(plan, world_size=world_size, device=device, build_model=checkpointed)
-    problems = _compare_with_oracle(
-        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=checkpointed
-    )
-    assert not problems, (
-        f"rank {rank}: activation-checkpointed training ({strategy.name}, "
-        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
-        + "\n".join(problems)
-    )
+    what = f"activation-checkpointed training ({strategy.name}, {_unit_words(wrap)})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device, build_model=checkpointed)
 
 
 # -- uneven batches ----------------------------------------------------------------------------
 UNEVEN_STEPS = 2
 UNEVEN_EXTRA_ROWS = 1  # rank r feeds LOCAL_BATCH + r samples
-UNEVEN_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
-    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
-]
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy"), UNEVEN_CASES)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
 def test_uneven_batches(
     backend: BackendAdapter,
     wrap: str,
@@ -685,20 +695,13 @@ def test_uneven_batches(
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
     plan = _plan(UNEVEN_STEPS, extra_rows_per_rank=UNEVEN_EXTRA_ROWS)
     oracle = _oracle_runs(plan, world_size=world_size, device=device)
-    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
     sizes = ", ".join(str(size) for size in plan.batch_sizes(world_size))
-    assert not problems, (
-        f"rank {rank}: training on uneven batches (samples per rank {sizes}; {strategy.name}, "
-        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
-        + "\n".join(problems)
-    )
+    what = f"training on uneven batches (samples per rank {sizes}; {strategy.name}, {_unit_words(wrap)})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device)
 
 
 # -- tied weights ------------------------------------------------------------------------------
 TIED_STEPS = 3
-TIED_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
-    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
-]
 
 
 def _tied(seed: int, device: torch.device) -> nn.Module:
@@ -706,7 +709,7 @@ def _tied(seed: int, device: torch.device) -> nn.Module:
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy"), TIED_CASES)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
 def test_tied_weights_training(
     backend: BackendAdapter,
     wrap: str,
@@ -728,14 +731,9 @@ def test_tied_weights_training(
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=layers)
     plan = _plan(TIED_STEPS)
     oracle = _oracle_runs(plan, world_size=world_size, device=device, build_model=_tied)
-    problems = _compare_with_oracle(
-        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=_tied
-    )
-    assert not problems, (
-        f"rank {rank}: training with tied weights ({strategy.name}, "
-        f"{'transformer layers as units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
-        + "\n".join(problems)
-    )
+    units = "transformer layers as units" if wrap == "auto" else "one unit"
+    what = f"training with tied weights ({strategy.name}, {units})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device, build_model=_tied)
 
 
 # -- parameter groups --------------------------------------------------------------------------
@@ -755,13 +753,10 @@ PARAMETER_GROUPS = ParameterGroups(
     options={"decay": {"weight_decay": 0.5}, "no_decay": {"lr": 1e-2, "weight_decay": 0.0}},
 )
 GROUPED_SGD = functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
-GROUP_CASES = [pytest.param("none", strategy, id=f"none-{strategy.name}") for strategy in STRATEGIES] + [
-    pytest.param("auto", strategy, id=f"auto-{strategy.name}") for strategy in CLIPPING_WITH_UNITS
-]
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
-@pytest.mark.parametrize(("wrap", "strategy"), GROUP_CASES)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
 def test_parameter_groups(
     backend: BackendAdapter,
     wrap: str,
@@ -780,12 +775,8 @@ def test_parameter_groups(
     spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
     plan = _plan(GROUP_STEPS, make_optimizer=GROUPED_SGD, parameter_groups=PARAMETER_GROUPS)
     oracle = _oracle_runs(plan, world_size=world_size, device=device)
-    problems = _compare_with_oracle(backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device)
-    assert not problems, (
-        f"rank {rank}: training with parameter groups ({strategy.name}, "
-        f"{'auto-wrapped units' if wrap == 'auto' else 'one unit'}) differs from the single-process oracle:\n"
-        + "\n".join(problems)
-    )
+    what = f"training with parameter groups ({strategy.name}, {_unit_words(wrap)})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device)
 
 
 @pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
