@@ -238,6 +238,38 @@ def test_clipping_family_catches_a_local_norm(
     assert _some_parameter_moved(texts), texts
 
 
+def _training_family_catches(
+    mutation: str,
+    backend_name: str,
+    scenario: Scenario,
+    expected: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    inert_without_it: bool = True,
+) -> None:
+    """``scenario`` (a test of conformance/test_training_numerics.py) with the whole model one
+    unit, under the first of ACCUMULATION_STRATEGIES the backend declares: it passes with the
+    clean backend and fails on every rank with ``mutation``, saying ``expected`` (``{strategy}``
+    standing for the strategy's name) and naming a parameter that moved. ``inert_without_it``:
+    the mutant passes plain gradient accumulation, which has none of what the family exercises
+    (no recomputation, even data, no tied parameters), so the failure is the family's alone."""
+    declared = registry.load(backend_name).CAPABILITIES
+    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
+    scenario = functools.partial(scenario, wrap="none", strategy=strategy, world_size=world_size)
+    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
+    texts = _failures_everywhere(mutation, backend_name, scenario, rank, world_size, device)
+    wanted = expected.format(strategy=strategy.name)
+    assert all(wanted in t for t in texts), texts
+    assert _some_parameter_moved(texts), texts
+    if inert_without_it:
+        plain = functools.partial(
+            numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+        )
+        assert not _failures(mutation, backend_name, plain, rank, world_size, device)
+
+
 @against_mutants("checkpoint_reduced_twice", world_size=2)
 def test_checkpointing_family_catches_gradients_reduced_twice(
     backend_name: str, rank: int, world_size: int, device: torch.device
@@ -246,20 +278,16 @@ def test_checkpointing_family_catches_gradients_reduced_twice(
     a backward that recomputes a checkpointed unit doubling the gradients it stores, naming the
     checkpointed training and the parameters that moved. The same mutant passes a scenario
     without checkpointing (test_gradient_accumulation's plain case): only recomputation sets it off."""
-    declared = registry.load(backend_name).CAPABILITIES
-    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
-    scenario = functools.partial(
-        numerics.test_activation_checkpointing, wrap="none", strategy=strategy, world_size=world_size
+    expected = "activation-checkpointed training ({strategy}, one unit) differs from the single-process oracle"
+    _training_family_catches(
+        "checkpoint_reduced_twice",
+        backend_name,
+        numerics.test_activation_checkpointing,
+        expected,
+        rank,
+        world_size,
+        device,
     )
-    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
-    texts = _failures_everywhere("checkpoint_reduced_twice", backend_name, scenario, rank, world_size, device)
-    expected = f"activation-checkpointed training ({strategy.name}, one unit) differs from the single-process oracle"
-    assert all(expected in t for t in texts), texts
-    assert _some_parameter_moved(texts), texts
-    without_checkpointing = functools.partial(
-        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
-    )
-    assert not _failures("checkpoint_reduced_twice", backend_name, without_checkpointing, rank, world_size, device)
 
 
 @against_mutants("sample_weighted", world_size=2)
@@ -269,18 +297,10 @@ def test_uneven_data_family_catches_gradients_weighted_by_samples(
     """test_uneven_batches[ws2-none-<strategy>] passes with the backend and fails with each rank's
     gradient weighted by its share of the samples, naming the batch sizes and the parameters that
     moved. The same mutant passes with even data (test_gradient_accumulation's plain case)."""
-    declared = registry.load(backend_name).CAPABILITIES
-    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
-    scenario = functools.partial(numerics.test_uneven_batches, wrap="none", strategy=strategy, world_size=world_size)
-    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
-    texts = _failures_everywhere("sample_weighted", backend_name, scenario, rank, world_size, device)
-    expected = f"training on uneven batches (samples per rank 2, 3; {strategy.name}, one unit) differs"
-    assert all(expected in t for t in texts), texts
-    assert _some_parameter_moved(texts), texts
-    even = functools.partial(
-        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
+    expected = "training on uneven batches (samples per rank 2, 3; {strategy}, one unit) differs"
+    _training_family_catches(
+        "sample_weighted", backend_name, numerics.test_uneven_batches, expected, rank, world_size, device
     )
-    assert not _failures("sample_weighted", backend_name, even, rank, world_size, device)
 
 
 @against_mutants("untied", world_size=2)
@@ -290,20 +310,10 @@ def test_tied_weights_family_catches_untied_parameters(
     """test_tied_weights_training[ws2-none-<strategy>] passes with the backend and fails with the
     tied embedding and output weights untied by shard(), naming the parameters that moved. The
     same mutant passes a model without tied parameters (test_gradient_accumulation's plain case)."""
-    declared = registry.load(backend_name).CAPABILITIES
-    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
-    scenario = functools.partial(
-        numerics.test_tied_weights_training, wrap="none", strategy=strategy, world_size=world_size
+    expected = "training with tied weights ({strategy}, one unit) differs from the single-process oracle"
+    _training_family_catches(
+        "untied", backend_name, numerics.test_tied_weights_training, expected, rank, world_size, device
     )
-    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
-    texts = _failures_everywhere("untied", backend_name, scenario, rank, world_size, device)
-    expected = f"training with tied weights ({strategy.name}, one unit) differs from the single-process oracle"
-    assert all(expected in t for t in texts), texts
-    assert _some_parameter_moved(texts), texts
-    untouched = functools.partial(
-        numerics.test_gradient_accumulation, mode="plain", wrap="none", strategy=strategy, world_size=world_size
-    )
-    assert not _failures("untied", backend_name, untouched, rank, world_size, device)
 
 
 @against_mutants("groups_ignored", world_size=2)
@@ -313,14 +323,17 @@ def test_parameter_groups_family_catches_dropped_groups(
     """test_parameter_groups[ws2-none-<strategy>] passes with the backend and fails with its
     parameter groups dropped (every parameter with the factory's defaults), naming the
     parameters that moved."""
-    declared = registry.load(backend_name).CAPABILITIES
-    strategy = next(s for s in ACCUMULATION_STRATEGIES if Capability.for_strategy(s) in declared)
-    scenario = functools.partial(numerics.test_parameter_groups, wrap="none", strategy=strategy, world_size=world_size)
-    _assert_clean_passes(backend_name, scenario, rank, world_size, device)
-    texts = _failures_everywhere("groups_ignored", backend_name, scenario, rank, world_size, device)
-    expected = f"training with parameter groups ({strategy.name}, one unit) differs from the single-process oracle"
-    assert all(expected in t for t in texts), texts
-    assert _some_parameter_moved(texts), texts
+    expected = "training with parameter groups ({strategy}, one unit) differs from the single-process oracle"
+    _training_family_catches(
+        "groups_ignored",
+        backend_name,
+        numerics.test_parameter_groups,
+        expected,
+        rank,
+        world_size,
+        device,
+        inert_without_it=False,
+    )
 
 
 DIVERGENCE_INNER_TESTS = """
