@@ -275,29 +275,34 @@ def test_dies_after_saying_why(backend, rank):
 """
 
 
+STDERR_REASON = "the library says so on stderr"
+
+
 def _stderr_entries(failure: str) -> str:
     return "".join(
         f'[[expected_failure]]\nscenario = "test_inner.py::{name}"\nfailure = "{failure}"\n'
-        f'reason = "the library says so on stderr"\n\n'
+        f'reason = "{STDERR_REASON}"\n\n'
         for name in ("test_raises_after_saying_why", "test_dies_after_saying_why")
     )
 
 
 @pytest.mark.parametrize(
-    ("failure", "outcome"),
-    [("Received data size doesn't match", "2 xfailed"), ("a text no rank wrote", "2 failed")],
+    ("failure", "in_stderr"),
+    [("Received data size doesn't match", True), ("a text no rank wrote", False)],
     ids=["in-stderr", "nowhere"],
 )
 def test_an_expected_failure_text_is_matched_against_the_ranks_stderr(
-    tmp_path: Path, failure: str, outcome: str
+    tmp_path: Path, failure: str, in_stderr: bool
 ) -> None:
     """A rank that says why only on stderr (a Python rank printing a library's message, a rank
-    gloo aborts) still meets its expected-failure entry; a text found nowhere stays a failure
-    that says where it was looked for."""
+    gloo aborts) still meets its expected-failure entry, reported with the entry's reason; a
+    text found nowhere stays a failure that says where it was looked for."""
     (tmp_path / "expectations").mkdir()
     (tmp_path / "expectations" / "torch-zero.toml").write_text(_stderr_entries(failure))
     done = run_inner_session(tmp_path, STDERR_TESTS, ["torch-zero"], "--straggler-grace=2")
     output = done.stdout + done.stderr
-    assert outcome in output, output
-    if outcome == "2 failed":
+    if in_stderr:  # both tests known failures, each reported with the entry's reason
+        assert "2 xfailed" in output and output.count(f"expected-fail: {STDERR_REASON}") >= 2, output
+    else:
+        assert "2 failed" in output, output
         assert "is not in the failure nor in the stderr of ranks [0, 1]" in output, output
