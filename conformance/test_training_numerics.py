@@ -59,6 +59,7 @@ from conformance.protocol import (
     ApiForm,
     BackendAdapter,
     Capability,
+    DeferredInit,
     ParameterGroups,
     ShardingSpec,
     ShardingStrategy,
@@ -68,7 +69,7 @@ from conformance.protocol import (
     require_all,
 )
 from conformance.scenario_specs import hybrid_fits, spec_with_mesh
-from fixtures.compare import Tolerance, differences, report
+from fixtures.compare import EXACT, Tolerance, differences, report
 from harness import current_seed
 
 WIDTH = 16  # CompositeModel(dim=WIDTH): small enough that float16 sums stay far from overflow
@@ -249,19 +250,26 @@ def _compare_with_oracle(
     device: torch.device,
     without_sync: bool = False,
     build_model: ModelBuilder | None = None,
+    deferred: bool = False,
 ) -> list[str]:
     """Train ``plan`` with ``spec`` in every form the backend has; return what differs from
     the oracle's run, ``oracle(stored_low)`` (empty: nothing), where ``stored_low`` names the
     parameters the sharded model stores in the compute dtype (:func:`_stored_in_compute_dtype`).
     ``build_model(seed, device)`` makes the unsharded model (default: ``_composite``).
+    ``deferred``: the model is built on the meta device and sharded by ``shard_deferred`` with
+    the values ``build_model`` gives (:func:`_shard_deferred_checked`).
     Problems are collected, not raised, so a defect seen on one rank only never leaves the
     others waiting in the next form's collectives."""
     build_model = build_model or _composite
     shows_grads = backend.supports(Capability.UNSHARD_WITH_GRADS)
     problems: list[str] = []
     for form in backend.forms():
-        model = build_model(plan.seed, device)
-        sharded = backend.shard(model, spec, form)
+        if deferred:
+            model = build_model(plan.seed, torch.device("meta"))
+            sharded = _shard_deferred_checked(backend, model, spec, form, build_model(plan.seed, device), problems)
+        else:
+            model = build_model(plan.seed, device)
+            sharded = backend.shard(model, spec, form)
         expected = oracle(_stored_in_compute_dtype(backend, sharded, spec.param_dtype))
         oracle_losses = torch.tensor([per_rank[rank] for per_rank in expected.rank_losses])
 
@@ -315,7 +323,35 @@ def _compare_with_oracle(
 
 
 ModelBuilder = Callable[[int, torch.device], nn.Module]
-"""Makes a scenario's unsharded model from its seed, on a device."""
+"""Makes a scenario's unsharded model from its seed, on a device (the meta device: built there,
+without values)."""
+
+
+def _shard_deferred_checked(
+    backend: BackendAdapter,
+    model: nn.Module,
+    spec: ShardingSpec,
+    form: ApiForm,
+    source: nn.Module,
+    problems: list[str],
+) -> nn.Module:
+    """``backend.shard_deferred`` of the meta-built ``model`` to ``source``'s values, then its
+    full state dict right away: every parameter and buffer must hold exactly its value (one left
+    to ``to_empty``'s uninitialized memory, or still on the meta device, is reported by name)."""
+    init = DeferredInit(fixtures.deferred_fill(source, model))
+    sharded = backend.shard_deferred(model, spec, form, init)
+    state = backend.state_dict(sharded, StateDictKind.FULL)
+    expected = {name: value.detach().cpu() for name, value in source.state_dict().items()}
+    on_meta = sorted(name for name, value in state.items() if isinstance(value, torch.Tensor) and value.is_meta)
+    if on_meta:
+        problems.append(f"{form.value} form: after shard_deferred, still on the meta device: {on_meta}")
+        state = {name: value for name, value in state.items() if name not in on_meta}
+        expected = {name: value for name, value in expected.items() if name not in on_meta}
+    found = differences(state, expected, EXACT)
+    if found:
+        what = f"{form.value} form: values right after shard_deferred (not those the init filled in)"
+        problems.append(report(what, found, len(expected), EXACT))
+    return sharded
 
 
 def _composite(seed: int, device: torch.device, checkpointed: bool = False) -> nn.Module:
@@ -450,11 +486,20 @@ def _assert_trains_like_oracle(
     rank: int,
     device: torch.device,
     build_model: ModelBuilder | None = None,
+    deferred: bool = False,
 ) -> None:
     """:func:`_compare_with_oracle` within the float32 bounds; fail naming ``what`` (the program,
     its strategy and its units) and every difference."""
     problems = _compare_with_oracle(
-        backend, spec, plan, oracle, FULL_PRECISION_BOUNDS, rank=rank, device=device, build_model=build_model
+        backend,
+        spec,
+        plan,
+        oracle,
+        FULL_PRECISION_BOUNDS,
+        rank=rank,
+        device=device,
+        build_model=build_model,
+        deferred=deferred,
     )
     assert not problems, f"rank {rank}: {what} differs from the single-process oracle:\n" + "\n".join(problems)
 
@@ -666,6 +711,36 @@ def test_activation_checkpointing(
     oracle = _oracle_runs(plan, world_size=world_size, device=device, build_model=checkpointed)
     what = f"activation-checkpointed training ({strategy.name}, {_unit_words(wrap)})"
     _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device, build_model=checkpointed)
+
+
+# -- deferred initialization -------------------------------------------------------------------
+DEFERRED_STEPS = 2
+
+
+@pytest.mark.world_size(min=2, default=2, exclude=hybrid_fits)
+@pytest.mark.parametrize(("wrap", "strategy"), UNIT_PLAN_CASES)
+def test_deferred_init(
+    backend: BackendAdapter,
+    wrap: str,
+    strategy: ShardingStrategy,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """A model built on the meta device (``torch.device("meta")``: no storage, as large models
+    are built) and materialized through ``shard_deferred``: the backend's own mechanism where it
+    has one (FSDP1's ``param_init_fn``, FSDP2's ``fully_shard`` then ``to_empty``), else the
+    default (materialize, then shard). Right after it, the full state dict holds exactly the
+    values the init filled in, for every parameter and buffer (the root's own ``mix`` and
+    ``scale`` and each unit's included); then two float32 SGD steps train like the oracle's model
+    built with those values. A backend that leaves a submodule to ``to_empty``'s uninitialized
+    memory fails it (tests/conformance_tests/family_mutants.py, init_skipped)."""
+    require_all(backend, {Capability.FULL_STATE_DICT})
+    spec = spec_with_mesh(backend, world_size, device, strategy=strategy, auto_wrap_classes=_units(wrap))
+    plan = _plan(DEFERRED_STEPS)
+    oracle = _oracle_runs(plan, world_size=world_size, device=device)
+    what = f"training a model built on the meta device ({strategy.name}, {_unit_words(wrap)})"
+    _assert_trains_like_oracle(backend, spec, plan, oracle, what, rank=rank, device=device, deferred=True)
 
 
 # -- uneven batches ----------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def _clean(fqn: str) -> str:
 
 
 class ReferenceAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 9  # the protocol version this adapter was written for
     name = "reference"
     CAPABILITIES = frozenset(Capability)
     # The engine's ZeRO partitions flat local pieces of whole parameters; a tensor-parallel

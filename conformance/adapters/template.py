@@ -41,6 +41,7 @@ from conformance.protocol import (
     BackendAdapter,
     BackendEnv,
     Capability,
+    DeferredInit,
     MixedPrecisionUnshard,
     OptimizerFactory,
     ParameterGroups,
@@ -59,7 +60,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 class TemplateAdapter(BackendAdapter):
     # The protocol version this adapter was written for: state yours, so that a later protocol
     # can tell you (one warning) what you do not declare of what it added.
-    PROTOCOL_VERSION = 8
+    PROTOCOL_VERSION = 9
     # Test ids, reports and expectations use it. The expectations file is <name>.toml in
     # --expectations-dir when given, else the file EXPECTATIONS names (next to your module), else
     # conformance/expectations/<name>.toml (docs/writing-an-adapter.md, section 8).
@@ -160,6 +161,12 @@ class TemplateAdapter(BackendAdapter):
     def _shard(self, model: nn.Module, spec: ShardingSpec, form: ApiForm) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+    def _shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+        # A model built under torch.device("meta") (protocol 9). The default below is right for a
+        # backend without deferred initialization; a backend that shards a meta model and
+        # materializes it itself calls init.fill (or init.materialize_module) where it does.
+        return self._shard(init.materialize(model, self.env.device), spec, form)
 
     # -- training loop: the defaults, spelled out -------------------------------------------
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:

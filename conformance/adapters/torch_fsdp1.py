@@ -40,6 +40,7 @@ from conformance.protocol import (
     SEED_REFUSALS,
     ApiForm,
     Capability,
+    DeferredInit,
     Misuse,
     Requirement,
     ShardEvent,
@@ -102,7 +103,7 @@ def _state_dict_type(kind: StateDictKind) -> tuple[StateDictType, FullStateDictC
 
 
 class TorchFSDP1Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 9  # the protocol version this adapter was written for
     name = "torch-fsdp1"
     # Everything but the listed gaps: review this when Capability grows. Each gap has a test that
     # tries the feature on torch and shows it missing (tests/conformance_tests/test_declared_absences.py).
@@ -200,6 +201,25 @@ class TorchFSDP1Adapter(TorchAdapter):
                 _HANDLE_PREFIXES[module._handle] = clean_fqn(fqn)
         return model
 
+    def _shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+        """FSDP1's own deferred initialization: each FullyShardedDataParallel constructor calls
+        ``param_init_fn`` on every module of its subtree not already wrapped (outside ignored
+        modules), before it flattens and shards; ours gives the module's own tensors storage
+        (``to_empty(recurse=False)``) and fills them. What no FSDP instance manages (ignored
+        modules, an unmanaged root's own tensors) FSDP1 leaves to its user, so the adapter
+        materializes it, as a training script must."""
+        self._param_init_fn = functools.partial(init.materialize_module, device=self.env.device)
+        try:
+            sharded = self._shard(model, spec, form)
+        finally:
+            self._param_init_fn = None
+        ignored = {m for fqn in spec.ignored_modules for m in submodule(model, fqn).modules()}
+        managed = {m for unit in FSDP.fsdp_modules(sharded) for m in unit.modules()} - ignored
+        for module in sharded.modules():
+            if module not in managed:
+                init.materialize_module(module, self.env.device)
+        return sharded
+
     def clip_grad_norm(self, model: nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
         # FSDP1's own: each rank's flat-parameter shard holds plain-tensor pieces, so torch's
         # clip over model.parameters() would see the local norm only.
@@ -227,6 +247,8 @@ class TorchFSDP1Adapter(TorchAdapter):
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
         if ignored:
             kwargs["ignored_modules"] = ignored
+        if getattr(self, "_param_init_fn", None) is not None:  # set by _shard_deferred for its _shard
+            kwargs["param_init_fn"] = self._param_init_fn
         return kwargs
 
     # -- gradient accumulation (NO_SYNC) -----------------------------------------------------

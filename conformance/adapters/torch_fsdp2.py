@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from conformance.adapters._common import (
     TorchAdapter,
@@ -42,6 +44,7 @@ from conformance.protocol import (
     ApiForm,
     BackendEnv,
     Capability,
+    DeferredInit,
     MixedPrecisionUnshard,
     ShardEvent,
     ShardingSpec,
@@ -76,7 +79,7 @@ def _label_collectives() -> None:
 
 
 class TorchFSDP2Adapter(TorchAdapter):
-    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 9  # the protocol version this adapter was written for
     name = "torch-fsdp2"
     # Everything but the listed gaps: review this when Capability grows.
     CAPABILITIES = frozenset(Capability) - {
@@ -159,6 +162,36 @@ class TorchFSDP2Adapter(TorchAdapter):
         for fqn in self._unit_fqns(model, spec):
             fully_shard(submodule(model, fqn), **self._kwargs(spec, fqn, ignored_params))
         return model
+
+    def _shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+        """FSDP2's deferred initialization, as its documentation gives it: ``fully_shard`` the
+        meta model (parameters become meta DTensors of their shards), ``to_empty`` (each rank
+        allocates its shard only; on CPU under CPU offload, as fully_shard requires), then
+        initialize. ``init`` fills full-shaped values, so each module's are filled into
+        temporaries and every DTensor parameter keeps its shard of them (``distribute_tensor``
+        with the parameter's own mesh and placements); buffers are plain tensors, filled in
+        place."""
+        sharded = self._shard(model, spec, form)
+        storage = torch.device("cpu") if spec.offload_params else self.env.device
+        sharded.to_empty(device=storage)
+        with torch.no_grad():
+            for module in sharded.modules():
+                own = init.own_tensors(module)
+                if not own:
+                    continue
+                if storage != self.env.device:  # buffers are computed with where the ranks compute
+                    for name, buffer in module.named_buffers(recurse=False):
+                        module._buffers[name] = own[name] = buffer.to(self.env.device)
+                full = {
+                    name: torch.empty(t.shape, dtype=t.dtype, device=self.env.device) if isinstance(t, DTensor) else t
+                    for name, t in own.items()
+                }
+                init.fill(module, full)
+                for name, tensor in own.items():
+                    if isinstance(tensor, DTensor):
+                        shard = distribute_tensor(full[name], tensor.device_mesh, tensor.placements).to_local()
+                        tensor.to_local().copy_(shard)
+        return sharded
 
     def _unit_fqns(self, model: nn.Module, spec: ShardingSpec) -> list[str]:
         if spec.auto_wrap_classes:

@@ -81,7 +81,7 @@ _NO_PUBLIC_MIXED_PRECISION = (
 
 
 class TorchZeroAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 9  # the protocol version this adapter was written for
     name = "torch-zero"
     WRAPPER_COMPONENTS = frozenset({"module"})  # DistributedDataParallel holds the model as .module
     CAPABILITIES = frozenset(

@@ -76,7 +76,10 @@ class GeneratedModel(nn.Module):
 
 def build_model(shape: ModelShape, seed: int, device: torch.device) -> GeneratedModel:
     """The model of ``shape`` with values drawn from ``seed`` (buffers not all ones: a buffer
-    lost in a state dict round trip shows)."""
+    lost in a state dict round trip shows); on the meta device, the model without values."""
+    if device.type == "meta":  # built without storage or values (a deferred-init program)
+        with torch.device("meta"):
+            return GeneratedModel(shape)
     generator = torch.Generator().manual_seed(seed)
     with torch.device("cpu"):
         model = GeneratedModel(shape)

@@ -123,6 +123,12 @@ def tied_blocks(program: Program) -> bool:
     return program.model.tied and any(does.backward for does in _facts(program))
 
 
+def deferred_init(program: Program) -> bool:
+    """A model built on the meta device and materialized by the backend (``ModelShape.deferred_init``),
+    and a backward."""
+    return program.model.deferred_init and any(does.backward for does in _facts(program))
+
+
 def uneven_data(program: Program) -> bool:
     """Data ranks feeding different numbers of samples (``Program.uneven_data``), and a backward."""
     return program.uneven_data and any(does.backward for does in _facts(program))
@@ -191,6 +197,7 @@ PATTERNS: dict[str, Callable[[Program], bool]] = {
     "frozen_parameters": frozen_parameters,
     "checkpointed_backward": checkpointed_backward,
     "uneven_data": uneven_data,
+    "deferred_init": deferred_init,
     "tied_blocks": tied_blocks,
     "parameter_groups": parameter_groups,
     "checkpointed_nested_unit_order_checked": checkpointed_nested_unit_order_checked,

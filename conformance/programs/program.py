@@ -41,7 +41,11 @@ class ModelShape:
     backward runs each block's forward again, its module hooks included. ``tied``: block 1's
     linear shares block 0's weight (depth >= 2; as a language model ties its embedding and output
     projection), whose gradient is then the sum of both uses'; the whole model is one unit
-    (the libraries keep a shared parameter inside one unit)."""
+    (the libraries keep a shared parameter inside one unit). ``deferred_init``: every rank
+    builds the model on the meta device and the backend materializes it with the program's
+    values (``shard_deferred``: FSDP1's ``param_init_fn``, FSDP2's ``to_empty`` after
+    ``fully_shard``, else materialized before sharding); never with ``tied`` (``to_empty`` gives
+    each module a tensor of its own, untying them) or tensor parallelism."""
 
     in_width: int
     width: int
@@ -51,6 +55,7 @@ class ModelShape:
     frozen: tuple[int, ...] = ()
     checkpointed: bool = False
     tied: bool = False
+    deferred_init: bool = False
 
     def describe(self) -> str:
         text = f"Model(in={self.in_width}, width={self.width}, out={self.out_width}, blocks={self.depth}"
@@ -62,6 +67,8 @@ class ModelShape:
             text += ", block 1's weight tied to block 0's"
         if self.checkpointed:
             text += ", blocks activation-checkpointed"
+        if self.deferred_init:
+            text += ", built on the meta device"
         return text + ")"
 
 

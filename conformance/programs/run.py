@@ -55,6 +55,7 @@ from conformance.programs.tolerances import bounds_for, dtype_named
 from conformance.protocol import (
     BackendAdapter,
     Capability,
+    DeferredInit,
     Phase,
     ShardingSpec,
     StateDictKind,
@@ -190,8 +191,16 @@ class ProgramRun:
         if self.setup.tensor_parallel:
             plan = {"blocks.0.linear": ColwiseParallel(), "blocks.1.linear": RowwiseParallel()}
             parallelize_module(model, self.mesh_2d["tp"], plan)
-        self.model: GeneratedModel = model
-        self.sharded: nn.Module = self.adapter.shard(model, self.spec, self.setup.form)
+        if self.program.model.deferred_init:
+            # The same model built on the meta device; the backend materializes it with the
+            # values of the one just built (which only the init reads).
+            source, model = model, build_model(self.program.model, seed, torch.device("meta"))
+            init = DeferredInit(fixtures.deferred_fill(source, model))
+            self.model: GeneratedModel = model
+            self.sharded: nn.Module = self.adapter.shard_deferred(model, self.spec, self.setup.form, init)
+        else:
+            self.model = model
+            self.sharded = self.adapter.shard(model, self.spec, self.setup.form)
         self.optimizer = self._make_optimizer()
         self.first_route: list[int] | None = None
         self.order_warned = False

@@ -4,7 +4,7 @@ Hypothesis runs these first (its explicit examples), then the programs it draws.
 smallest program that exercises one family's check, built only from what the backend admits, so
 that the derandomized CI budget meets every family whatever the draws are: training against the
 oracle, ZeRO's optimizer steps, mixed precision, gradient accumulation with and without the
-no-sync switch and across steps, gradient clipping, activation checkpointing, parameter groups,
+no-sync switch and across steps, gradient clipping, activation checkpointing, deferred initialization, parameter groups,
 tied weights, uneven data, eval mode, the forward-order check and its refusal of rank-divergent
 orders, state dict and optimizer round trips, and each strategy's storage claim.
 """
@@ -109,6 +109,13 @@ def seed_programs(declared: Declared, world_size: int, *, two_d_only: bool = Fal
     add(plain, *train, shape=checkpointed)
     if with_units is not None:
         add(with_units, *train, shape=checkpointed)
+    # Deferred initialization: the model built on the meta device and materialized by the backend
+    # (shard_deferred), the whole model one unit and with units; SGD steps, so a module left
+    # uninitialized shows in the first loss and in the parameters.
+    deferred = dataclasses.replace(SHAPE, deferred_init=True)
+    add(plain, *train, shape=deferred)
+    if with_units is not None:
+        add(with_units, *train, shape=deferred)
     # Parameter groups (PARAMETER_GROUPS): weight decay for weights, none for biases, SGD steps so
     # dropped groups show in the parameters; then a full optimizer round trip, which must keep them.
     grouped = first(param_groups=True)

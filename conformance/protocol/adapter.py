@@ -30,6 +30,7 @@ from conformance.protocol.vocabulary import (
     ApiForm,
     BackendEnv,
     Capability,
+    DeferredInit,
     Requirement,
     ShardEvent,
     ShardingSpec,
@@ -44,6 +45,7 @@ UNSHARD_REQUEST_VERSION = 6
 # implementation: public name -> the method an adapter implements.
 TEMPLATE_METHODS = {
     "shard": "_shard",
+    "shard_deferred": "_shard_deferred",
     "unshard": "_unshard",
     "state_dict": "_state_dict",
     "load_state_dict": "_load_state_dict",
@@ -100,6 +102,23 @@ class BackendAdapter(BackendFacts, BackendCapabilities, BackendHooks, abc.ABC):
         sharded = _implementation(self, "shard")(model, spec, form)
         self._specs()[sharded] = spec
         return sharded
+
+    def shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+        """:meth:`shard` for a model built on the meta device (protocol 9): the result holds
+        every parameter and buffer on ``env.device``, with the values ``init`` fills in, sharded
+        as ``spec`` says. Checks what :meth:`shard` checks, then calls ``_shard_deferred``."""
+        require_all(self, spec.needed_capabilities(form) | spec.conditions())
+        sharded = _implementation(self, "shard_deferred")(model, spec, form, init)
+        self._specs()[sharded] = spec
+        return sharded
+
+    def _shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+        """Materialize and shard a meta-device ``model``. Default: what a user of a backend with
+        no deferred initialization does, ``init.materialize(model, env.device)`` (every module
+        given storage and filled), then ``_shard``. A backend that shards a meta model and
+        materializes it itself (FSDP1's ``param_init_fn``, FSDP2's ``fully_shard`` then
+        ``to_empty``) overrides this, so the scenarios check its own mechanism."""
+        return _implementation(self, "shard")(init.materialize(model, self.env.device), spec, form)
 
     def _specs(self) -> weakref.WeakKeyDictionary[nn.Module, ShardingSpec]:
         """The spec each module :meth:`shard` returned was sharded with (for the combinations

@@ -24,7 +24,7 @@ from conformance.protocol.vocabulary import Capability, ShardingStrategy
 # The protocol's version. An adapter states the one it was written for (``PROTOCOL_VERSION``);
 # an older one keeps running, with one warning naming what it does not declare of what came
 # later and how many scenarios that costs (:func:`shortfall`).
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # The oldest and the newest torch CI proves (.ci/run hands each to .ci/torch-leg; the main leg's
 # pin lies between): a torch outside them may work, but nothing here says it does.
@@ -135,6 +135,9 @@ ADDED: dict[int, Additions] = {
     7: Additions(capabilities=frozenset({Capability.GRADIENT_CLIPPING}), hooks=("clip_grad_norm",)),
     # Real training loops (issue 40): optimizer parameter groups by name.
     8: Additions(capabilities=frozenset({Capability.PARAMETER_GROUPS}), hooks=("make_optimizer_with_groups",)),
+    # Real training loops (issue 40): a model built on the meta device, materialized where the
+    # backend does it (the default materializes it before sharding).
+    9: Additions(hooks=("_shard_deferred",)),
 }
 # What changed in each signature of ``Additions.signatures``, as the warning says it.
 _CHANGES = {
@@ -155,6 +158,7 @@ CHANGELOG: dict[int, str] = {
     6: "one UnshardRequest per unshard",
     7: "gradient clipping",
     8: "optimizer parameter groups",
+    9: "deferred initialization",
 }
 assert set(CHANGELOG) == set(range(1, PROTOCOL_VERSION + 1)), (
     "conformance.protocol.versions.CHANGELOG (and docs/changelog.md) must have an entry for every protocol version"

@@ -337,3 +337,44 @@ class ParameterGroups:
                 )
             members[group].append(param)
         return [{"params": params, **self.options[group]} for group, params in members.items() if params]
+
+
+@dataclass(frozen=True)
+class DeferredInit:
+    """How a scenario initializes a model it built on the meta device (protocol 9): ``fill(module,
+    tensors)`` writes, in place, the initial values of ``module``'s own parameters and buffers
+    (not its children's) into ``tensors``, by their names in the module (``"weight"``,
+    ``"scale"``), each a real tensor of the full shape. It issues no collective and may be called
+    for the modules in any order, once each, as FSDP1's ``param_init_fn`` and a
+    ``reset_parameters()`` per module are.
+
+    A backend that materializes a meta model itself calls ``fill`` where it does (FSDP1's
+    ``param_init_fn``; FSDP2 after ``fully_shard`` and ``to_empty``, writing the shard of the full
+    values it filled); :meth:`materialize` is what a backend without such a mechanism needs
+    before it shards."""
+
+    fill: Callable[[nn.Module, Mapping[str, torch.Tensor]], None]
+
+    @staticmethod
+    def own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s own parameters and buffers by name (None entries left out)."""
+        own: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters(recurse=False):
+            own[name] = param
+        for name, buffer in module.named_buffers(recurse=False):
+            own[name] = buffer
+        return own
+
+    def materialize_module(self, module: nn.Module, device: torch.device) -> None:
+        """Give ``module``'s own meta parameters and buffers storage on ``device``
+        (``to_empty(recurse=False)``) and fill them."""
+        if any(t.is_meta for t in self.own_tensors(module).values()):
+            module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            self.fill(module, self.own_tensors(module))
+
+    def materialize(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Every module of ``model`` materialized on ``device`` and filled; returns ``model``."""
+        for module in model.modules():
+            self.materialize_module(module, device)
+        return model

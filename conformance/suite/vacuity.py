@@ -81,6 +81,7 @@ from harness import collectives_issued
 # engine set-up) and everything a scenario runs through the adapter after it.
 BACKEND_CALLS = (
     "shard",
+    "shard_deferred",
     "make_optimizer",
     "backward",
     "step",
@@ -196,20 +197,24 @@ class ShardWatch:
         # On the instance (built fresh for each test): the class and its subclasses are untouched.
         for name in BACKEND_CALLS:
             setattr(self.adapter, name, self._attributed(getattr(self.adapter, name)))
-        shard = self.adapter.shard
         make_optimizer = self.adapter.make_optimizer
 
-        def watched_shard(model: nn.Module, spec: ShardingSpec, form: ApiForm) -> Any:
-            self.calls += 1
-            numels = {name: param.numel() for name, param in model.named_parameters()}
-            shapes = {name: param.shape for name, param in model.named_parameters()}
-            before = local_numel(model)
-            result = shard(model, spec, form)
-            if isinstance(result, nn.Module):
-                shrank = local_numel(result) < before
-                self.sharded.append(ShardedModel(result, spec, form, shrank, numels, shapes))
-                self._attribute_forward(result)
-            return result
+        def watched(shard: Any) -> Any:
+            # shard() and shard_deferred() (a meta-device model: its parameters have their full
+            # shapes, and count as whole before sharding, as a materialized model's would).
+            def watched_shard(model: nn.Module, spec: ShardingSpec, form: ApiForm, *init: Any) -> Any:
+                self.calls += 1
+                numels = {name: param.numel() for name, param in model.named_parameters()}
+                shapes = {name: param.shape for name, param in model.named_parameters()}
+                before = local_numel(model)
+                result = shard(model, spec, form, *init)
+                if isinstance(result, nn.Module):
+                    shrank = local_numel(result) < before
+                    self.sharded.append(ShardedModel(result, spec, form, shrank, numels, shapes))
+                    self._attribute_forward(result)
+                return result
+
+            return watched_shard
 
         def watched_make_optimizer(model: nn.Module, factory: Any) -> Any:
             optimizer = make_optimizer(model, factory)
@@ -218,7 +223,8 @@ class ShardWatch:
                     sharded.optimizers.append(optimizer)
             return optimizer
 
-        self.adapter.shard = watched_shard  # type: ignore[method-assign]
+        self.adapter.shard = watched(self.adapter.shard)  # type: ignore[method-assign]
+        self.adapter.shard_deferred = watched(self.adapter.shard_deferred)  # type: ignore[method-assign]
         self.adapter.make_optimizer = watched_make_optimizer  # type: ignore[method-assign]
 
     def _attribute_forward(self, module: nn.Module) -> None:

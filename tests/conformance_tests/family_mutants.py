@@ -41,6 +41,11 @@ here belong to the other families and are injected the same way, from outside th
   parameter gets a copy of its own (what a backend that flattens or partitions each module's
   parameters without noticing the sharing does), so each copy trains on one use's gradient;
   a model without tied parameters is untouched;
+* ``init_skipped`` -- deferred initialization leaves the submodules nested below the root's
+  children uninitialized: ``shard_deferred`` gets an init whose ``fill`` does nothing for them,
+  so they keep what ``to_empty`` allocated (uninitialized memory), as a backend that calls
+  ``param_init_fn`` / ``reset_parameters`` on the top-level modules only does; a model built on a
+  real device is untouched;
 * ``groups_ignored`` -- ``make_optimizer_with_groups`` drops the parameter groups: the optimizer
   is the factory's over every parameter with its defaults (what a backend that builds its own
   optimizer from ``model.parameters()`` does).
@@ -65,7 +70,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, ShardingSpec, StateDictKind
+from conformance.protocol import ApiForm, BackendAdapter, BackendEnv, DeferredInit, ShardingSpec, StateDictKind
 from conformance.suite import registry
 
 DOUBLE_STEP_RANK = 1
@@ -84,6 +89,7 @@ MUTATIONS: dict[str, str] = {
     "sample_weighted": "each rank's gradient weighted by its share of the samples (uneven batches)",
     "untied": "tied parameters untied by shard(): each module that shared one holds a copy of its own",
     "groups_ignored": "optimizer parameter groups dropped: every parameter with the factory's defaults",
+    "init_skipped": "deferred init skips the submodules below the root's children (left as to_empty allocated them)",
 }
 # The built-in backends each mutation applies to (a family's scenarios need what they need).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -103,6 +109,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "sample_weighted": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
     "untied": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),
     "groups_ignored": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),  # PARAMETER_GROUPS
+    "init_skipped": ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero"),  # every backend
 }
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
@@ -233,6 +240,11 @@ def mutant(base: type[BackendAdapter], mutation: str) -> type[BackendAdapter]:
                     module.register_forward_pre_hook(self._note_recompute)
             return sharded
 
+        def _shard_deferred(self, model: nn.Module, spec: ShardingSpec, form: ApiForm, init: DeferredInit) -> nn.Module:
+            if mutation == "init_skipped":
+                init = _skipping_nested(model, init)
+            return super()._shard_deferred(model, spec, form, init)
+
         def _note_samples(self, module: nn.Module, args: Any) -> None:
             self._samples = int(args[0].shape[0])
 
@@ -268,6 +280,17 @@ def _untie(model: nn.Module) -> None:
                 setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
             else:
                 seen.add(id(param))
+
+
+def _skipping_nested(model: nn.Module, init: DeferredInit) -> DeferredInit:
+    """``init`` with a ``fill`` that leaves every module nested below ``model``'s children alone."""
+    nested = {module for name, module in model.named_modules() if "." in name}
+
+    def fill(module: nn.Module, tensors: Any) -> None:
+        if module not in nested:
+            init.fill(module, tensors)
+
+    return DeferredInit(fill)
 
 
 def _share_of_samples(samples: int, env: BackendEnv) -> float:

@@ -336,6 +336,21 @@ def test_parameter_groups_family_catches_dropped_groups(
     )
 
 
+@against_mutants("init_skipped", world_size=2)
+def test_deferred_init_family_catches_uninitialized_submodules(
+    backend_name: str, rank: int, world_size: int, device: torch.device
+) -> None:
+    """test_deferred_init[ws2-none-<strategy>] passes with the backend and fails with deferred
+    initialization skipping the modules below the root's children: the check right after
+    sharding names a unit's parameter that is not what the init filled in, and training moves
+    away from the oracle. The same mutant passes a model built on a real device
+    (test_gradient_accumulation's plain case)."""
+    expected = "training a model built on the meta device ({strategy}, one unit) differs from the single-process oracle"
+    _training_family_catches(
+        "init_skipped", backend_name, numerics.test_deferred_init, expected, rank, world_size, device
+    )
+
+
 DIVERGENCE_INNER_TESTS = """
 import pytest
 from conformance.test_divergence import test_same_shape_divergence_is_not_silent as same_shape

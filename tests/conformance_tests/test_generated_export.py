@@ -6,7 +6,9 @@ Each exported script runs as a user would run it: ``python -m torch.distributed.
 repository, so an import of the suite would fail. The programs are fixed and few (one torchrun
 costs ten to twenty seconds on two cores) and cover, between them: units auto-wrapped, by FQN
 (leaves, mixed strategies) and nested; uneven data (FSDP1, auto-wrapped); tied blocks (DDP);
-parameter groups (FSDP2, ZeroRedundancyOptimizer);
+parameter groups (FSDP2, ZeroRedundancyOptimizer); models built on the meta device and
+materialized by the backend (FSDP1's param_init_fn with nested units, FSDP2's to_empty with CPU
+offload and a NO_SHARD unit; DDP's linted only);
 activation-checkpointed blocks (with FSDP1's mixed precision and with FSDP2's clipping); mixed
 precision with float32 reduction; micro-batches
 without gradient sync; ``zero_grad(set_to_none=False)``; SGD and Adam; unshard with a
@@ -79,7 +81,7 @@ FSDP1_AUTO = Program(
 )
 FSDP1_NESTED_MIXED_PRECISION = Program(
     world_size=2,
-    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, checkpointed=True),
+    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, checkpointed=True, deferred_init=True),
     setup=Setup(
         ShardingStrategy.SHARD_GRAD_OP,
         ApiForm.WRAPPER,
@@ -110,7 +112,7 @@ FSDP1_DIVERGENT_FIRST_ORDER = Program(
 )
 FSDP2_MIXED_OFFLOAD = Program(
     world_size=2,
-    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, buffers=True),
+    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, buffers=True, deferred_init=True),
     setup=Setup(
         ShardingStrategy.FULL_SHARD,
         ApiForm.COMPOSABLE,
@@ -159,7 +161,7 @@ ZERO_DDP_ZERO1 = Program(
 )
 ZERO_REPLICATE = Program(
     world_size=2,
-    model=ModelShape(in_width=3, width=7, out_width=2, depth=2),
+    model=ModelShape(in_width=3, width=7, out_width=2, depth=2, deferred_init=True),
     setup=Setup(ShardingStrategy.NO_SHARD, ApiForm.COMPOSABLE),
     operations=(Backward(2, no_sync=True), Step(), OptimRoundTrip("full"), SetMode(train=False), EvalForward()),
     seed=6,
@@ -201,9 +203,11 @@ FSDP2_CLIPPED = Program(
 )
 PASSING = [
     pytest.param("torch-fsdp1", FSDP1_AUTO, id="fsdp1-auto-uneven-order-swap-no_sync-writeback-full-eval"),
-    pytest.param("torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-checkpointed-adam-eval-sharded"),
+    pytest.param(
+        "torch-fsdp1", FSDP1_NESTED_MIXED_PRECISION, id="fsdp1-nested-fp16-checkpointed-deferred-adam-eval-sharded"
+    ),
     pytest.param("torch-fsdp1", FSDP1_DIVERGENT_FIRST_ORDER, id="fsdp1-divergent-first-order-refused"),
-    pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-native-swap-eval"),
+    pytest.param("torch-fsdp2", FSDP2_MIXED_OFFLOAD, id="fsdp2-mixed-offload-deferred-native-swap-eval"),
     pytest.param("torch-zero", ZERO_DDP_ZERO1, id="zero-ddp-zero1-tied-no_sync-unshard-grads-optim-eval-full"),
     pytest.param("torch-fsdp2", TWO_D, id="fsdp2-2d-tp-sharded-full-eval"),
     pytest.param("torch-fsdp2", FSDP2_CLIPPED, id="fsdp2-clip-checkpointed-both-optim-round-trips"),

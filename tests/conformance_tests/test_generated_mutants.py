@@ -55,6 +55,8 @@ CAUGHT_BY = {
     "untied": ("the oracle's",),
     # A parameter-group seed program's step: the parameters (weights stepped without their decay).
     "groups_ignored": ("the oracle's",),
+    # A deferred-init seed program's first forward: the loss, or the parameters after the step.
+    "init_skipped": ("the oracle's",),
 }
 SHIPPED = ("reference", "torch-fsdp1", "torch-fsdp2", "deepspeed", "torch-zero")
 NOT_YET_GENERATED: dict[str, str] = {}

@@ -64,7 +64,7 @@ _NO_GATHER_OPTION = "deepspeed.zero.GatheredParameters has no such option"
 
 
 class DeepSpeedAdapter(BackendAdapter):
-    PROTOCOL_VERSION = 8  # the protocol version this adapter was written for
+    PROTOCOL_VERSION = 9  # the protocol version this adapter was written for
     name = "deepspeed"
     WRAPPER_COMPONENTS = frozenset({WRAPPED})
     # DeepSpeed's own code (its owner-rank broadcasts, its partition-dependent reductions) is never

@@ -107,6 +107,8 @@ def imports_part(uses: Uses) -> str:
 
     if uses.program.model.checkpointed:
         need("torch.utils.checkpoint", "checkpoint")
+    if uses.program.model.deferred_init and uses.backend == FSDP2:
+        need("torch.distributed.tensor", "DTensor", "distribute_tensor")
     if uses.mesh is not None:
         need("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
     if "sharded" in uses.save_kinds:

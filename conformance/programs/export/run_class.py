@@ -26,7 +26,17 @@ from conformance.programs.program import Backward, ClipStep, EvalForward, Unshar
 def run_class_part(uses: Uses) -> str:
     parameter, _ = mesh_parameter(uses)
     mesh_argument = ", self.mesh" if uses.mesh is not None else ""
-    build = ["self.model = build_model(seed, DEVICE)"]
+    deferred = uses.program.model.deferred_init
+    if deferred:
+        build = [
+            "# Deferred initialization: the model is built on the meta device (no storage) and the backend",
+            "# materializes it with the values of one built on CPU, which only its init reads.",
+            'source = build_model(seed, torch.device("cpu"))',
+            'with torch.device("meta"):',
+            "    self.model = Model()",
+        ]
+    else:
+        build = ["self.model = build_model(seed, DEVICE)"]
     if uses.tensor_parallel:
         mesh_argument = ', self.mesh["dp"]'
         build += [
@@ -36,7 +46,7 @@ def run_class_part(uses: Uses) -> str:
             'parallelize_module(self.model, self.mesh["tp"], plan)',
         ]
     build += [
-        f"self.sharded = shard(self.model{mesh_argument})",
+        f"self.sharded = shard(self.model{mesh_argument}{', source' if deferred else ''})",
         "self.optimizer = make_sharded_optimizer(self.sharded)",
     ]
     if uses.order_checked and uses.route_can_differ:

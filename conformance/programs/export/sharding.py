@@ -66,6 +66,12 @@ def _fsdp1_sharding(uses: Uses) -> str:
     if uses.mesh in ("hybrid", "2-D"):
         options.append('"device_mesh": mesh,')
     body = ["options = {", *("    " + line for line in options), "}"]
+    if _deferred(uses):
+        body += [
+            "# FSDP1's deferred initialization: each FullyShardedDataParallel calls param_init_fn on the",
+            "# modules of its subtree not yet wrapped, before it flattens and shards them.",
+            'options["param_init_fn"] = init_from(source, model)',
+        ]
     for fqn in _units(uses) if setup.unit_plan != "auto" else []:
         target = attribute_of(fqn)
         strategy = _strategy_for(uses, fqn).name
@@ -75,9 +81,9 @@ def _fsdp1_sharding(uses: Uses) -> str:
         root.append("auto_wrap_policy=ModuleWrapPolicy({Block})")
     body += _wrapped_call("return FullyShardedDataParallel(", [*root, "**options"])
     parameter, _ = mesh_parameter(uses)
-    return block(
+    text = block(
         '''
-        def shard(model: Model<<parameter>>) -> FullyShardedDataParallel:
+        def shard(model: Model<<parameter>><<source>>) -> FullyShardedDataParallel:
             """FSDP1 as the suite's torch-fsdp1 adapter applies it:
             <<plan>>.<<mesh_words>>"""
         <<body>>
@@ -88,10 +94,37 @@ def _fsdp1_sharding(uses: Uses) -> str:
         ''',
         params=optimizer_params(uses, "sharded"),
         parameter=parameter,
+        source=_SOURCE_PARAMETER if _deferred(uses) else "",
         plan=_plan_words(uses),
         mesh_words=TWO_D_MESH_WORDS if uses.tensor_parallel else "",
         body=indented(body, 1),
     )
+    return text + "\n\n" + _INIT_FROM if _deferred(uses) else text
+
+
+_SOURCE_PARAMETER = ", source: Model"
+# A param_init_fn (and what a backend without deferred initialization needs per module before
+# it shards): a module's own tensors get storage on DEVICE and the source's values.
+_INIT_FROM = block(
+    '''
+
+    def init_from(source: Model, model: Model):
+        """Materialize one module of `model` (built on the meta device) with its twin's values in `source`."""
+        twins = dict(zip(model.modules(), source.modules()))
+
+        def init(module: nn.Module) -> None:
+            module.to_empty(device=DEVICE, recurse=False)
+            with torch.no_grad():
+                for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                    tensor.copy_(getattr(twins[module], name))
+
+        return init
+    '''
+)
+
+
+def _deferred(uses: Uses) -> bool:
+    return uses.program.model.deferred_init
 
 
 def _fsdp1_strategy(name: str) -> str:
@@ -132,7 +165,24 @@ def _fsdp2_sharding(uses: Uses) -> str:
 
     for fqn in _units(uses):
         body.append(call(attribute_of(fqn), _strategy_for(uses, fqn)))
-    body += [call("model", setup.strategy), "return model"]
+    body.append(call("model", setup.strategy))
+    if _deferred(uses):
+        storage = '"cpu"' if setup.offload_params else "DEVICE"
+        body += [
+            "# FSDP2's deferred initialization: fully_shard on the meta model, then to_empty allocates each",
+            "# rank's shards; each parameter keeps its shard of the source's value, buffers take theirs.",
+            f"model.to_empty(device={storage})",
+            "with torch.no_grad():",
+            "    for module, twin in zip(model.modules(), source.modules()):",
+            "        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]",
+            "        for name, tensor in own:",
+            "            value = getattr(twin, name).to(DEVICE)",
+            "            if isinstance(tensor, DTensor):",
+            "                value = distribute_tensor(value, tensor.device_mesh, tensor.placements).to_local()",
+            "                tensor = tensor.to_local()",
+            "            tensor.copy_(value)",
+        ]
+    body.append("return model")
     parameter, _ = mesh_parameter(uses)
     mesh_words = {
         "hybrid": "\n    HYBRID_SHARD is a 2-D (replicate, shard) mesh.",
@@ -142,7 +192,7 @@ def _fsdp2_sharding(uses: Uses) -> str:
     }[uses.mesh]
     return block(
         '''
-        def shard(model: Model<<parameter>>) -> Model:
+        def shard(model: Model<<parameter>><<source>>) -> Model:
             """fully_shard as the suite's torch-fsdp2 adapter applies it:
             <<plan>>.<<mesh_words>>"""
         <<body>>
@@ -153,6 +203,7 @@ def _fsdp2_sharding(uses: Uses) -> str:
         ''',
         params=optimizer_params(uses, "sharded"),
         parameter=parameter,
+        source=_SOURCE_PARAMETER if _deferred(uses) else "",
         plan=_plan_words(uses).replace("the whole model one unit", "the root alone"),
         mesh_words=mesh_words,
         body=indented(body, 1),
@@ -160,7 +211,25 @@ def _fsdp2_sharding(uses: Uses) -> str:
 
 
 def _zero_sharding(uses: Uses) -> str:
-    if uses.setup.form is ApiForm.WRAPPER:
+    if _deferred(uses):
+        # DDP takes a materialized model: what a script does before it wraps one built on meta.
+        shard = block(
+            '''
+            def shard(model: Model, source: Model) -> nn.Module:
+                """The model built on the meta device materialized module by module (DDP has no deferred
+                initialization), then <<how>>, as the suite's torch-zero adapter applies it."""
+                init = init_from(source, model)
+                for module in model.modules():
+                    init(module)
+                return <<call>>
+            ''',
+            how="DistributedDataParallel" if uses.setup.form is ApiForm.WRAPPER else "replicate()",
+            call='DistributedDataParallel(model, device_ids=None if DEVICE.type == "cpu" else [DEVICE])'
+            if uses.setup.form is ApiForm.WRAPPER
+            else "replicate(model, device_id=DEVICE)",
+        )
+        shard = shard + "\n\n" + _INIT_FROM
+    elif uses.setup.form is ApiForm.WRAPPER:
         shard = block(
             '''
             def shard(model: Model) -> DistributedDataParallel:

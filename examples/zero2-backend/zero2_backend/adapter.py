@@ -37,7 +37,7 @@ _NO_UNITS = "zero2_lib partitions the whole model as one flat space; it has no u
 
 
 class Zero2Adapter(BackendAdapter):
-    PROTOCOL_VERSION = 8
+    PROTOCOL_VERSION = 9
     name = "zero2-from-docs"
     EXPECTATIONS = "expectations.toml"
     CAPABILITIES = frozenset(
