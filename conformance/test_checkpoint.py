@@ -41,7 +41,7 @@ from conformance.protocol import (
 )
 from conformance.scenario_specs import lean_round_trip_world_sizes, spec_with_mesh, unit_plan_fields
 from fixtures.compare import EXACT, Tolerance, describe_difference, differences
-from harness import current_seed
+from harness import check, current_seed
 
 # A forward through a sharded model against the same computation unsharded: same values, same
 # input, but a kernel may block a matmul differently when a parameter is a view into a flat
@@ -333,7 +333,8 @@ def test_native_checkpoint_round_trip(
         _train_step(backend, saved, saved_optim, local, 2, rank, device)
         _train_step(backend, twin, twin_optim, local, 2, rank, device)
         found = differences(_unsharded(backend, saved), _unsharded(backend, twin), STEP_TOLERANCE)
-        assert not found, f"{where}: one step after loading, parameters differ from the twin never saved: {found}"
+        with check("one step after loading the native checkpoint"):
+            assert not found, f"{where}: one step after loading, parameters differ from the twin never saved: {found}"
 
 
 @contextlib.contextmanager
@@ -374,9 +375,10 @@ def _optim_round_trip(
         model_checkpoint = copy.deepcopy(backend.state_dict(trained, kind))
         optim_checkpoint = copy.deepcopy(backend.optim_state_dict(trained, optim, kind))
         keys = set(optim_checkpoint.get("state", {}))
-        assert keys == param_fqns, (
-            f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs {sorted(param_fqns)}"
-        )
+        with check("optimizer state keyed by parameter FQNs"):
+            assert keys == param_fqns, (
+                f"{where}: optimizer state keyed by {sorted(keys)}, expected the parameter FQNs {sorted(param_fqns)}"
+            )
         _assert_reading_kept_the_optimizer(backend, trained, optim, kind, optim_checkpoint, where, device)
 
         restored = backend.shard(fixtures.build(model_cls, current_seed() + 1, device, dim=16), spec, form)
@@ -509,11 +511,13 @@ def _full(value: Any, device: torch.device) -> Any:
     return value
 
 
+@check("a full state dict holds no sharded value")
 def _assert_plain(state: Mapping[str, Any], where: str) -> None:
     sharded = sorted(name for name, value in state.items() if _is_sharded(value))
     assert not sharded, f"{where}: full state dict holds sharded values for {sharded}"
 
 
+@check("the state dict's kind")
 def _assert_kind(
     state: Mapping[str, Any],
     kind: StateDictKind,
@@ -540,6 +544,7 @@ def _assert_kind(
             )
 
 
+@check("the same state")
 def _assert_same_state(actual: Mapping[str, Any], expected: Mapping[str, torch.Tensor], where: str) -> None:
     missing = sorted(expected.keys() - actual.keys())
     extra = sorted(actual.keys() - expected.keys())
@@ -554,6 +559,7 @@ def _assert_same_state(actual: Mapping[str, Any], expected: Mapping[str, torch.T
         )
 
 
+@check("zeroing took effect")
 def _assert_all_zero(state: Mapping[str, torch.Tensor], where: str) -> None:
     """The zeroing took effect everywhere, so a later match proves the load wrote every value."""
     nonzero = sorted(name for name, value in state.items() if torch.count_nonzero(value))
@@ -586,6 +592,7 @@ def _leaves(tree: Any, path: str = "") -> dict[str, Any]:
     return leaves
 
 
+@check("no rank found a difference")
 def _fail_together(problems: list[str], where: str, device: torch.device) -> None:
     """Assert on every rank at once that no rank found a problem (one all-reduce), so a rank
     that found none does not run on into collectives its failed peer never issues."""

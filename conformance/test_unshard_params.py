@@ -85,7 +85,7 @@ from conformance.scenario_unshard import (
     unit_param_names,
     writeback_axis,
 )
-from harness import current_seed
+from harness import check, current_seed
 
 
 @pytest.mark.world_size(min=1, default=[1, 2])
@@ -141,30 +141,35 @@ def test_unshard_writeback(
         assert holders.item() > 0, f"{form.value}: no rank stores anything of the {unit} unit"
         expected = 0.0 if changes_persist else float(rank + 2)
         if stored:
-            assert stored[0][0].item() == expected, (
-                f"{form.value}: rank {rank}: stored {unit} value is {stored[0][0].item()} after "
-                f"the context, expected {expected} (writeback={writeback}, world size {world_size})"
-            )
+            with check("the stored value after the context"):
+                assert stored[0][0].item() == expected, (
+                    f"{form.value}: rank {rank}: stored {unit} value is {stored[0][0].item()} after "
+                    f"the context, expected {expected} (writeback={writeback}, world size {world_size})"
+                )
         if param_offload:
             devices = {p.device.type for p in sharded.parameters()}
-            assert devices == {"cpu"}, f"{form.value}: offloaded parameters live on {devices}"
+            with check("offloaded parameters stay on the CPU"):
+                assert devices == {"cpu"}, f"{form.value}: offloaded parameters live on {devices}"
 
         full = full_values(backend, sharded)
         dtypes = {name: value.dtype for name, value in full.items()}
         shown = shown_dtype(backend, spec.param_dtype)
-        assert set(dtypes.values()) == {shown}, (
-            f"{form.value}: the context shows {dtypes}; full parameters must be in {shown} "
-            f"(the original float32, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
-        )
+        with check("the dtype the context shows"):
+            assert set(dtypes.values()) == {shown}, (
+                f"{form.value}: the context shows {dtypes}; full parameters must be in {shown} "
+                f"(the original float32, or the compute dtype where MIXED_PRECISION_UNSHARD declares it)"
+            )
         if changes_persist:
             for name, value in full.items():
-                assert not value.any(), f"{form.value}: {name} lost the zeros written inside"
+                with check("zeros written inside persist"):
+                    assert not value.any(), f"{form.value}: {name} lost the zeros written inside"
         else:
             values = set(full[checked_name].unique().tolist())
-            assert values <= {float(r + 2) for r in range(world_size)}, (
-                f"{form.value}: full {checked_name} holds {sorted(values)}, not only the values "
-                "ranks wrote before the context"
-            )
+            with check("values outside the context unchanged"):
+                assert values <= {float(r + 2) for r in range(world_size)}, (
+                    f"{form.value}: full {checked_name} holds {sorted(values)}, not only the values "
+                    "ranks wrote before the context"
+                )
             torch.testing.assert_close(
                 full[other_name],
                 initial[other_name].to(full[other_name].device, shown),
@@ -453,11 +458,12 @@ def test_unshard_singleton_writeback(
                 part.reshape(-1)[0] = rank + 2
                 backend.set_local_shard(sharded, name, part)
         shown = full_values(backend, sharded)["0.weight"].item()
-        assert shown == 2.0, (
-            f"{form.value}: the full 0.weight reads {shown}, expected 2.0, the value rank 0 "
-            f"wrote into the element it stores (each rank wrote rank + 2 into the first element "
-            f"it stores; this rank, {rank}, stores {dict(zip(names, sizes))} elements)"
-        )
+        with check("the value the storing rank wrote"):
+            assert shown == 2.0, (
+                f"{form.value}: the full 0.weight reads {shown}, expected 2.0, the value rank 0 "
+                f"wrote into the element it stores (each rank wrote rank + 2 into the first element "
+                f"it stores; this rank, {rank}, stores {dict(zip(names, sizes))} elements)"
+            )
         with backend.unshard(sharded, writeback=True), torch.no_grad():
             weight = named_params(backend, sharded)["0.weight"]
             assert weight.shape == (1, 1), f"{form.value}: full weight has shape {weight.shape}"
@@ -465,16 +471,18 @@ def test_unshard_singleton_writeback(
         # Read everything (the full view is a collective) before any rank asserts alone.
         kept = backend.local_shard(sharded, names[0]).reshape(-1)[0].item() if sizes[0] else None
         shown = full_values(backend, sharded)["0.weight"].item()
-        assert shown == 0.0, (
-            f"{form.value}: the full 0.weight reads {shown} after a writeback context that zeroed it, expected 0.0"
-        )
+        with check("a writeback context's zeros"):
+            assert shown == 0.0, (
+                f"{form.value}: the full 0.weight reads {shown} after a writeback context that zeroed it, expected 0.0"
+            )
         # Rank 0 stores the real element; any other rank that stores something stores padding.
         want_kept = 0.0 if rank == 0 else float(rank + 2)
-        assert kept in (None, want_kept), (
-            f"{form.value}: rank {rank} stores {kept} for {names[0]} after a writeback context "
-            f"that zeroed the full weight, expected {want_kept} "
-            + ("(the real element)" if rank == 0 else "(padding it wrote before: writeback must not touch padding)")
-        )
+        with check("padding untouched by writeback"):
+            assert kept in (None, want_kept), (
+                f"{form.value}: rank {rank} stores {kept} for {names[0]} after a writeback context "
+                f"that zeroed the full weight, expected {want_kept} "
+                + ("(the real element)" if rank == 0 else "(padding it wrote before: writeback must not touch padding)")
+            )
 
 
 @pytest.mark.world_size(min=2, default=2)
@@ -506,7 +514,8 @@ def test_unshard_respects_reshard(
         use_orig_params=use_orig_params,
     )
 
-    def check(sharded: nn.Module, root: bool, when: str) -> None:
+    @check("units unsharded as the reshard policy says")
+    def check_state(sharded: nn.Module, root: bool, when: str) -> None:
         state = {unit: backend.is_unsharded(sharded, unit) for unit in ("", "0")}
         assert state == {"": root, "0": False}, f"{when}: unsharded per unit {state}"
         _check_unsharded_storage(backend, sharded, {"": root, "0": False}, use_orig_params, world_size, when)
@@ -514,19 +523,19 @@ def test_unshard_respects_reshard(
     for form, sharded in sharded_models(backend, TwoLayer, spec, device):
         where = form.value
         output = sharded(torch.zeros(5, device=device))
-        check(sharded, True, f"{where}: after forward")
+        check_state(sharded, True, f"{where}: after forward")
         backend.backward(sharded, output.sum())
-        check(sharded, False, f"{where}: after backward")
+        check_state(sharded, False, f"{where}: after backward")
 
         output = sharded(torch.zeros(5, device=device))
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
         root_stays = not mixed_precision or type(backend).MIXED_PRECISION_UNSHARD.root_stays_unsharded
-        check(sharded, root_stays, f"{where}: after an unshard before backward")
+        check_state(sharded, root_stays, f"{where}: after an unshard before backward")
         backend.backward(sharded, output.sum())
         with backend.unshard(sharded, rank0_only=rank0_only, writeback=writeback, offload_to_cpu=offload_to_cpu):
             pass
-        check(sharded, False, f"{where}: after an unshard following backward")
+        check_state(sharded, False, f"{where}: after an unshard following backward")
 
 
 # TwoLayer sharded with manual unit "0" under a sharded root: what each unit manages.

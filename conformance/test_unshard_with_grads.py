@@ -28,7 +28,7 @@ from conformance.scenario_unshard import (
     sharded_models,
     writeback_axis,
 )
-from harness import current_seed
+from harness import check, current_seed
 
 
 def _stored_grads(backend: BackendAdapter, sharded: nn.Module) -> dict[str, torch.Tensor]:
@@ -164,9 +164,10 @@ def test_unshard_with_grads_none(
         stored = _has_grad_on_any_rank(backend, sharded, device)
         with backend.unshard(sharded, writeback=False, with_grads=True):
             shown = {name: p.grad is not None for name, p in named_params(backend, sharded).items()}
-        assert shown == stored, (
-            f"{form.value}: gradient shown inside {shown} differs from gradient stored on some rank {stored}"
-        )
+        with check("the gradients the context shows"):
+            assert shown == stored, (
+                f"{form.value}: gradient shown inside {shown} differs from gradient stored on some rank {stored}"
+            )
         # ``unused`` shares a unit with ``used``: a flat-gradient backend may store zeros for
         # it rather than None (torch FSDP1 does), so only the other two are pinned down.
         expected = {
@@ -174,9 +175,10 @@ def test_unshard_with_grads_none(
             for name in shown
             if case == "before_backward" or not name.startswith("unused.")
         }
-        assert {name: shown[name] for name in expected} == expected, (
-            f"{form.value}: parameters showing a gradient {shown}"
-        )
+        with check("which parameters show a gradient"):
+            assert {name: shown[name] for name in expected} == expected, (
+                f"{form.value}: parameters showing a gradient {shown}"
+            )
 
 
 def _has_grad_on_any_rank(backend: BackendAdapter, sharded: nn.Module, device: torch.device) -> dict[str, bool]:

@@ -11,6 +11,13 @@ what a rank issued so far in the test; `set_interceptor` sees (or replaces) each
 (a `CollectiveRecord`) as a rank issues it; `strip_path_components` sees a name through the path
 components wrappers insert. Report formats plug in through the hooks of `harness.hookspecs`.
 
+Public API for checks a test goes on past: `check(what)` (a context manager and a decorator)
+marks one check of a test; when a plugin expects the test to fail with a text
+(`pytest_harness_known_failures`) and the check's assertion fails with it, the rank records it and
+the test goes on, ending in `KnownFailuresSeen`; a later failure no expected text names fails as
+`DefectBehindKnownFailure` (its text carries `DEFECT_BEHIND_KNOWN_FAILURE`). Without expected
+texts a check does nothing (docs/harness.md, "Checks a test goes on past").
+
 Public API for replica drift (ranks whose replicated parameters or buffers differ, with every
 collective matched): the `check_replicas` marker and `--check-replicas` compare, after a test,
 what its models keep replicated (without a collective: each rank digests locally, the parent
@@ -59,6 +66,7 @@ from harness.config.repro import Carried, NotCarried, ReproPolicy
 from harness.config.world_sizes import WorldShape, world_size_of
 from harness.rank.call_sites import asymmetric, skip_call_sites_in
 from harness.rank.isolation import current_seed, seed_everything
+from harness.rank.known_checks import DEFECT_BEHIND_KNOWN_FAILURE, DefectBehindKnownFailure, KnownFailuresSeen, check
 from harness.rank.labels import register_label_provider
 from harness.rank.rank_fixtures import RankContext, call_context, rank_fixture
 from harness.rank.tensor_names import name_tensor, strip_path_components
@@ -208,10 +216,13 @@ def rank_seed(offset: int = 0) -> int:
 
 
 __all__ = [
+    "DEFECT_BEHIND_KNOWN_FAILURE",
     "Carried",
     "CollectiveRecord",
+    "DefectBehindKnownFailure",
     "DistributedTestResult",
     "DriftReport",
+    "KnownFailuresSeen",
     "NotCarried",
     "RankContext",
     "RankModules",
@@ -226,6 +237,7 @@ __all__ = [
     "WorldShape",
     "asymmetric",
     "call_context",
+    "check",
     "check_replicas",
     "collectives_issued",
     "compare_replicas",

@@ -80,6 +80,17 @@ def pytest_harness_suite_properties(item: pytest.Item) -> dict[str, str]:
 
 
 @pytest.hookspec
+def pytest_harness_known_failures(item: pytest.Item) -> list[str]:
+    """The texts of the failures this plugin expects of a distributed test (the conformance suite:
+    its expectations entry's texts). A check of the test (`harness.check`) whose assertion fails
+    with one of them is recorded and the test goes on past it; a later failure that none of them
+    names fails the rank as a defect behind the known failure (`harness.rank.known_checks`).
+    Every implementation's list is concatenated, in call order; an empty list (or none) leaves
+    every check as it is written."""
+    raise NotImplementedError
+
+
+@pytest.hookspec
 def pytest_harness_test_result(item: pytest.Item, result: DistributedTestResult) -> None:
     """One distributed test's result (`harness.report.results.DistributedTestResult`: pytest's final verdict,
     every rank's case as its per-rank report shows it, the ranks' traces and where they diverged,

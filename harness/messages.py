@@ -94,6 +94,9 @@ class TestTask:
     check_replicas: bool = False
     """Digest what the test's models keep replicated after the body (the `check_replicas` marker or
     `--check-replicas`): the ranks' `RankOutcome.replicas`, compared by the parent's verdict."""
+    known_failures: tuple[str, ...] = ()
+    """Failure texts a plugin expects of this test (`pytest_harness_known_failures`): a check
+    (`harness.check`) that fails with one of them is recorded and the test goes on past it."""
     reuse_groups: bool = True
     """Serve the test's `new_group` / `split_group` requests from the groups earlier tests on the
     rank created with the same request (`harness.rank.group_reuse`); False with `--fresh-groups`."""

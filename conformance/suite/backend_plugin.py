@@ -569,6 +569,16 @@ class ConformanceRun:
                 self.record.note_skipped(name, scenario, context, skip_reason_of(report) or "skipped")
         return report
 
+    def pytest_harness_known_failures(self, item: pytest.Item) -> list[str]:
+        """The texts of the one expectation entry describing this test, for its ranks' checks to go
+        on past (``harness.check``); none when no entry, or several, describe it."""
+        backend = self.backend_of(item)
+        if backend is None:
+            return []
+        scenario = expectations.scenario_id(suite_nodeid(item), backend.name)
+        matching = backend.expectations.matching(scenario, run_context(item))
+        return list(matching[0].texts) if len(matching) == 1 else []
+
     def pytest_harness_test_result(self, item: pytest.Item, result: harness.DistributedTestResult) -> None:
         """A distributed scenario's matrix entry: the harness's result (pytest's final verdict, why the
         ranks failed it, its REPRO line and traces) and what the expectations made of its call phase."""

@@ -11,6 +11,7 @@ a third-party package ships its own; else ``conformance/expectations/<name>.toml
     reason = "HYBRID_SHARD with 1-rank shard groups stops syncing gradients"
     link = "https://github.com/pytorch/pytorch/issues/..."   # optional
     when = { device = "cuda", torch = ">=2.11,<2.14", world_size = 2 }   # optional
+    also = ["final parameters differ"]   # optional: later checks the same defect fails
 
 A *scenario id* is the pytest node id with the backend's part removed from the parameter id:
 ``conformance/test_runtime.py::test_training[torch-fsdp2-ws2-auto-FULL_SHARD-sgd]`` is scenario
@@ -22,6 +23,14 @@ A *scenario id* is the pytest node id with the backend's part removed from the p
 ``>=``, and ``==X.Y.*``; local tags such as ``+cpu`` are ignored) and ``world_size`` (an int or a
 list). One scenario may have several entries whose conditions differ (a failure text that
 differs between CPU and CUDA); an entry without ``when`` applies everywhere.
+
+A known failure hides nothing behind it. The parent sends the entry's texts (``failure`` and
+``also``) to the ranks; a check of the scenario (``harness.check``) whose assertion fails with one
+of them is recorded and the scenario goes on, so its later checks still run. A later failure that
+no text names fails the test, whatever the entry says (its text carries
+``harness.DEFECT_BEHIND_KNOWN_FAILURE``); a consequence of the same defect in a later check is
+named in ``also``, and every ``also`` text must be seen (an entry names what is known, and no
+more). A library's exception is not gone past: the scenario stops there, as before.
 
 Outcomes: a listed scenario that fails with the recorded text becomes xfail
 ("expected-fail: <reason>"); one that passes becomes a failure (the entry is out of date: remove
@@ -48,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import DEFECT_BEHIND_KNOWN_FAILURE
+
 try:  # torch's own copy (torch >= 2.2), so conditions need no extra package
     from torch._vendor.packaging.version import InvalidVersion, Version
 except ImportError:  # pragma: no cover - a torch that stopped vendoring it; pytest requires packaging
@@ -56,7 +67,7 @@ except ImportError:  # pragma: no cover - a torch that stopped vendoring it; pyt
 EXPECTATIONS_DIR = Path(__file__).parents[1] / "expectations"  # conformance/expectations/
 NO_EXPECTATIONS_ALLOWED = frozenset({"reference"})
 DEVICES = ("cpu", "cuda")
-_KEYS = {"scenario", "failure", "reason", "link", "when"}
+_KEYS = {"scenario", "failure", "reason", "link", "when", "also"}
 _WHEN_KEYS = {"device", "torch", "world_size"}
 _COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
@@ -119,6 +130,13 @@ class ExpectedFailure:
     reason: str
     link: str | None = None
     when: Condition = field(default_factory=Condition)
+    also: tuple[str, ...] = ()
+    """Texts of later checks the same defect fails (the scenario goes on past ``failure``)."""
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """Every text the entry expects: what the ranks' checks may go on past."""
+        return (self.failure, *self.also)
 
     @property
     def file(self) -> str:
@@ -272,12 +290,17 @@ def load_file(backend: str, path: Path) -> Expectations:
         if unknown or missing:
             raise ExpectationsError(
                 f"{where}: missing {sorted(missing)}, unknown {sorted(unknown)}; an entry has "
-                "scenario, failure (text seen in the failure), reason, optional link and when"
+                "scenario, failure (text seen in the failure), reason, optional link, when and also"
             )
-        text_fields = {k: v for k, v in raw.items() if k != "when"}
+        text_fields = {k: v for k, v in raw.items() if k not in ("when", "also")}
         if not all(isinstance(v, str) and v.strip() for v in text_fields.values()):
-            raise ExpectationsError(f"{where}: every field but 'when' must be a non-empty string")
-        entry = ExpectedFailure(**text_fields, when=_condition(raw.get("when"), where))
+            raise ExpectationsError(f"{where}: every field but 'when' and 'also' must be a non-empty string")
+        also = raw.get("also", [])
+        if not isinstance(also, list) or not all(isinstance(text, str) and text.strip() for text in also):
+            raise ExpectationsError(
+                f"{where}: 'also' must be a list of non-empty texts (later checks the same defect fails), not {also!r}"
+            )
+        entry = ExpectedFailure(**text_fields, when=_condition(raw.get("when"), where), also=tuple(also))
         if (entry.scenario, entry.when) in seen:
             raise ExpectationsError(
                 f"{where}: scenario {entry.scenario!r} is listed twice"
@@ -403,17 +426,41 @@ def judge(
                 f"({entry.reason}); remove the entry from the backend's expectations file"
             ),
         )
+    if DEFECT_BEHIND_KNOWN_FAILURE in failure_text:
+        return Judgement(
+            "failed",
+            message=(
+                f"{entry.describe()} is an expected failure ({entry.reason}), and the scenario went on "
+                f"past it and failed again in a way the entry does not name: {DEFECT_BEHIND_KNOWN_FAILURE} "
+                "(below). Fix that defect; if it is the known defect's consequence, add its text to the "
+                "entry's 'also'"
+            ),
+        )
     stderr = ranks_stderr or {}
-    if entry.failure in failure_text or any(entry.failure in text for text in stderr.values()):
-        return Judgement("skipped", xfail_reason=f"expected-fail: {entry.reason}")
     searched = "the failure" + (f" nor in the stderr of ranks {sorted(stderr)}" if stderr else "")
-    return Judgement(
-        "failed",
-        message=(
-            f"{entry.describe()} is an expected failure ({entry.reason}) but failed "
-            f"differently: the recorded text {entry.failure!r} is not in {searched}"
-        ),
-    )
+    if not _seen(entry.failure, failure_text, stderr):
+        return Judgement(
+            "failed",
+            message=(
+                f"{entry.describe()} is an expected failure ({entry.reason}) but failed "
+                f"differently: the recorded text {entry.failure!r} is not in {searched}"
+            ),
+        )
+    unseen = [text for text in entry.also if not _seen(text, failure_text, stderr)]
+    if unseen:
+        return Judgement(
+            "failed",
+            message=(
+                f"{entry.describe()} failed as expected ({entry.reason}), but its later checks did not "
+                f"fail as the entry's 'also' says: {unseen} not in {searched}; remove them from 'also' "
+                "(an entry names what is known, and no more)"
+            ),
+        )
+    return Judgement("skipped", xfail_reason=f"expected-fail: {entry.reason}")
+
+
+def _seen(text: str, failure_text: str, stderr: Mapping[int, str]) -> bool:
+    return text in failure_text or any(text in rank_text for rank_text in stderr.values())
 
 
 def ambiguous(entries: list[ExpectedFailure]) -> Judgement:

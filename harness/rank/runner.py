@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from harness.message_text import clip, describe_exception
 from harness.messages import RankOutcome, Status, TestTask
-from harness.rank import faults, group_reuse, rank_fixtures, replicas, tracing
+from harness.rank import faults, group_reuse, known_checks, rank_fixtures, replicas, tracing
 from harness.rank.isolation import TestIsolation, seed_everything, sync_state
 from harness.rank.labels import load_label_providers
 
@@ -156,9 +156,18 @@ class TestRunner:
                     options=task.options,
                 )
                 kwargs = dict(task.call_kwargs)
+                # Inside the fixtures' bracket: a rank fixture's teardown (the suite's vacuity
+                # watch) sees the test as failed when a known check failed.
+                known_checks.begin_test(task.known_failures)
+                teardown.callback(known_checks.end_test)
                 try:
                     kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
-                    test(**kwargs)
+                    try:
+                        test(**kwargs)
+                    except BaseException as body_error:
+                        known_checks.finish_body(body_error)
+                        raise
+                    known_checks.finish_body(None)
                 except BaseException as error:
                     raised_at = time.time()  # the moment it failed, before any teardown takes time
                     # Noted before the fixtures' teardown runs: a teardown that aborts the process

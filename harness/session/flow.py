@@ -285,6 +285,7 @@ class HarnessSession:
             sys_path=list(sys.path),
             check_replicas=check_replicas(item),
             reuse_groups=reuse_groups(item),
+            known_failures=known_failures(item),
         )
 
     def _report(self, item: pytest.Function, execution: Execution, verdict: Verdict, reproduction: str) -> None:
@@ -367,6 +368,13 @@ def reuse_groups(item: pytest.Item) -> bool:
     if item.get_closest_marker("fresh_groups") is not None:
         return False
     return not getattr(item.config.option, "fresh_groups", False)
+
+
+def known_failures(item: pytest.Item) -> tuple[str, ...]:
+    """The failure texts the plugins expect of `item` (`pytest_harness_known_failures`), each
+    once, in call order: what the ranks' checks (`harness.check`) may go on past."""
+    texts = [text for found in item.config.hook.pytest_harness_known_failures(item=item) for text in found]
+    return tuple(dict.fromkeys(text for text in texts if isinstance(text, str) and text))
 
 
 def _skipped(report: pytest.TestReport) -> tuple[Status, str]:
