@@ -58,17 +58,6 @@ class _Ledger:
 _ledger: _Ledger | None = None
 
 
-def begin_test(known: tuple[str, ...]) -> None:
-    """The known failure texts of the test about to run on this rank (none: `check` is inert)."""
-    global _ledger
-    _ledger = _Ledger(tuple(text for text in known if text)) if known else None
-
-
-def end_test() -> None:
-    global _ledger
-    _ledger = None
-
-
 def finish_body(error: BaseException | None) -> None:
     """Called when the body is over (``error``: what it raised, None when it returned). Raises
     what the rank's outcome must be when known failures were recorded; else returns (the body's
@@ -77,21 +66,20 @@ def finish_body(error: BaseException | None) -> None:
     if ledger is None or not ledger.seen:
         return
     if error is None:
-        raise KnownFailuresSeen(
-            f"{len(ledger.seen)} check(s) failed as the expectations say, and the test went on past each:\n"
-            + ledger.summary()
-        )
-    if isinstance(error, (KnownFailuresSeen, DefectBehindKnownFailure)):
-        return
+        raise KnownFailuresSeen(_seen(ledger))
+    if isinstance(error, (KnownFailuresSeen, DefectBehindKnownFailure)) or not isinstance(error, Exception):
+        return  # already judged, or an interrupt or a skip: as it is
     text = f"{type(error).__name__}: {error}"
-    if not isinstance(error, Exception):
-        return  # an interrupt, a skip: as it is
     if ledger.matching(text) is not None:  # a known library failure after the known checks
-        raise KnownFailuresSeen(
-            f"{len(ledger.seen)} check(s) failed as the expectations say, and the test went on past each:\n"
-            f"{ledger.summary()}\nthen, as expected, it stopped at: {text}"
-        ) from error
+        raise KnownFailuresSeen(f"{_seen(ledger)}\nthen, as expected, it stopped at: {text}") from error
     raise DefectBehindKnownFailure(_behind(ledger, "after the checks", text)) from error
+
+
+def _seen(ledger: _Ledger) -> str:
+    return (
+        f"{len(ledger.seen)} check(s) failed as the expectations say, and the test went on past each:\n"
+        + ledger.summary()
+    )
 
 
 def _behind(ledger: _Ledger, where: str, text: str) -> str:
@@ -131,9 +119,11 @@ class check(contextlib.ContextDecorator):
 
 @contextlib.contextmanager
 def known_failures(known: tuple[str, ...]) -> Iterator[None]:
-    """`begin_test` / `end_test` around a block (in-process tests of the ledger)."""
-    begin_test(known)
+    """The known failure texts of the test that runs in the block on this rank (none: `check`
+    is inert); the runner enters it around a test's fixtures and body."""
+    global _ledger
+    _ledger = _Ledger(known) if known else None
     try:
         yield
     finally:
-        end_test()
+        _ledger = None

@@ -158,8 +158,7 @@ class TestRunner:
                 kwargs = dict(task.call_kwargs)
                 # Inside the fixtures' bracket: a rank fixture's teardown (the suite's vacuity
                 # watch) sees the test as failed when a known check failed.
-                known_checks.begin_test(task.known_failures)
-                teardown.callback(known_checks.end_test)
+                teardown.enter_context(known_checks.known_failures(task.known_failures))
                 try:
                     kwargs.update(rank_fixtures.resolve(task.rank_fixture_names, ctx, teardown))
                     try:
